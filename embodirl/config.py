@@ -1,0 +1,259 @@
+"""Composing and checking the configuration before anything starts.
+
+:func:`compose` builds the config from ``config/`` with Hydra overrides (the same tree the CLI
+uses); :func:`validate` checks the cross-field rules on a composed config and raises
+:class:`~embodirl.errors.ConfigError` with one sentence naming the key and the fix. Nothing here
+creates files or starts workers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from embodirl.errors import AssetsMissing, ConfigError
+from embodirl.paths import config_dir
+
+GROUPS = ("env", "model", "algorithm")
+ADV_TYPES = ("gae", "grpo", "rloo", "reinforce_plus_plus", "remax")
+GROUPED_ADV_TYPES = ("grpo", "rloo")  # need several trajectories from one init state
+CRITIC_ADV_TYPES = ("gae",)
+REWARD_TYPES = ("chunk_level", "action_level")
+LOGPROB_TYPES = ("token", "action", "chunk")
+LOSS_AGG_FUNCS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+ROLLOUT_BACKENDS = ("huggingface", "vllm")
+RESUME_MODES = ("auto", "disable")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def available_options(group: str, root: Path | None = None) -> list[str]:
+    """Option names of a config group (files starting with ``_`` are shared bases, not options)."""
+    folder = (root or config_dir()) / group
+    return sorted(p.stem for p in folder.glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def check_group_overrides(overrides: Sequence[str], root: Path | None = None) -> None:
+    """Reject ``env=nope`` style choices (also inside sweeps ``env=a,b``) listing the available options."""
+    for override in overrides:
+        match = re.match(r"^(?:\+|\+\+|~)?(env|model|algorithm)(@[\w.]+)?=(.*)$", override.strip())
+        if not match:
+            continue
+        group, value = match.group(1), match.group(3)
+        value = re.sub(r"^(choice|glob)\((.*)\)$", r"\2", value)
+        options = available_options(group, root)
+        for choice in (v.strip().strip("'\"") for v in value.split(",")):
+            if choice and "*" not in choice and choice not in options:
+                raise ConfigError(group, f"unknown {group} '{choice}'; available: {', '.join(options)}")
+
+
+def compose(overrides: Sequence[str] = (), *, config_path: Path | None = None, with_hydra: bool = False) -> DictConfig:
+    """Compose ``config.yaml`` with ``overrides`` (Hydra syntax) and return it resolved-able.
+
+    Hydra errors (unknown keys, bad syntax) become a one-sentence :class:`ConfigError`.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    root = Path(config_path) if config_path else config_dir()
+    check_group_overrides(overrides, root)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(root), version_base=None):
+            cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError("", _one_sentence(exc)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    # Resolve the ${hydra:...} interpolations now, while the Hydra config is at hand.
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(cfg)
+    if not with_hydra:
+        cfg = _without_hydra(cfg)
+    return cfg
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container.pop("hydra", None)
+    out = OmegaConf.create(container)
+    OmegaConf.set_struct(out, True)
+    return out
+
+
+def _one_sentence(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return text.split(" full_key:")[0].rstrip(".") + "."
+
+
+def _fail(key: str, message: str):
+    raise ConfigError(key, message)
+
+
+def _choice(cfg: DictConfig, key: str, choices: Sequence[str]) -> str:
+    value = OmegaConf.select(cfg, key)
+    if value not in choices:
+        _fail(key, f"'{value}' is not one of {', '.join(map(str, choices))}")
+    return value
+
+
+def _positive(cfg: DictConfig, key: str, *, allow_zero: bool = False, integer: bool = True) -> float:
+    value = OmegaConf.select(cfg, key)
+    ok = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        kind = "integer" if integer else "number"
+        _fail(key, f"must be a {'non-negative' if allow_zero else 'positive'} {kind}, got {value!r}")
+    return value
+
+
+def decisions_per_episode(cfg: DictConfig, env_key: str = "env.train") -> int:
+    """T: decisions per rollout (``rollout.max_decisions`` or ceil(max_episode_steps / H))."""
+    H = int(cfg.model.action_chunk)
+    steps = int(OmegaConf.select(cfg, f"{env_key}.max_episode_steps"))
+    explicit = cfg.rollout.get("max_decisions")
+    return int(explicit) if explicit else math.ceil(steps / H)
+
+
+def data_parallel_size(cfg: DictConfig, placement=None) -> int:
+    """Learner ranks: accelerators given to the actor, or ``actor.cpu_world_size`` on CPU."""
+    if placement is not None and placement.accelerator == "gpu":
+        return len(placement.devices["actor"])
+    return int(cfg.actor.get("cpu_world_size", 1) or 1)
+
+
+def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | None = None,
+             accelerator: str | None = None) -> None:
+    """Check every cross-field rule; raise :class:`ConfigError` on the first violation.
+
+    ``check_envs`` also runs the simulator adapters' and policy's own checks (task ids, assets, model
+    path), which may import the simulator packages.
+    """
+    from embodirl.placement import detect_devices, parse_placement
+
+    alg, actor, rollout = cfg.algorithm, cfg.actor, cfg.rollout
+    # --- single values -----------------------------------------------------------------------------
+    adv_type = _choice(cfg, "algorithm.adv_type", ADV_TYPES)
+    _choice(cfg, "algorithm.reward_type", REWARD_TYPES)
+    _choice(cfg, "algorithm.logprob_type", LOGPROB_TYPES)
+    _choice(cfg, "algorithm.loss_agg_func", LOSS_AGG_FUNCS)
+    _choice(cfg, "algorithm.kl_penalty", KL_PENALTIES)
+    _choice(cfg, "algorithm.kl_ctrl.type", KL_CTRL_TYPES)
+    _choice(cfg, "rollout.backend", ROLLOUT_BACKENDS)
+    _choice(cfg, "runner.resume_mode", RESUME_MODES)
+    for key in ("algorithm.gamma", "algorithm.gae_lambda"):
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            _fail(key, f"must be in [0, 1], got {value!r}")
+    for key in ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"):
+        _positive(cfg, key, integer=False)
+    if alg.clip_ratio_c is not None and alg.clip_ratio_c <= 1.0:
+        _fail("algorithm.clip_ratio_c", f"the dual-clip constant must be greater than 1 (or null), got {alg.clip_ratio_c}")
+    for key in ("actor.optim.lr", "actor.optim.value_lr"):
+        _positive(cfg, key, integer=False)
+    for key in ("env.train.num_envs", "env.eval.num_envs", "env.train.max_episode_steps",
+                "env.eval.max_episode_steps", "actor.micro_batch_size", "actor.global_batch_size",
+                "rollout.pipeline_stage_num", "rollout.rollout_epoch", "rollout.num_workers",
+                "env_workers.num_workers", "algorithm.group_size", "algorithm.update_epochs",
+                "model.action_chunk", "cluster.num_nodes"):
+        _positive(cfg, key)
+    if rollout.temperature is not None and rollout.temperature < 0:
+        _fail("rollout.temperature", f"must be non-negative, got {rollout.temperature}")
+    if rollout.top_p is not None and not 0.0 < rollout.top_p <= 1.0:
+        _fail("rollout.top_p", f"must be in (0, 1], got {rollout.top_p}")
+    if rollout.top_k is not None and rollout.top_k < 1:
+        _fail("rollout.top_k", f"must be at least 1 (or null), got {rollout.top_k}")
+    if rollout.backend == "vllm":
+        _fail("rollout.backend", "the vllm backend is not available in this version; use rollout.backend=huggingface")
+
+    # --- placement and data-parallel size --------------------------------------------------------------
+    if num_devices is None:
+        num_devices, accelerator = detect_devices(int(cfg.cluster.num_nodes), cfg.cluster.num_gpus_per_node)
+    spec = cfg.cluster.component_placement
+    spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
+    placement = parse_placement(spec, num_devices, accelerator or "cpu")
+    dp = data_parallel_size(cfg, placement)
+
+    # --- batch arithmetic -------------------------------------------------------------------------------
+    micro, global_bs = int(actor.micro_batch_size), int(actor.global_batch_size)
+    if global_bs % (micro * dp):
+        _fail("actor.global_batch_size", f"{global_bs} is not divisible by actor.micro_batch_size x data-parallel "
+                                         f"size = {micro} x {dp} = {micro * dp}; make it a multiple of {micro * dp}")
+    num_envs = int(cfg.env.train.num_envs)
+    rollout_batch = num_envs * int(rollout.rollout_epoch)
+    G = int(alg.group_size)
+    if num_envs % G:
+        _fail("algorithm.group_size", f"env.train.num_envs = {num_envs} is not divisible by algorithm.group_size = {G}; "
+                                      f"use a multiple of {G} envs")
+    if not cfg.runner.only_eval and rollout_batch % global_bs:
+        _fail("actor.global_batch_size", f"the rollout batch env.train.num_envs x rollout.rollout_epoch = {rollout_batch} "
+                                         f"trajectories is not divisible by actor.global_batch_size = {global_bs}")
+    if adv_type in GROUPED_ADV_TYPES:
+        if G < 2:
+            _fail("algorithm.group_size", f"adv_type={adv_type} compares trajectories within a group: set group_size >= 2")
+        if not cfg.env.train.get("use_fixed_reset_state_ids", False):
+            _fail("env.train.use_fixed_reset_state_ids", f"adv_type={adv_type} needs groups that share an init state: "
+                                                          "set env.train.use_fixed_reset_state_ids=true")
+    stages, workers = int(rollout.pipeline_stage_num), int(cfg.env_workers.num_workers)
+    if num_envs % (stages * workers):
+        _fail("env.train.num_envs", f"{num_envs} envs cannot be split over env_workers.num_workers x "
+                                    f"rollout.pipeline_stage_num = {workers} x {stages}; use a multiple of {workers * stages}")
+    if (num_envs // (stages * workers)) % G and G > 1:
+        _fail("algorithm.group_size", f"each pipeline stage holds {num_envs // (stages * workers)} envs, which does not "
+                                      f"hold whole groups of {G}; change env.train.num_envs or the stage/worker counts")
+
+    # --- episode length vs chunk ------------------------------------------------------------------------
+    H = int(cfg.model.action_chunk)
+    for env_key in ("env.train", "env.eval"):
+        steps = int(OmegaConf.select(cfg, f"{env_key}.max_episode_steps"))
+        if H > steps:
+            _fail("model.action_chunk", f"the chunk of {H} actions is longer than {env_key}.max_episode_steps = {steps}")
+    explicit = rollout.get("max_decisions")
+    if explicit is not None:
+        _positive(cfg, "rollout.max_decisions")
+        steps = int(cfg.env.train.max_episode_steps)
+        if (int(explicit) - 1) * H >= steps:
+            _fail("rollout.max_decisions", f"{explicit} decisions x {H} actions exceed env.train.max_episode_steps = {steps}; "
+                                           f"at most {math.ceil(steps / H)} decisions fit")
+    if alg.reward_type != cfg.env.train.get("reward_type", alg.reward_type):
+        _fail("env.train.reward_type", f"'{cfg.env.train.reward_type}' differs from algorithm.reward_type "
+                                       f"'{alg.reward_type}'; set both to the same value")
+    value_type = cfg.model.get("value_type")
+    if adv_type in CRITIC_ADV_TYPES and value_type is None:
+        _fail("model.value_type", f"adv_type={adv_type} needs a value head: set model.value_type to chunk_level or "
+                                  "action_level")
+    if alg.reward_type == "action_level" and value_type == "chunk_level" and adv_type in CRITIC_ADV_TYPES:
+        _fail("model.value_type", "action_level rewards with GAE need action_level values; set model.value_type=action_level")
+
+    # --- model path ---------------------------------------------------------------------------------
+    path = cfg.model.get("path")
+    if path:
+        local = Path(str(path)).expanduser()
+        if not local.exists() and (str(path).startswith((".", "/", "~")) or not _HUB_ID.match(str(path))):
+            _fail("model.path", f"'{path}' does not exist; give a checkpoint directory or a hub id like org/name")
+
+    if check_envs:
+        from embodirl.envs.registry import check_env_config
+        from embodirl.models.registry import get_policy_builder
+
+        for env_key in ("env.train", "env.eval"):
+            try:
+                check_env_config(OmegaConf.select(cfg, env_key), env_key)
+            except ConfigError as exc:
+                if not exc.key.startswith("env."):
+                    raise ConfigError(f"{env_key}.{exc.key}" if exc.key else env_key, str(exc).split(": ", 1)[-1]) from None
+                raise
+            except AssetsMissing:
+                raise
+        builder = get_policy_builder(cfg.model.name)
+        check = getattr(builder, "check_config", None)
+        if check is not None:
+            check(OmegaConf.to_container(cfg.model, resolve=True))

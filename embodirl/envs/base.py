@@ -1,0 +1,126 @@
+"""The environment interface every simulator adapter implements.
+
+Two levels, so that each simulator can live in its own process (MuJoCo and PhysX-CPU are
+single-threaded) while GPU-batched simulators implement the batch directly:
+
+* :class:`SimEnv` - one simulator instance. It knows how to reset to a task / init state and how to
+  execute one action chunk ``[H, A]`` of low-level steps, rendering cameras only where asked.
+* :class:`ChunkVectorEnv` - a batch of ``B`` environments stepped one action chunk ``[B, H, A]`` at
+  a time; this is what env workers drive. :class:`embodirl.envs.vector.ProcessVectorEnv` lifts
+  ``SimEnv`` factories into it (one process per simulator, fault recovery); a GPU-batched ManiSkill
+  backend implements it directly.
+
+Batched observations are a dict of numpy arrays::
+
+    images       uint8   [B, V, C, h, w]   camera images at the chunk's end (absent for state-only envs)
+    state        float32 [B, S]            proprio / full state (absent when the env has none)
+    task_id      int64   [B]               index into ``spec.task_descriptions``
+
+Conventions follow gymnasium's vector envs where they fit: ``reset`` returns ``(obs, info)``,
+``step`` returns ``(obs, reward, terminated, truncated, info)``; ``terminated`` (success or failure)
+and ``truncated`` (time limit) are kept apart. With ``auto_reset`` an env whose episode ended is reset
+inside the same ``step`` call (gymnasium's "same-step" mode): the returned observation is the new
+episode's first one and the final observation is in ``info["final_obs"]``. With
+``ignore_terminations`` an episode runs to its time limit whatever the simulator's done flag says,
+and ``info["success"]`` is "succeeded at some step of this episode so far".
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class EnvSpec:
+    """Static description of an environment (identical for every sub-environment)."""
+
+    action_dim: int                       # A: low-level action dim the simulator consumes
+    max_episode_steps: int                # low-level steps before truncation
+    task_descriptions: list[str]          # the task/instruction table; obs["task_id"] indexes it
+    camera_names: list[str] = field(default_factory=list)   # V cameras, in image order
+    image_size: tuple[int, int] | None = None                # (h, w) of every camera image
+    state_dim: int = 0                    # S; 0 when the env has no state vector
+    num_init_states: list[int] = field(default_factory=list)  # per task; empty when states are random
+    action_low: float | list[float] = -1.0
+    action_high: float | list[float] = 1.0
+    name: str = ""
+
+
+@dataclass
+class ChunkResult:
+    """What :meth:`SimEnv.step_chunk` returns for one simulator.
+
+    ``rewards`` has one entry per executed step (``steps`` <= H; the chunk stops early when the episode
+    ends). ``frames`` holds ``[steps, V, C, h, w]`` images only when ``render_all`` was asked.
+    """
+
+    obs: dict[str, np.ndarray]            # un-batched: images [V,C,h,w], state [S], task_id ()
+    rewards: np.ndarray                   # float32 [steps]
+    terminated: bool
+    truncated: bool
+    success: bool
+    steps: int
+    frames: np.ndarray | None = None
+    info: dict = field(default_factory=dict)
+
+
+class SimEnv(abc.ABC):
+    """One simulator instance (lives in one process)."""
+
+    spec: EnvSpec
+    #: the init state the last ``reset`` used; adapters with fixed init states set it when they choose
+    #: one themselves (``init_state_id=None``), so that a crashed simulator is restarted into the same
+    #: state. None: random / unknown.
+    init_state_id: int | None = None
+
+    @abc.abstractmethod
+    def reset(self, task_id: int | None = None, init_state_id: int | None = None,
+              seed: int | None = None) -> dict[str, np.ndarray]:
+        """Start an episode of ``task_id`` from ``init_state_id`` (None: the adapter's choice) and
+        return the un-batched observation."""
+
+    @abc.abstractmethod
+    def step_chunk(self, actions: np.ndarray, render_all: bool = False) -> ChunkResult:
+        """Execute ``actions`` ``[H, A]`` (un-normalised, in the policy's convention; the adapter
+        applies the simulator's own conventions). Cameras render only after the last executed step
+        unless ``render_all``."""
+
+    def render_frame(self) -> np.ndarray | None:
+        """An RGB frame ``[h, w, 3]`` uint8 for video of the current state (None if no camera)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class ChunkVectorEnv(abc.ABC):
+    """A batch of B environments stepped one action chunk at a time (see module docstring)."""
+
+    spec: EnvSpec
+    num_envs: int
+
+    @abc.abstractmethod
+    def reset(self, *, env_ids: np.ndarray | None = None, task_ids: np.ndarray | None = None,
+              init_state_ids: np.ndarray | None = None, seed: int | None = None
+              ) -> tuple[dict[str, np.ndarray], dict]:
+        """Reset all (or ``env_ids``) envs; returns the full batched observation and info."""
+
+    @abc.abstractmethod
+    def step(self, actions: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray, dict]:
+        """Step chunks ``[B, H, A]``. Returns ``obs``, ``reward`` (float32 ``[B]`` chunk-level: the sum
+        of the executed steps' rewards times ``reward_coef``; ``[B, H]`` action-level, zero-padded),
+        ``terminated`` bool ``[B]``, ``truncated`` bool ``[B]``, and ``info`` with at least
+        ``success`` bool ``[B]``, ``restarted`` bool ``[B]`` (a crashed simulator was replaced: the
+        episode is invalid), ``episode_return``/``episode_length`` for envs whose episode ended."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,70 @@
+"""Simulator adapters by name, imported lazily (LIBERO is imported only when a LIBERO env is chosen).
+
+An env config (one YAML under ``config/env/``) names its adapter with ``adapter: <name>``. An adapter
+is a class registered with :func:`register_adapter` that provides
+
+* ``check_config(cfg) -> None`` - cheap checks run before any worker starts (unknown task ids,
+  suites, cameras, missing assets); raises :class:`embodirl.errors.ConfigError` /
+  :class:`embodirl.errors.AssetsMissing` with one sentence;
+* ``make(cfg, *, num_envs, seed, env_offset=0) -> ChunkVectorEnv`` - builds the batch of simulators.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from embodirl.errors import ConfigError
+
+# adapter name -> module that registers it on import
+_ADAPTER_MODULES = {
+    "libero": "embodirl.envs.libero",
+    "maniskill": "embodirl.envs.maniskill",
+    "toy": "embodirl.envs.toy",
+}
+_ADAPTERS: dict[str, Any] = {}
+
+
+def register_adapter(name: str):
+    def wrap(cls):
+        _ADAPTERS[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_adapters() -> list[str]:
+    return sorted(set(_ADAPTER_MODULES) | set(_ADAPTERS))
+
+
+def get_adapter(name: str, key: str = "env.adapter"):
+    if name not in _ADAPTERS:
+        module = _ADAPTER_MODULES.get(name)
+        if module is None:
+            raise ConfigError(key, f"unknown simulator adapter '{name}'; available: {', '.join(available_adapters())}")
+        importlib.import_module(module)
+    return _ADAPTERS[name]
+
+
+def _plain(cfg: Mapping) -> dict:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(cfg)
+
+
+def check_env_config(cfg: Mapping, key: str = "env") -> None:
+    adapter = get_adapter(cfg.get("adapter"), f"{key}.adapter")
+    adapter.check_config(_plain(cfg))
+
+
+def make_env(cfg: Mapping, *, num_envs: int | None = None, seed: int = 0, env_offset: int = 0):
+    """Build the :class:`~embodirl.envs.base.ChunkVectorEnv` an env config describes."""
+    plain = _plain(cfg)
+    adapter = get_adapter(plain.get("adapter"))
+    return adapter.make(plain, num_envs=num_envs or plain["num_envs"], seed=seed, env_offset=env_offset)

@@ -1,0 +1,93 @@
+"""The policy interface shared by the rollout worker (``act``) and the learner (``evaluate``).
+
+A policy maps a batched observation to an action chunk ``[B, H, A]`` and returns the quantities RL
+needs: the sampled "policy-space" actions from which log-probs are recomputed (``action_tokens`` for
+token policies such as OpenVLA-OFT, ``action_sample`` for Gaussian policies), their per-dimension
+behaviour log-probs ``[B, L]`` and, when the policy has a value head, values ``[B]`` (chunk level) or
+``[B, H]`` (action level).
+
+Observation dict (tensors or numpy arrays)::
+
+    images       uint8   [B, V, C, h, w]   (pixel policies)
+    state        float32 [B, S]            (proprio / state policies)
+    task_id      int64   [B]
+    instruction  list[str] of length B     (language-conditioned policies)
+
+Policies never hold action queues: chunk execution belongs to the env side.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from embodirl import data as D
+
+
+@dataclass
+class SamplingParams:
+    """How :meth:`Policy.act` chooses actions. ``greedy`` ignores the rest (evaluation)."""
+
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+
+class Policy(nn.Module, abc.ABC):
+    """Base class of every embodirl policy (see module docstring)."""
+
+    #: H, A and L = tokens (or Gaussian dims) per decision
+    action_chunk: int
+    action_dim: int
+    #: which trajectory field holds the sampled policy-space actions
+    action_field: str = D.ACTION_TOKENS
+    #: "chunk_level" ([B] values) or "action_level" ([B, H]); None when the policy has no value head
+    value_type: str | None = None
+
+    @property
+    def tokens_per_decision(self) -> int:
+        return self.action_chunk * self.action_dim
+
+    @abc.abstractmethod
+    def act(self, obs: dict, sampling: SamplingParams, *, return_value: bool = False) -> dict[str, torch.Tensor]:
+        """Choose actions for a batch. Returns ``action_chunk`` float32 ``[B, H, A]`` (un-normalised,
+        ready for the env), ``self.action_field`` ``[B, L]``, ``logprob_behavior`` float32 ``[B, L]``
+        and, with ``return_value``, ``value``. Runs without autograd."""
+
+    @abc.abstractmethod
+    def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
+                 return_value: bool = True, return_entropy: bool = True) -> dict[str, torch.Tensor]:
+        """Recompute with autograd for given policy-space ``actions`` ``[B, L]``: ``logprob`` float32
+        ``[B, L]``, ``entropy`` ``[B, L]``, and ``value`` when asked."""
+
+    # --- weights that change during RL ---------------------------------------------------------
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors the learner changes (LoRA adapter, value head, ...), detached on CPU; this is
+        what weight sync publishes to rollout workers."""
+        return {name: p.detach().cpu().clone() for name, p in self.named_parameters() if p.requires_grad}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load tensors produced by :meth:`trainable_state_dict` (strict on names and shapes)."""
+        params = dict(self.named_parameters())
+        unknown = sorted(set(state) - set(params))
+        if unknown:
+            raise KeyError(f"weight update names unknown parameters: {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                target = params[name]
+                if target.shape != tensor.shape:
+                    raise ValueError(f"weight update for '{name}' has shape {tuple(tensor.shape)}, "
+                                     f"the model's is {tuple(target.shape)}")
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    @contextlib.contextmanager
+    def reference_mode(self):
+        """Context in which the policy acts as the KL reference (LoRA adapters disabled). Policies
+        without adapters have no separate reference and raise."""
+        raise NotImplementedError(f"{type(self).__name__} has no reference policy (it has no adapter)")
+        yield  # pragma: no cover

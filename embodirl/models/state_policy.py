@@ -1,0 +1,142 @@
+"""Gaussian MLP actor-critic over the state vector, for state-observation tasks.
+
+The actor maps ``state [B, S]`` to the mean of H*A independent Gaussians (one action chunk); a
+state-independent learned log-std is shared across the batch. Sampled "policy-space" actions
+(``action_sample [B, L]``, L = H*A) are what log-probs refer to; the env receives them clipped to the
+action bounds (``action_chunk [B, H, A]``), as CleanRL's continuous PPO does. The critic is a separate
+MLP giving one value per chunk (``chunk_level``) or one per action (``action_level``, ``[B, H]``).
+
+``SamplingParams.temperature`` scales the standard deviation; ``greedy`` returns the mean.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from embodirl import data as D
+from embodirl.errors import ConfigError
+from embodirl.models.base import Policy, SamplingParams
+from embodirl.models.registry import register_policy
+
+_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
+_LOG_2PI = math.log(2.0 * math.pi)
+VALUE_TYPES = ("chunk_level", "action_level")
+
+
+def _mlp(sizes: list[int], activation: str, out_gain: float) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        linear = nn.Linear(sizes[i], sizes[i + 1])
+        last = i == len(sizes) - 2
+        # orthogonal init as in the PPO implementation details (Huang et al., 2022): sqrt(2) for hidden
+        # layers, a small gain for the policy output so initial actions are near zero.
+        nn.init.orthogonal_(linear.weight, out_gain if last else math.sqrt(2.0))
+        nn.init.zeros_(linear.bias)
+        layers.append(linear)
+        if not last:
+            layers.append(_ACTIVATIONS[activation]())
+    return nn.Sequential(*layers)
+
+
+class StateMLPPolicy(Policy):
+    """Gaussian actor + value critic; see module docstring."""
+
+    action_field = D.ACTION_SAMPLE
+
+    def __init__(self, state_dim: int, action_dim: int, action_chunk: int, *,
+                 hidden_sizes=(256, 256), critic_hidden_sizes=(256, 256), activation: str = "tanh",
+                 init_log_std: float = -0.5, value_type: str = "chunk_level",
+                 action_low: float | list[float] = -1.0, action_high: float | list[float] = 1.0):
+        super().__init__()
+        self.state_dim, self.action_dim, self.action_chunk = state_dim, action_dim, action_chunk
+        self.value_type = value_type
+        L = action_chunk * action_dim
+        self.actor = _mlp([state_dim, *hidden_sizes, L], activation, out_gain=0.01)
+        self.log_std = nn.Parameter(torch.full((L,), float(init_log_std)))
+        n_values = 1 if value_type == "chunk_level" else action_chunk
+        self.critic = _mlp([state_dim, *critic_hidden_sizes, n_values], activation, out_gain=1.0)
+        low = torch.as_tensor(action_low, dtype=torch.float32).expand(action_dim)
+        high = torch.as_tensor(action_high, dtype=torch.float32).expand(action_dim)
+        self.register_buffer("action_low", low.clone(), persistent=False)
+        self.register_buffer("action_high", high.clone(), persistent=False)
+
+    def _state(self, obs: dict) -> torch.Tensor:
+        state = torch.as_tensor(obs[D.STATE], dtype=torch.float32, device=self.log_std.device)
+        return state  # (B, S)
+
+    def _value(self, state: torch.Tensor) -> torch.Tensor:
+        v = self.critic(state)  # (B, 1) or (B, H)
+        return v.squeeze(-1) if self.value_type == "chunk_level" else v
+
+    def _dist(self, state: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = self.actor(state)  # (B, L)
+        log_std = self.log_std.expand_as(mean) + math.log(max(temperature, 1e-6))
+        return mean, log_std
+
+    @staticmethod
+    def _log_prob(x: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
+        return -0.5 * ((x - mean) / log_std.exp()) ** 2 - log_std - 0.5 * _LOG_2PI  # (B, L)
+
+    @torch.no_grad()
+    def act(self, obs: dict, sampling: SamplingParams, *, return_value: bool = False) -> dict[str, torch.Tensor]:
+        state = self._state(obs)
+        B = state.shape[0]
+        mean, log_std = self._dist(state, 1.0 if sampling.greedy else sampling.temperature)
+        sample = mean if sampling.greedy else mean + log_std.exp() * torch.randn_like(mean)  # (B, L)
+        chunk = sample.view(B, self.action_chunk, self.action_dim)
+        chunk = torch.maximum(torch.minimum(chunk, self.action_high), self.action_low)  # (B, H, A)
+        out = {
+            D.ACTION_CHUNK: chunk.float().cpu(),
+            D.ACTION_SAMPLE: sample.float().cpu(),
+            D.LOGPROB_BEHAVIOR: self._log_prob(sample, mean, log_std).float().cpu(),
+        }
+        if return_value:
+            out[D.VALUE] = self._value(state).float().cpu()
+        return out
+
+    def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
+                 return_value: bool = True, return_entropy: bool = True) -> dict[str, torch.Tensor]:
+        state = self._state(obs)
+        mean, log_std = self._dist(state, temperature)
+        actions = actions.to(mean.device, mean.dtype)
+        out = {"logprob": self._log_prob(actions, mean, log_std)}  # (B, L)
+        if return_entropy:
+            out["entropy"] = (0.5 + 0.5 * _LOG_2PI + log_std).expand_as(mean)  # (B, L)
+        if return_value:
+            out[D.VALUE] = self._value(state)
+        return out
+
+
+@register_policy("state_mlp")
+def build_state_policy(cfg: dict, env_spec) -> StateMLPPolicy:
+    if env_spec.state_dim <= 0:
+        raise ConfigError("model.name", f"state_mlp needs a state observation but env '{env_spec.name}' has none; "
+                                        "use obs_mode=state or a pixel policy such as openvla_oft_tiny")
+    value_type = cfg.get("value_type", "chunk_level")
+    if value_type not in VALUE_TYPES:
+        raise ConfigError("model.value_type", f"'{value_type}' is not one of {', '.join(VALUE_TYPES)}")
+    policy = StateMLPPolicy(
+        env_spec.state_dim, env_spec.action_dim, int(cfg["action_chunk"]),
+        hidden_sizes=tuple(cfg.get("hidden_sizes", (256, 256))),
+        critic_hidden_sizes=tuple(cfg.get("critic_hidden_sizes", (256, 256))),
+        activation=cfg.get("activation", "tanh"), init_log_std=float(cfg.get("init_log_std", -0.5)),
+        value_type=value_type, action_low=env_spec.action_low, action_high=env_spec.action_high,
+    )
+    if cfg.get("path"):
+        from safetensors.torch import load_file
+
+        policy.load_state_dict(load_file(cfg["path"]))
+    return policy
+
+
+def check_config(cfg: dict) -> None:
+    if cfg.get("activation", "tanh") not in _ACTIVATIONS:
+        raise ConfigError("model.activation", f"'{cfg['activation']}' is not one of {', '.join(_ACTIVATIONS)}")
+    if int(cfg.get("action_chunk", 1)) < 1:
+        raise ConfigError("model.action_chunk", "must be at least 1")
+
+
+build_state_policy.check_config = check_config

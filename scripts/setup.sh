@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One idempotent set-up for embodirl on a fresh Debian bookworm machine (root or sudo):
+#   - system libraries: EGL/OSMesa for MuJoCo, the Vulkan loader and Mesa 25 lavapipe (from
+#     bookworm-backports, unpacked into .deps/vulkan so the system Mesa stays untouched) for SAPIEN;
+#   - a virtual environment .venv with the pinned Python dependencies (torch CPU 2.13.0 first,
+#     libero without its robomimic/torchvision dependencies);
+#   - the LIBERO config file, written non-interactively (see embodirl/envs/libero_paths.py).
+# A second run compares a stamp and returns in well under a second when nothing changed.
+# Environment: EMBODIRL_VENV (default .venv), EMBODIRL_LIBERO_ASSETS (LIBERO asset folder),
+# EMBODIRL_SKIP_SYSTEM=1 to leave system packages alone.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${EMBODIRL_VENV:-$ROOT/.venv}"
+DEPS="$ROOT/.deps"
+STAMP="$VENV/.embodirl-setup-stamp"
+PY="${PYTHON:-python3}"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+stamp_value() {
+  cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1
+}
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_value)" && -f "$DEPS/vulkan/icd.json" ]]; then
+  exit 0
+fi
+
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+
+# --- system packages ---------------------------------------------------------------------------
+SYSTEM_PKGS=(libegl1 libegl-mesa0 libgl1 libgl1-mesa-dri libosmesa6 libglu1-mesa libvulkan1 libllvm15
+  libelf1 libexpat1 libwayland-client0 libx11-xcb1 libxcb-dri3-0 libxcb-present0 libxcb-randr0
+  libxcb-shm0 libxcb-sync1 libxcb-xfixes0 libxshmfence1 libzstd1 libglib2.0-0)
+if [[ "${EMBODIRL_SKIP_SYSTEM:-0}" != "1" ]]; then
+  missing=()
+  for p in "${SYSTEM_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    log "adding the bookworm-backports apt source (for Mesa 25 lavapipe)"
+    printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      | $SUDO tee /etc/apt/sources.list.d/embodirl-backports.sources >/dev/null
+    $SUDO apt-get update -qq
+  fi
+  if (( ${#missing[@]} )); then
+    log "installing system packages: ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  if [[ ! -f "$DEPS/vulkan/icd.json" ]]; then
+    log "unpacking Mesa 25 lavapipe from bookworm-backports into $DEPS/vulkan"
+    tmp="$(mktemp -d)"
+    (cd "$tmp" && apt-get download -qq mesa-vulkan-drivers/bookworm-backports libdrm2/bookworm-backports \
+       libdrm-amdgpu1/bookworm-backports)
+    rm -rf "$DEPS/vulkan" && mkdir -p "$DEPS/vulkan/root"
+    for deb in "$tmp"/*.deb; do dpkg -x "$deb" "$DEPS/vulkan/root"; done
+    rm -rf "$tmp"
+    lvp="$DEPS/vulkan/root/usr/lib/x86_64-linux-gnu/libvulkan_lvp.so"
+    [[ -f "$lvp" ]] || { log "lavapipe library not found after unpacking"; exit 1; }
+    printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.3"}}\n' "$lvp" \
+      > "$DEPS/vulkan/icd.json"
+  fi
+fi
+
+# --- Python environment --------------------------------------------------------------------------
+if [[ ! -x "$VENV/bin/python" ]]; then
+  log "creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip >/dev/null
+# torch first and exactly: every later requirement that names torch is then already satisfied.
+"${PIP[@]}" torch==2.13.0
+# libero 0.1.1 declares robomimic (-> torchvision, CUDA-only here); its real runtime deps are ours.
+"${PIP[@]}" --no-deps libero==0.1.1
+"${PIP[@]}" -e "$ROOT[test]"
+"$VENV/bin/python" -m embodirl.envs.libero_paths --write >/dev/null
+stamp_value > "$STAMP"
+log "done: $VENV"

@@ -1,0 +1,93 @@
+"""Composition and the cross-field rules: every malformed config gets one sentence naming its key."""
+
+import pytest
+
+from embodirl.config import available_options, compose, decisions_per_episode, validate
+from embodirl.errors import ConfigError
+
+
+def _check(cfg):
+    validate(cfg, check_envs=False, num_devices=2, accelerator="cpu")
+
+
+def test_default_config_is_valid(compose_cfg):
+    cfg = compose_cfg()
+    _check(cfg)
+    assert cfg.env.train.adapter == cfg.env.eval.adapter
+
+
+def test_env_choice_fills_train_and_eval(compose_cfg):
+    cfg = compose_cfg("env=libero_10", "model=openvla_oft")
+    for node in (cfg.env.train, cfg.env.eval):
+        assert node.suite == "libero_10" and node.max_episode_steps == 520 and node.num_settle_steps == 10
+    assert cfg.model.llm.hidden_size == 4096 and cfg.model.lora.rank == 32
+    assert decisions_per_episode(cfg) == 65  # 520 / 8
+
+
+def test_eval_env_can_differ(compose_cfg):
+    cfg = compose_cfg("env=libero_10", "env@env.eval=libero_goal")
+    assert cfg.env.train.suite == "libero_10" and cfg.env.eval.suite == "libero_goal"
+
+
+def test_tiny_preset_inherits_full_preset(compose_cfg):
+    cfg = compose_cfg("model=openvla_oft_tiny")
+    assert cfg.model.name == "openvla_oft" and cfg.model.action_chunk == 8
+    assert cfg.model.llm.hidden_size < 4096 and cfg.model.llm.vocab_size == 32064
+
+
+def test_options_hide_shared_bases():
+    envs = available_options("env")
+    assert "libero_10" in envs and "maniskill_pickcube" in envs
+    assert not any(name.startswith("_") for name in envs)
+
+
+@pytest.mark.parametrize("overrides, key, fragment", [
+    (["actor.global_batch_size=8", "actor.micro_batch_size=3"], "actor.global_batch_size", "not divisible"),
+    (["env.train.num_envs=6", "algorithm=grpo", "env.train.use_fixed_reset_state_ids=true"],
+     "algorithm.group_size", "not divisible by algorithm.group_size"),
+    (["algorithm=grpo", "env.train.num_envs=8"], "env.train.use_fixed_reset_state_ids", "share an init state"),
+    (["algorithm.adv_type=grpo", "algorithm.group_size=1", "env.train.use_fixed_reset_state_ids=true"],
+     "algorithm.group_size", "group_size >= 2"),
+    (["rollout.max_decisions=20"], "rollout.max_decisions", "exceed env.train.max_episode_steps"),
+    (["model.action_chunk=64"], "model.action_chunk", "longer than"),
+    (["cluster.component_placement='actor,rollout,env: 0-5'"], "cluster.component_placement", "names device 2"),
+    (["cluster.component_placement='env: 1-0; actor,rollout: all'"], "cluster.component_placement", "ends before"),
+    (["cluster.component_placement='actor,rollout: all'"], "cluster.component_placement", "no devices"),
+    (["algorithm.adv_type=ppo2"], "algorithm.adv_type", "not one of gae, grpo"),
+    (["algorithm.loss_agg_func=mean"], "algorithm.loss_agg_func", "not one of"),
+    (["algorithm.kl_penalty=js"], "algorithm.kl_penalty", "not one of"),
+    (["algorithm.gamma=1.5"], "algorithm.gamma", "must be in [0, 1]"),
+    (["actor.optim.lr=0"], "actor.optim.lr", "positive"),
+    (["algorithm.clip_ratio_c=0.5"], "algorithm.clip_ratio_c", "greater than 1"),
+    (["rollout.pipeline_stage_num=3"], "env.train.num_envs", "cannot be split"),
+    (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
+    (["model.path=/nonexistent/ckpt"], "model.path", "does not exist"),
+    (["rollout.backend=vllm"], "rollout.backend", "not available"),
+    (["algorithm.reward_type=action_level"], "env.train.reward_type", "differs"),
+    (["env.train.num_envs=0"], "env.train.num_envs", "positive integer"),
+    (["actor.cpu_world_size=3"], "actor.global_batch_size", "data-parallel size = 8 x 3"),
+])
+def test_malformed_configs_rejected_with_one_sentence(compose_cfg, overrides, key, fragment):
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ConfigError) as info:
+        _check(cfg)
+    message = str(info.value)
+    assert info.value.key.startswith(key), message
+    assert message.startswith(key) and fragment in message, message
+    assert "\n" not in message and message.count(". ") == 0, message
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("env=nope", "unknown env 'nope'; available: "),
+    ("model=gpt", "unknown model 'gpt'; available: "),
+    ("env=libero_10,nope", "unknown env 'nope'"),
+    ("actor.optim.nonexistent=1", "Could not override 'actor.optim.nonexistent'"),
+])
+def test_unknown_choices_and_keys(override, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        compose([override])
+
+
+def test_hub_id_model_path_is_not_checked_locally(compose_cfg):
+    _check(compose_cfg("model=openvla_oft_tiny", "model.path=moojink/openvla-7b-oft-finetuned-libero-10",
+                       "env=toy_reach"))
