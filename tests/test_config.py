@@ -91,3 +91,11 @@ def test_unknown_choices_and_keys(override, fragment):
 def test_hub_id_model_path_is_not_checked_locally(compose_cfg):
     _check(compose_cfg("model=openvla_oft_tiny", "model.path=moojink/openvla-7b-oft-finetuned-libero-10",
                        "env=toy_reach"))
+
+
+@pytest.mark.parametrize("option", available_options("env"))
+def test_every_env_option_composes_into_train_and_eval(option):
+    # Each option file starts with "# @package env.train"; without it the keys land in `env` itself.
+    cfg = compose([f"env={option}"])
+    assert cfg.env.train.adapter and cfg.env.train == cfg.env.eval, option
+    assert set(cfg.env.keys()) == {"train", "eval"}, option

@@ -1,0 +1,83 @@
+"""The ``embodirl`` command through a real subprocess, from an empty working directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from embodirl.paths import config_dir
+
+EXE = [sys.executable, "-m", "embodirl.cli"]
+
+
+def run_cli(args, cwd, env=None, timeout=180):
+    return subprocess.run([*EXE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _assert_rejected(proc, cwd, fragment):
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert fragment in lines[0], lines[0]
+    assert list(Path(cwd).iterdir()) == [], "a rejected config must not create anything on disk"
+
+
+def test_cfg_job_prints_libero_10(tmp_path):
+    proc = run_cli(["train", "--cfg", "job", "env=libero_10", "model=openvla_oft"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    import yaml
+
+    cfg = yaml.safe_load(proc.stdout)
+    for split in ("train", "eval"):
+        assert cfg["env"][split]["suite"] == "libero_10"
+        assert cfg["env"][split]["max_episode_steps"] == 520
+    assert cfg["model"]["name"] == "openvla_oft"
+
+
+def test_unknown_env_lists_options_and_exits_2(tmp_path):
+    proc = run_cli(["train", "env=nope"], tmp_path)
+    _assert_rejected(proc, tmp_path, "unknown env 'nope'; available: ")
+    assert "libero_10" in proc.stderr and "maniskill_pickcube" in proc.stderr
+
+
+def test_cross_field_violation_exits_2_before_anything(tmp_path):
+    proc = run_cli(["train", "env=toy_reach", "algorithm=grpo"], tmp_path)
+    _assert_rejected(proc, tmp_path, "env.train.use_fixed_reset_state_ids")
+
+
+def test_unknown_key_and_command(tmp_path):
+    _assert_rejected(run_cli(["train", "actor.optim.lrr=1"], tmp_path), tmp_path, "actor.optim.lrr")
+    _assert_rejected(run_cli(["fit"], tmp_path), tmp_path, "unknown command 'fit'")
+
+
+def test_new_env_yaml_is_usable_without_code_change(tmp_path):
+    tree = tmp_path / "config"
+    shutil.copytree(config_dir(), tree)
+    (tree / "env" / "my_reach.yaml").write_text(
+        "# @package env.train\n"
+        "defaults:\n  - toy_reach@_here_\n  - _self_\n"
+        "num_envs: 4\nmax_episode_steps: 16\nnum_tasks: 2\n"
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run_cli(["train", "--cfg", "job", "env=my_reach"], work, env={"EMBODIRL_CONFIG_DIR": str(tree)})
+    assert proc.returncode == 0, proc.stderr
+    import yaml
+
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["env"]["train"]["adapter"] == "toy" and cfg["env"]["eval"]["num_envs"] == 4
+    assert cfg["env"]["train"]["max_episode_steps"] == 16
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_help_and_eval_sets_only_eval(tmp_path, command):
+    proc = run_cli([command, "--cfg", "job", "env=toy_reach"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert ("only_eval: true" in proc.stdout) == (command == "eval")
+    assert "usage: embodirl" in run_cli(["--help"], tmp_path).stdout
