@@ -100,14 +100,15 @@ def _run(cfg) -> None:
     except (ConfigError, AssetsMissing) as exc:
         _fail(str(exc))
     OmegaConf.set_struct(cfg, True)
+    from embodirl.runner import run
+
     try:
-        from embodirl.runner import run
+        run(cfg)
     except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("embodirl.runner"):
-            print("embodirl: the configuration is valid; the training loop (embodirl.runner) is not implemented yet.")
+        if exc.name == "embodirl.runner.loop":
+            print("embodirl: the configuration is valid; the training loop (embodirl.runner.loop) is not implemented yet.")
             return
         raise
-    run(cfg)
 
 
 if __name__ == "__main__":

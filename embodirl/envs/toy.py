@@ -1,0 +1,271 @@
+"""TEST FIXTURE, not a benchmark: ``toy`` reach, a small learnable image + instruction task.
+
+A white point "end effector" moves in the square ``[-1, 1]^2``; one coloured goal square sits at a
+position fixed per task (colour k at angle ``2*pi*k/num_tasks + pi/4`` on a circle around the centre). The
+instruction names the colour ("move to the red square"). Everything a policy needs is in the 64x64
+RGB image (and in the optional state vector ``[x, y, goal_x, goal_y]``), and the goal direction is
+also determined by the task id, so a small policy learns the task with GRPO/PPO in seconds to minutes
+on CPU (tests/envs/test_toy.py trains a linear policy on pixels in about 10 s). Pure numpy: thousands
+of steps per second.
+
+* actions ``[H, A]`` in ``[-1, 1]`` (A = 7 like LIBERO by default so a VLA action head fits): the first
+  two dims move the point by ``step_size`` per unit, the others are ignored;
+* success (episode terminates) when the point is inside the goal square; sparse reward 1 on that step,
+  or with ``reward_mode: dense`` the decrease of the distance to the goal on every step plus 1 on success;
+* ``num_init_states`` fixed start positions (init state j is a fixed seed), so GRPO groups can share
+  an init state; ``reset`` without one picks one at random (from ``init_state_ids`` when given);
+  :meth:`ToyAdapter.eval_schedule` lists an evaluation sweep's ``(task_id, init_state_id)`` pairs;
+* :func:`oracle_actions` is a scripted policy that always succeeds from the image alone (or the
+  state); a uniform random policy rarely does.
+
+The adapter builds the batch with :class:`~embodirl.envs.vector.ProcessVectorEnv` (in-process by
+default, ``processes: true`` for one process per env), so the toy obeys the same batch semantics as
+the real simulators.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from embodirl.envs.base import ChunkResult, EnvSpec, SimEnv
+from embodirl.envs.registry import register_adapter
+from embodirl.envs.vector import REWARD_TYPES, ProcessVectorEnv
+from embodirl.errors import ConfigError
+
+# name -> RGB; task k is colour k
+COLOURS: list[tuple[str, tuple[int, int, int]]] = [
+    ("red", (230, 40, 40)), ("green", (40, 200, 60)), ("blue", (50, 90, 230)), ("yellow", (230, 210, 40)),
+    ("magenta", (210, 60, 210)), ("cyan", (40, 210, 210)), ("orange", (240, 140, 30)), ("purple", (130, 60, 200)),
+]
+BACKGROUND = (30, 30, 30)
+AGENT_COLOUR = (255, 255, 255)
+CAMERA = "main"
+REWARD_MODES = ("sparse", "dense")
+GOAL_DISTANCE = 0.6          # goal centres lie on this circle around the origin
+GOAL_HALF_SIZE = 0.15        # half side of the goal square (success region)
+START_RADIUS = 0.25          # start positions are uniform in this disc
+AGENT_HALF_SIZE = 0.04       # half side of the drawn point
+SUCCESS_REWARD = 1.0
+MIN_IMAGE_SIZE = 16
+STATE_DIM = 4                # [x, y, goal_x, goal_y]
+MOVE_DIMS = 2                # action dims that move the point
+INIT_STATE_SEED = 10_007     # init state j starts from default_rng((INIT_STATE_SEED, j))
+
+
+def instruction(task_id: int) -> str:
+    return f"move to the {COLOURS[task_id][0]} square"
+
+
+def goal_position(task_id: int, num_tasks: int) -> np.ndarray:
+    """Centre of task ``task_id``'s goal square, float64 ``[2]``."""
+    angle = 2.0 * math.pi * task_id / num_tasks + math.pi / 4
+    return GOAL_DISTANCE * np.array([math.cos(angle), math.sin(angle)])
+
+
+def init_position(init_state_id: int) -> np.ndarray:
+    """Start position of fixed init state ``init_state_id`` (the same for every task), ``[2]``."""
+    rng = np.random.default_rng((INIT_STATE_SEED, init_state_id))
+    radius = START_RADIUS * math.sqrt(rng.uniform())
+    angle = rng.uniform(0.0, 2.0 * math.pi)
+    return radius * np.array([math.cos(angle), math.sin(angle)])
+
+
+def _to_pixels(xy: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """World ``[..., 2]`` in [-1, 1] -> pixel (row, col) floats; y points up in the image."""
+    h, w = size
+    col = (xy[..., 0] + 1.0) * 0.5 * (w - 1)
+    row = (1.0 - xy[..., 1]) * 0.5 * (h - 1)
+    return np.stack([row, col], axis=-1)
+
+
+def _to_world(rc: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    h, w = size
+    x = rc[..., 1] / (w - 1) * 2.0 - 1.0
+    y = 1.0 - rc[..., 0] / (h - 1) * 2.0
+    return np.stack([x, y], axis=-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _pixel_world(size: tuple[int, int]) -> np.ndarray:
+    """World coordinates of every pixel centre, float64 ``[h, w, 2]`` (cached per image size)."""
+    rows, cols = np.mgrid[0:size[0], 0:size[1]]
+    return _to_world(np.stack([rows, cols], axis=-1).astype(np.float64), size)
+
+
+def render(pos: np.ndarray, goal: np.ndarray, colour: tuple[int, int, int], size: tuple[int, int]) -> np.ndarray:
+    """The scene as uint8 ``[3, h, w]``: background, goal square, point on top."""
+    h, w = size
+    image = np.empty((h, w, 3), np.uint8)                                  # (h, w, 3)
+    image[:] = BACKGROUND
+    world = _pixel_world((h, w))                                           # (h, w, 2)
+    image[np.max(np.abs(world - goal), axis=-1) <= GOAL_HALF_SIZE] = colour
+    image[np.max(np.abs(world - pos), axis=-1) <= AGENT_HALF_SIZE] = AGENT_COLOUR
+    return image.transpose(2, 0, 1)                                        # (3, h, w)
+
+
+class ToySimEnv(SimEnv):
+    """TEST FIXTURE: one toy reach scene (see module docstring). ``cfg`` is the env config dict."""
+
+    def __init__(self, cfg: Mapping, seed: int = 0):
+        ToyAdapter.check_config(cfg)
+        self.num_tasks = int(cfg["num_tasks"])
+        self.task_ids = list(cfg.get("task_ids") or range(self.num_tasks))
+        self.image_size = tuple(cfg["image_size"])
+        self.cameras = list(cfg["cameras"] or [])
+        self.use_state = bool(cfg["state_obs"])
+        self.step_size = float(cfg["step_size"])
+        self.reward_mode = cfg["reward_mode"]
+        self.init_pool = list(cfg["init_state_ids"] or range(int(cfg["num_init_states"])))
+        self.spec = EnvSpec(
+            action_dim=int(cfg["action_dim"]), max_episode_steps=int(cfg["max_episode_steps"]),
+            task_descriptions=[instruction(k) for k in range(self.num_tasks)], camera_names=self.cameras,
+            image_size=self.image_size if self.cameras else None, state_dim=STATE_DIM if self.use_state else 0,
+            num_init_states=[int(cfg["num_init_states"])] * self.num_tasks, name=cfg["name"])
+        self.rng = np.random.default_rng(seed)
+        self.pos = np.zeros(2)
+        self.task_id = self.task_ids[0]
+        self.goal = goal_position(self.task_id, self.num_tasks)
+
+    def reset(self, task_id: int | None = None, init_state_id: int | None = None,
+              seed: int | None = None) -> dict[str, np.ndarray]:
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        if task_id is None:
+            task_id = self.task_ids[self.rng.integers(len(self.task_ids))]
+        if not 0 <= task_id < self.num_tasks:
+            raise ValueError(f"toy task_id {task_id} outside 0..{self.num_tasks - 1}")
+        if init_state_id is None:
+            init_state_id = int(self.init_pool[self.rng.integers(len(self.init_pool))])
+        self.task_id, self.init_state_id = int(task_id), int(init_state_id)
+        self.goal = goal_position(self.task_id, self.num_tasks)
+        self.pos = init_position(self.init_state_id)
+        return self._obs()
+
+    def _distance(self) -> float:
+        return float(np.linalg.norm(self.pos - self.goal))
+
+    def _inside(self) -> bool:
+        return bool(np.max(np.abs(self.pos - self.goal)) < GOAL_HALF_SIZE)
+
+    def _image(self) -> np.ndarray:
+        return render(self.pos, self.goal, COLOURS[self.task_id][1], self.image_size)   # (3, h, w)
+
+    def _obs(self) -> dict[str, np.ndarray]:
+        obs: dict[str, np.ndarray] = {"task_id": np.array(self.task_id, np.int64)}
+        if self.cameras:
+            obs["images"] = np.stack([self._image()] * len(self.cameras))     # (V, 3, h, w)
+        if self.use_state:
+            obs["state"] = np.concatenate([self.pos, self.goal]).astype(np.float32)   # (S,)
+        return obs
+
+    def step_chunk(self, actions: np.ndarray, render_all: bool = False) -> ChunkResult:
+        """Move by each action ``[H, A]``; stops at success (the time limit is the vector env's)."""
+        rewards, frames = [], []
+        success = False
+        for action in np.asarray(actions, np.float64):
+            before = self._distance()
+            self.pos = np.clip(self.pos + self.step_size * np.clip(action[:MOVE_DIMS], -1.0, 1.0), -1.0, 1.0)
+            success = self._inside()
+            reward = (before - self._distance()) if self.reward_mode == "dense" else 0.0
+            rewards.append(reward + (SUCCESS_REWARD if success else 0.0))
+            if render_all and self.cameras:
+                frames.append(np.stack([self._image()] * len(self.cameras)))
+            if success:
+                break
+        return ChunkResult(obs=self._obs(), rewards=np.asarray(rewards, np.float32), terminated=success,
+                           truncated=False, success=success, steps=len(rewards),
+                           frames=np.stack(frames) if frames else None)
+
+    def render_frame(self) -> np.ndarray:
+        return self._image().transpose(1, 2, 0)                          # (h, w, 3)
+
+
+# --------------------------------------------------------------------------------------------------
+# scripted oracle
+# --------------------------------------------------------------------------------------------------
+def locate(image: np.ndarray, task_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Point and goal centre (world coordinates ``[2]``) read from one image ``[3, h, w]``."""
+    hwc = image.transpose(1, 2, 0)
+    size = hwc.shape[:2]
+    agent = np.argwhere(np.all(hwc == AGENT_COLOUR, axis=-1))              # (n, 2) pixel (row, col)
+    goal = np.argwhere(np.all(hwc == COLOURS[task_id][1], axis=-1))
+    if len(agent) == 0 or len(goal) == 0:
+        raise ValueError("toy image shows no point or no goal square")
+    # the point may cover part of the square: take the middle of the square's bounding box
+    goal_rc = (goal.min(axis=0) + goal.max(axis=0)) / 2.0
+    return _to_world(agent.mean(axis=0), size), _to_world(goal_rc, size)
+
+
+def oracle_actions(obs: Mapping[str, np.ndarray], chunk_len: int, action_dim: int,
+                   step_size: float) -> np.ndarray:
+    """Scripted policy: a chunk that heads straight for the goal, float32 ``[B, H, A]``.
+
+    Uses ``obs["state"]`` when present, else reads positions from ``obs["images"]`` ``[B, V, 3, h, w]``.
+    """
+    B = len(obs["task_id"])
+    actions = np.zeros((B, chunk_len, action_dim), np.float32)                 # (B, H, A)
+    for b in range(B):
+        if "state" in obs:
+            pos, goal = np.asarray(obs["state"][b][:2], np.float64), np.asarray(obs["state"][b][2:4], np.float64)
+        else:
+            pos, goal = locate(obs["images"][b][0], int(obs["task_id"][b]))
+        for t in range(chunk_len):
+            move = np.clip((goal - pos) / step_size, -1.0, 1.0)                    # (2,)
+            actions[b, t, :MOVE_DIMS] = move
+            pos = pos + step_size * move
+    return actions
+
+
+# --------------------------------------------------------------------------------------------------
+# adapter
+# --------------------------------------------------------------------------------------------------
+@register_adapter("toy")
+class ToyAdapter:
+    """``adapter: toy`` (TEST FIXTURE)."""
+
+    @staticmethod
+    def check_config(cfg: Mapping) -> None:
+        num_tasks = cfg["num_tasks"]
+        if not 1 <= num_tasks <= len(COLOURS):
+            raise ConfigError("env.num_tasks", f"the toy task has 1..{len(COLOURS)} tasks, got {num_tasks}")
+        for task in cfg.get("task_ids") or []:
+            if not 0 <= task < num_tasks:
+                raise ConfigError("env.task_ids", f"toy task id {task} is outside 0..{num_tasks - 1}")
+        unknown = [c for c in cfg["cameras"] or [] if c != CAMERA]
+        if unknown:
+            raise ConfigError("env.cameras", f"the toy task has one camera '{CAMERA}', not {unknown}")
+        if not cfg["cameras"] and not cfg["state_obs"]:
+            raise ConfigError("env.cameras", "the toy task needs a camera or state_obs: true to observe anything")
+        if min(cfg["image_size"]) < MIN_IMAGE_SIZE:
+            raise ConfigError("env.image_size", f"toy images must be at least {MIN_IMAGE_SIZE} pixels, "
+                                                f"got {list(cfg['image_size'])}")
+        if cfg["action_dim"] < MOVE_DIMS:
+            raise ConfigError("env.action_dim", f"the toy task needs action_dim >= {MOVE_DIMS}")
+        if cfg["reward_mode"] not in REWARD_MODES:
+            raise ConfigError("env.reward_mode", f"must be one of {', '.join(REWARD_MODES)}")
+        if cfg["reward_type"] not in REWARD_TYPES:
+            raise ConfigError("env.reward_type", f"must be one of {', '.join(REWARD_TYPES)}")
+        if cfg["max_episode_steps"] < 1 or cfg["num_init_states"] < 1:
+            raise ConfigError("env.max_episode_steps", "max_episode_steps and num_init_states must be positive")
+        bad = [i for i in cfg["init_state_ids"] or [] if not 0 <= i < cfg["num_init_states"]]
+        if bad:
+            raise ConfigError("env.init_state_ids", f"toy init states are 0..{cfg['num_init_states'] - 1}, got {bad}")
+
+    @staticmethod
+    def eval_schedule(cfg: Mapping) -> list[tuple[int, int]]:
+        """An evaluation sweep as ordered ``(task_id, init_state_id)`` pairs: for every task of
+        ``task_ids`` (all when null), trial k uses init state k (``num_trials_per_task`` trials), or the
+        listed ``init_state_ids``."""
+        tasks = list(cfg["task_ids"] or range(cfg["num_tasks"]))
+        trials = list(cfg["init_state_ids"] or range(cfg["num_trials_per_task"]))
+        return [(int(task), int(init)) for task in tasks for init in trials]
+
+    @classmethod
+    def make(cls, cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0) -> ProcessVectorEnv:
+        cls.check_config(cfg)
+        factories = [functools.partial(ToySimEnv, dict(cfg), seed=seed + env_offset + i) for i in range(num_envs)]
+        return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset, processes=cfg["processes"])

@@ -1,0 +1,773 @@
+"""Lifting single simulators (:class:`~embodirl.envs.base.SimEnv`) into a batch
+(:class:`~embodirl.envs.base.ChunkVectorEnv`): one process per simulator, chunk execution with episode
+bookkeeping, and recovery from crashed simulators.
+
+Usage (an adapter's ``make``)::
+
+    factories = [functools.partial(LiberoSimEnv, cfg, env_index=i) for i in range(num_envs)]
+    venv = ProcessVectorEnv(factories, auto_reset=cfg["auto_reset"], reward_type=cfg["reward_type"], ...)
+    obs, info = venv.reset(task_ids=..., init_state_ids=...)
+    obs, reward, terminated, truncated, info = venv.step(actions)      # actions [B, H, A]
+
+Factories are pickled with cloudpickle (closures and lambdas work) and called inside the sub-process,
+so a simulator is built, stepped and closed in one process. ``processes=False`` runs every simulator
+in the calling process (debugging, cheap test envs) with the same semantics.
+
+Episode semantics (per sub-env, see also :mod:`embodirl.envs.base`):
+
+* **Time limit** in low-level steps (``spec.max_episode_steps``): a chunk that crosses the limit is
+  cut, only the steps inside the limit execute, and the env reports ``truncated``.
+* **Termination**: ``terminated`` when the simulator says the episode ended (success or failure);
+  the rest of the chunk is not executed. With ``ignore_terminations`` the simulator's end is ignored
+  and the chunk's remaining actions still execute: ``terminated`` is never set, the episode runs to
+  its time limit, and ``info["success"]`` is "succeeded at some step of this episode so far".
+* **Rewards** per executed step ``r_t`` are scaled, ``reward_coef * r_t``; with ``use_rel_reward``
+  the env returns the difference of successive (scaled) step rewards ``r_t - r_{t-1}`` (``r_{-1} = 0``
+  at the episode start), so an episode's rewards sum to its last step reward: a shaped "progress"
+  signal from a reward that measures the state. ``reward_type="chunk_level"`` returns the chunk's sum
+  ``[B]``; ``"action_level"`` returns ``[B, H]`` with zeros after the last executed step.
+* **Auto-reset** (gymnasium's same-step mode): an env whose episode ended is reset inside ``step``
+  (task and init state: the adapter's choice); ``obs`` is the new episode's first observation,
+  ``info["final_obs"]`` the batched observation before any reset (rows of envs that did not reset
+  equal ``obs``) and ``info["_final_obs"]`` marks the envs that reset. Without auto-reset an ended env
+  stays ended until :meth:`ProcessVectorEnv.reset`: later steps do not touch its simulator, return its
+  final observation, zero reward and the same done flags.
+* **Faults**: a sub-process that dies, a ``reset``/``step_chunk`` that raises, a non-finite
+  observation or reward, or (with ``step_timeout``) a simulator that hangs gets its sub-env replaced
+  by a new one from its factory (a new process), reset to the same task / init state / seed. Its row
+  then carries the new episode's first observation, zero reward, no done flag and
+  ``info["restarted"] = True``: the episode in progress is lost and callers must treat it as invalid.
+  ``max_restarts`` bounds consecutive failures of one sub-env (a successful step clears the count);
+  past it :class:`SubEnvCrashed` propagates. Errors while *building* the envs propagate unchanged
+  (an adapter's :class:`~embodirl.errors.ConfigError` keeps its one-sentence message).
+
+``step`` info keys (arrays have leading dim B):
+
+====================  =============  ==========================================================
+key                   dtype/shape    meaning
+====================  =============  ==========================================================
+success               bool [B]       the stepped episode succeeded at some step so far
+restarted             bool [B]       the sub-env was replaced this call (episode invalid)
+steps                 int64 [B]      low-level steps executed in this chunk
+episode_return        float32 [B]    the stepped episode's reward sum so far (final if it ended)
+episode_length        int64 [B]      its low-level steps so far (final if it ended)
+task_id               int64 [B]      task of the episode ``obs`` belongs to (after any reset)
+init_state_id         int64 [B]      its init state (-1: random)
+final_obs             dict           auto_reset only: observation before any reset
+_final_obs            bool [B]       auto_reset only: the env was reset this call
+final_task_id         int64 [B]      auto_reset only: task of the stepped episode
+final_init_state_id   int64 [B]      auto_reset only: its init state
+frames                list[B]        recorded envs: list of [h, w, 3] uint8 frames, one per
+                                     executed step (cameras side by side); others None
+reset_frames          list[B]        recorded envs that (auto-)reset or restarted: [first frame]
+num_restarts          int            restarts of all sub-envs since construction
+====================  =============  ==========================================================
+
+Processes end on :meth:`~ProcessVectorEnv.close`, when the object is garbage-collected, at
+interpreter exit, and when the owning process dies (even by SIGKILL): a sub-process exits at the end
+of its command pipe and, while busy in a step, a watchdog thread ends it when the owner is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import select
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_connections
+
+import cloudpickle
+import numpy as np
+import psutil
+
+from embodirl.envs.base import ChunkVectorEnv, EnvSpec, SimEnv
+
+log = logging.getLogger(__name__)
+
+REWARD_TYPES = ("chunk_level", "action_level")
+START_METHODS = ("forkserver", "spawn")  # fork breaks EGL/MuJoCo and SAPIEN contexts
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_START_TIMEOUT_S = 600.0   # building a LIBERO scene on a busy 2-core machine takes seconds
+CLOSE_TIMEOUT_S = 10.0
+NO_INIT_STATE = -1               # init_state_id of an episode whose init state is random
+OWNER_POLL_S = 1.0               # owner-liveness poll where pidfd_open is unavailable
+
+
+class SubEnvCrashed(RuntimeError):
+    """A sub-environment kept failing after ``max_restarts`` consecutive restarts."""
+
+
+class _SubEnvFailure(Exception):
+    """Internal: one sub-env's command failed (exception, death, timeout); carries the cause."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+# --------------------------------------------------------------------------------------------------
+# chunk execution and episode bookkeeping for ONE simulator (runs where the simulator lives)
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _ResetOut:
+    obs: dict[str, np.ndarray]
+    task_id: int
+    init_state_id: int
+    frame: np.ndarray | None = None      # [h, w, 3] first video frame when recording
+
+
+@dataclass
+class _StepOut:
+    obs: dict[str, np.ndarray]           # after the chunk (and after an auto-reset)
+    rewards: np.ndarray                  # float32 [steps], scaled (and relative) step rewards
+    terminated: bool
+    truncated: bool
+    success: bool
+    episode_return: float
+    episode_length: int
+    frames: list[np.ndarray] | None = None
+    final_obs: dict[str, np.ndarray] | None = None   # set when auto-reset happened
+    reset: _ResetOut | None = None
+
+    @property
+    def steps(self) -> int:
+        return int(self.rewards.shape[0])
+
+
+def video_frame(images: np.ndarray) -> np.ndarray:
+    """Camera images ``[V, C, h, w]`` uint8 -> one video frame ``[h, V*w, 3]`` (cameras side by side)."""
+    return np.concatenate([np.ascontiguousarray(img.transpose(1, 2, 0)) for img in images], axis=1)
+
+
+def _check_finite(obs: dict[str, np.ndarray], rewards: np.ndarray | None = None) -> None:
+    # MuJoCo instabilities surface as NaN/inf states long before they raise; treat them as crashes.
+    for key, value in obs.items():
+        if np.issubdtype(np.asarray(value).dtype, np.floating) and not np.all(np.isfinite(value)):
+            raise FloatingPointError(f"non-finite values in observation '{key}'")
+    if rewards is not None and not np.all(np.isfinite(rewards)):
+        raise FloatingPointError("non-finite step reward")
+
+
+class EpisodeRunner:
+    """Runs one :class:`SimEnv` episode by episode: time limit, ``ignore_terminations``, reward
+    scaling / relative rewards, success-so-far, episode totals, auto-reset and video frames. Lives in
+    the simulator's process so that a whole ``step`` (including an auto-reset) is one round trip."""
+
+    def __init__(self, env: SimEnv, *, auto_reset: bool, ignore_terminations: bool, reward_coef: float,
+                 use_rel_reward: bool):
+        self.env = env
+        self.spec = env.spec
+        self.auto_reset = auto_reset
+        self.ignore_terminations = ignore_terminations
+        self.reward_coef = float(reward_coef)
+        self.use_rel_reward = use_rel_reward
+        self._started = False
+
+    # -- episode state ---------------------------------------------------------------------------
+    def _begin(self, obs: dict[str, np.ndarray], task_id: int, init_state_id: int) -> None:
+        self._started = True
+        self.obs = obs
+        self.task_id = task_id
+        self.init_state_id = init_state_id
+        self.elapsed = 0
+        self.prev_reward = 0.0
+        self.success = False
+        self.episode_return = 0.0
+        self.terminated = False
+        self.truncated = False
+
+    def _frame(self, obs: dict[str, np.ndarray]) -> np.ndarray | None:
+        if "images" in obs:
+            return video_frame(obs["images"])
+        return self.env.render_frame()
+
+    def reset(self, task_id: int | None = None, init_state_id: int | None = None, seed: int | None = None,
+              render: bool = False) -> _ResetOut:
+        obs = self.env.reset(task_id=task_id, init_state_id=init_state_id, seed=seed)
+        _check_finite(obs)
+        chosen = init_state_id if init_state_id is not None else self.env.init_state_id
+        chosen = NO_INIT_STATE if chosen is None else int(chosen)
+        self._begin(obs, int(obs["task_id"]), chosen)
+        return _ResetOut(obs, self.task_id, chosen, self._frame(obs) if render else None)
+
+    def step(self, actions: np.ndarray, render_all: bool = False) -> _StepOut:
+        """Execute ``actions`` ``[H, A]`` within the time limit (see module docstring)."""
+        if not self._started:
+            raise RuntimeError("step() before reset()")
+        if self.terminated or self.truncated:   # ended, no auto-reset: stays ended until reset
+            return self._out(np.zeros(0, np.float32), [] if render_all else None)
+        budget = self.spec.max_episode_steps - self.elapsed
+        todo = actions[:budget]                              # (h<=H, A): cut at the time limit
+        raw: list[np.ndarray] = []
+        frames: list[np.ndarray] | None = [] if render_all else None
+        executed = 0
+        while executed < len(todo):
+            res = self.env.step_chunk(todo[executed:], render_all=render_all)
+            if res.steps <= 0:
+                raise RuntimeError(f"{type(self.env).__name__}.step_chunk executed no step")
+            step_rewards = np.asarray(res.rewards, np.float32)[: res.steps]
+            _check_finite(res.obs, step_rewards)
+            raw.append(step_rewards)
+            executed += res.steps
+            self.obs = res.obs
+            self.success |= bool(res.success)
+            if frames is not None:
+                if res.frames is not None:
+                    frames.extend(video_frame(f) for f in res.frames[: res.steps])
+                elif (frame := self._frame(res.obs)) is not None:
+                    frames.append(frame)
+            if res.truncated:                                # the simulator's own limit
+                self.truncated = True
+                break
+            if res.terminated and not self.ignore_terminations:
+                self.terminated = True
+                break
+            # with ignore_terminations the chunk's remaining actions still execute
+        self.elapsed += executed
+        if self.elapsed >= self.spec.max_episode_steps and not self.terminated:
+            self.truncated = True
+        rewards = self._transform(np.concatenate(raw) if raw else np.zeros(0, np.float32))
+        self.episode_return += float(rewards.sum())
+        out = self._out(rewards, frames)
+        if self.auto_reset and (self.terminated or self.truncated):
+            out.final_obs = out.obs
+            out.reset = self.reset(render=render_all)
+            out.obs = out.reset.obs
+        return out
+
+    def _transform(self, raw: np.ndarray) -> np.ndarray:
+        scaled = self.reward_coef * raw                      # (steps,)
+        if not self.use_rel_reward or scaled.size == 0:
+            return scaled.astype(np.float32)
+        previous = np.concatenate([[self.prev_reward], scaled[:-1]])
+        self.prev_reward = float(scaled[-1])
+        return (scaled - previous).astype(np.float32)
+
+    def _out(self, rewards: np.ndarray, frames: list[np.ndarray] | None) -> _StepOut:
+        return _StepOut(obs=self.obs, rewards=rewards, terminated=self.terminated, truncated=self.truncated,
+                        success=self.success, episode_return=self.episode_return, episode_length=self.elapsed,
+                        frames=frames)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# where a sub-env lives: in this process, or in a child process behind a pipe
+# --------------------------------------------------------------------------------------------------
+def _pack_exception(exc: BaseException) -> tuple:
+    """An exception as (class, args, attributes, traceback) - rebuilt without calling ``__init__``, so
+    exceptions with custom constructors (``ConfigError(key, message)``) cross the pipe intact."""
+    payload = (type(exc), exc.args, dict(getattr(exc, "__dict__", {})), traceback.format_exc())
+    try:
+        pickle.dumps(payload)
+    except Exception:  # unpicklable class or attributes: keep the message
+        payload = (RuntimeError, (f"{type(exc).__name__}: {exc}",), {}, payload[3])
+    return payload
+
+
+def _unpack_exception(payload: tuple) -> BaseException:
+    cls, args, state, remote_tb = payload
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    exc.add_note(f"raised in a simulator sub-process:\n{remote_tb}")
+    return exc
+
+
+def _exit_with_owner(owner_pid: int) -> None:
+    """Exit this sub-process as soon as the process that owns the vector env exits, even while a
+    simulator step is running (an idle worker also sees the end of its pipe). A thread waits on a
+    pidfd of the owner; the kernel's parent-death signal cannot be used because under ``forkserver``
+    the parent is the fork server, which lives as long as any of its children."""
+    try:
+        fd = os.pidfd_open(owner_pid)
+    except (AttributeError, OSError):   # kernel < 5.3: poll instead
+        fd = None
+    if not psutil.pid_exists(owner_pid):
+        os._exit(1)
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while psutil.pid_exists(owner_pid):
+                time.sleep(OWNER_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="embodirl-owner-watch", daemon=True).start()
+
+
+def _worker_main(conn, factory_bytes: bytes, runner_kwargs: dict, owner_pid: int) -> None:
+    """Sub-process main loop: build the env, then answer ``(command, kwargs)`` messages until
+    ``close`` or the end of the pipe."""
+    _exit_with_owner(owner_pid)
+    from embodirl import runtime
+
+    runtime.configure()   # before the factory imports mujoco / sapien
+    try:
+        runner = EpisodeRunner(cloudpickle.loads(factory_bytes)(), **runner_kwargs)
+        conn.send(("ok", runner.spec))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", _pack_exception(exc)))
+        return
+    try:
+        while True:
+            try:
+                command, kwargs = conn.recv()
+            except (EOFError, OSError):    # parent gone
+                break
+            if command == "close":
+                break
+            try:
+                conn.send(("ok", getattr(runner, command)(**kwargs)))
+            except Exception as exc:  # noqa: BLE001 - the parent restarts this sub-env
+                conn.send(("error", _pack_exception(exc)))
+    except (BrokenPipeError, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            runner.close()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+
+class _LocalSubEnv:
+    """A sub-env in the calling process (``processes=False``): commands run at ``recv``."""
+
+    pid = None
+
+    def __init__(self, factory: Callable[[], SimEnv], runner_kwargs: dict):
+        self._factory = factory
+        self._runner_kwargs = runner_kwargs
+        self._runner: EpisodeRunner | None = None
+        self._pending: tuple[str, dict] | None = None
+
+    def start(self) -> None:
+        self._pending = ("__build__", {})
+
+    def send(self, command: str, kwargs: dict) -> None:
+        self._pending = (command, kwargs)
+
+    def recv(self, timeout: float | None = None):
+        command, kwargs = self._pending
+        self._pending = None
+        try:
+            if command == "__build__":
+                self._runner = EpisodeRunner(self._factory(), **self._runner_kwargs)
+                return self._runner.spec
+            return getattr(self._runner, command)(**kwargs)
+        except Exception as exc:  # noqa: BLE001
+            raise _SubEnvFailure(exc) from exc
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        if self._runner is not None:
+            try:
+                self._runner.close()
+            except Exception as exc:  # noqa: BLE001 - a broken simulator may not close cleanly
+                log.debug("closing sub-env failed: %s", exc)
+            self._runner = None
+
+    kill = close
+
+
+class _ProcessSubEnv:
+    """A sub-env in its own process, driven over a pipe."""
+
+    def __init__(self, ctx, factory_bytes: bytes, runner_kwargs: dict, name: str):
+        self._ctx = ctx
+        self._factory_bytes = factory_bytes
+        self._runner_kwargs = runner_kwargs
+        self._name = name
+        self.process = None
+        self.conn = None
+        self._close_requested = False
+        self._pending_failure: _SubEnvFailure | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def start(self) -> None:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        self.process = self._ctx.Process(target=_worker_main, name=self._name, daemon=True,
+                                         args=(child_conn, self._factory_bytes, self._runner_kwargs, os.getpid()))
+        self.process.start()
+        child_conn.close()   # so that the child's death reads as EOF here
+        self.conn = parent_conn
+
+    def send(self, command: str, kwargs: dict) -> None:
+        try:
+            self.conn.send((command, kwargs))
+        except (BrokenPipeError, OSError) as exc:
+            self._pending_failure = _SubEnvFailure(ChildProcessError(f"{self._name} is gone ({exc})"))
+        else:
+            self._pending_failure = None
+
+    def recv(self, timeout: float | None = None):
+        if self._pending_failure is not None:
+            failure, self._pending_failure = self._pending_failure, None
+            raise failure
+        ready = wait_connections([self.conn, self.process.sentinel], timeout)
+        if not ready:
+            raise _SubEnvFailure(TimeoutError(f"{self._name} did not answer within {timeout:g} s"))
+        try:
+            status, payload = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            self.process.join(1.0)
+            raise _SubEnvFailure(ChildProcessError(
+                f"{self._name} died (exit code {self.process.exitcode})")) from exc
+        if status == "error":
+            cause = _unpack_exception(payload)
+            raise _SubEnvFailure(cause) from cause
+        return payload
+
+    def request_close(self) -> None:
+        """Ask the sub-process to close its simulator and exit (does not wait)."""
+        if self.process is None or self._close_requested:
+            return
+        self._close_requested = True
+        try:
+            self.conn.send(("close", {}))
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        if self.process is None:
+            return
+        self.request_close()
+        self.process.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(CLOSE_TIMEOUT_S)
+        try:
+            self.conn.close()
+            self.process.close()
+        except (OSError, ValueError):
+            pass
+        self.process = None
+        self.conn = None
+
+
+# --------------------------------------------------------------------------------------------------
+# the batch
+# --------------------------------------------------------------------------------------------------
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for venv in list(_LIVE):
+        venv.close()
+
+
+@dataclass
+class _Slot:
+    """What the parent remembers about one sub-env, to restart it into the same episode."""
+
+    handle: _LocalSubEnv | _ProcessSubEnv
+    obs: dict[str, np.ndarray] | None = None
+    task_id: int | None = None
+    init_state_id: int | None = None
+    seed: int | None = None
+    failures: int = 0                       # consecutive failures (a successful command clears it)
+
+
+class ProcessVectorEnv(ChunkVectorEnv):
+    """B :class:`SimEnv` instances stepped one action chunk at a time (semantics: module docstring).
+
+    Args:
+        env_fns: one factory per sub-env; called in the sub-process (pickled with cloudpickle).
+        auto_reset: reset an ended episode inside ``step`` (gymnasium same-step mode).
+        ignore_terminations: run every episode to its time limit; ``success`` is success-so-far.
+        reward_coef: multiplies every step reward.
+        use_rel_reward: return differences of successive step rewards.
+        reward_type: ``"chunk_level"`` (reward ``[B]``) or ``"action_level"`` (``[B, H]``).
+        processes: one sub-process per simulator; False runs them in this process.
+        start_method: ``"forkserver"`` or ``"spawn"`` (fork breaks MuJoCo/EGL and SAPIEN).
+        max_restarts: consecutive failures of one sub-env tolerated before :class:`SubEnvCrashed`.
+        record_env_ids: envs whose every low-level step is rendered for video (``info["frames"]``).
+        step_timeout: seconds a sub-process may take for one command before it is presumed hung and
+            restarted (None: wait forever).
+        start_timeout: seconds a sub-process may take to build its simulator.
+    """
+
+    def __init__(self, env_fns: Sequence[Callable[[], SimEnv]], *, auto_reset: bool = False,
+                 ignore_terminations: bool = False, reward_coef: float = 1.0, use_rel_reward: bool = False,
+                 reward_type: str = "chunk_level", processes: bool = True, start_method: str = "forkserver",
+                 max_restarts: int = DEFAULT_MAX_RESTARTS, record_env_ids: Sequence[int] = (),
+                 step_timeout: float | None = None, start_timeout: float = DEFAULT_START_TIMEOUT_S):
+        if not env_fns:
+            raise ValueError("ProcessVectorEnv needs at least one env factory")
+        if reward_type not in REWARD_TYPES:
+            raise ValueError(f"reward_type must be one of {REWARD_TYPES}, got {reward_type!r}")
+        if processes and start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        self.num_envs = len(env_fns)
+        self.reward_type = reward_type
+        self.auto_reset = auto_reset
+        self.processes = processes
+        self.max_restarts = max_restarts
+        self.step_timeout = step_timeout
+        self.start_timeout = start_timeout
+        self.num_restarts = 0
+        self.record_env_ids = record_env_ids
+        self._closed = False
+        self._runner_kwargs = dict(auto_reset=auto_reset, ignore_terminations=ignore_terminations,
+                                   reward_coef=reward_coef, use_rel_reward=use_rel_reward)
+        self.env_fns = list(env_fns)        # kept to restart sub-envs (and to rebuild in another mode)
+        if processes:
+            self._ctx = mp.get_context(start_method)
+            self._factory_bytes = [cloudpickle.dumps(fn) for fn in self.env_fns]
+        self._slots = [_Slot(self._new_handle(i)) for i in range(self.num_envs)]
+        _LIVE.add(self)
+        try:
+            for slot in self._slots:
+                slot.handle.start()
+            specs = [self._recv_start(i) for i in range(self.num_envs)]
+        except BaseException:
+            self.close()
+            raise
+        self.spec: EnvSpec = specs[0]
+        for i, spec in enumerate(specs[1:], 1):
+            if (spec.action_dim, spec.max_episode_steps) != (self.spec.action_dim, self.spec.max_episode_steps):
+                self.close()
+                raise ValueError(f"sub-env {i} has action_dim/max_episode_steps "
+                                 f"{spec.action_dim}/{spec.max_episode_steps}, sub-env 0 has "
+                                 f"{self.spec.action_dim}/{self.spec.max_episode_steps}")
+
+    @classmethod
+    def from_config(cls, env_fns: Sequence[Callable[[], SimEnv]], cfg: dict, *, env_offset: int = 0,
+                    **kwargs) -> ProcessVectorEnv:
+        """Build from an env config's shared keys (``auto_reset``, ``ignore_terminations``,
+        ``reward_coef``, ``use_rel_reward``, ``reward_type``, ``video.enabled``/``video.env_ids``).
+        ``video.env_ids`` are global env indices; this batch holds envs ``env_offset ..
+        env_offset + len(env_fns) - 1`` and records those among them. ``kwargs`` (``processes``,
+        ``start_method``, ``max_restarts``, ...) pass through."""
+        video = cfg.get("video") or {}
+        record = []
+        if video.get("enabled"):
+            record = [g - env_offset for g in video.get("env_ids") or [] if 0 <= g - env_offset < len(env_fns)]
+        return cls(env_fns, auto_reset=cfg["auto_reset"], ignore_terminations=cfg["ignore_terminations"],
+                   reward_coef=cfg["reward_coef"], use_rel_reward=cfg["use_rel_reward"],
+                   reward_type=cfg["reward_type"], record_env_ids=record, **kwargs)
+
+    # -- public helpers --------------------------------------------------------------------------
+    @property
+    def record_env_ids(self) -> list[int]:
+        return sorted(self._record)
+
+    @record_env_ids.setter
+    def record_env_ids(self, env_ids: Sequence[int]) -> None:
+        ids = {int(i) for i in env_ids}
+        if any(i < 0 or i >= self.num_envs for i in ids):
+            raise ValueError(f"record_env_ids {sorted(ids)} outside 0..{self.num_envs - 1}")
+        self._record = ids
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Process id of each sub-env (None in-process)."""
+        return [slot.handle.pid for slot in self._slots]
+
+    # -- construction / restarts -----------------------------------------------------------------
+    def _new_handle(self, i: int):
+        if not self.processes:
+            return _LocalSubEnv(self.env_fns[i], self._runner_kwargs)
+        return _ProcessSubEnv(self._ctx, self._factory_bytes[i], self._runner_kwargs, f"embodirl-env-{i}")
+
+    def _recv_start(self, i: int) -> EnvSpec:
+        try:
+            return self._slots[i].handle.recv(self.start_timeout)
+        except _SubEnvFailure as failure:
+            # construction errors reach the user unchanged (adapters raise one-sentence errors)
+            raise failure.cause from None
+
+    def _restart(self, i: int, failure: _SubEnvFailure, render: bool) -> _ResetOut:
+        """Replace sub-env ``i`` by a new one from its factory and reset it into the same episode."""
+        slot = self._slots[i]
+        while True:
+            slot.failures += 1
+            if slot.failures > self.max_restarts:
+                raise SubEnvCrashed(f"sub-environment {i} failed {slot.failures} times in a row "
+                                    f"(max_restarts={self.max_restarts}); last error: {failure}") from failure.cause
+            self.num_restarts += 1
+            log.warning("restarting sub-environment %d (restart %d in a row, %d in total): %s",
+                        i, slot.failures, self.num_restarts, failure)
+            slot.handle.kill()
+            slot.handle = self._new_handle(i)
+            try:
+                slot.handle.start()
+                slot.handle.recv(self.start_timeout)
+                slot.handle.send("reset", dict(task_id=slot.task_id, init_state_id=slot.init_state_id,
+                                               seed=slot.seed, render=render))
+                return slot.handle.recv(self.step_timeout)
+            except _SubEnvFailure as again:
+                failure = again
+
+    def _gather(self, env_ids: Sequence[int], command: str, kwargs: Sequence[dict]) -> dict[int, object]:
+        """Send ``command`` to every env first, then collect: sub-processes work in parallel."""
+        for i, kw in zip(env_ids, kwargs):
+            self._slots[i].handle.send(command, kw)
+        results: dict[int, object] = {}
+        for i in env_ids:
+            try:
+                results[i] = self._slots[i].handle.recv(self.step_timeout)
+            except _SubEnvFailure as failure:
+                results[i] = failure
+        return results
+
+    # -- ChunkVectorEnv --------------------------------------------------------------------------
+    def reset(self, *, env_ids: np.ndarray | None = None, task_ids: np.ndarray | None = None,
+              init_state_ids: np.ndarray | None = None, seed: int | None = None
+              ) -> tuple[dict[str, np.ndarray], dict]:
+        """Reset all envs or ``env_ids``. ``task_ids`` / ``init_state_ids`` (aligned with ``env_ids``;
+        None: the adapter's choice) pick each env's episode; sub-env ``i`` is seeded with ``seed + i``.
+        Returns the full batched observation (rows of envs not reset are unchanged) and ``info`` with
+        ``task_id``, ``init_state_id`` (-1: random), ``restarted`` and, for recorded envs that were
+        reset, ``frames[i] = [first frame]``."""
+        self._check_open()
+        ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in np.asarray(env_ids).reshape(-1)]
+        tasks = self._per_env(task_ids, len(ids), "task_ids")
+        inits = self._per_env(init_state_ids, len(ids), "init_state_ids")
+        kwargs = []
+        for i, task, init in zip(ids, tasks, inits):
+            slot = self._slots[i]
+            slot.task_id, slot.init_state_id = task, init
+            slot.seed = None if seed is None else int(seed) + i
+            kwargs.append(dict(task_id=task, init_state_id=init, seed=slot.seed, render=i in self._record))
+        results = self._gather(ids, "reset", kwargs)
+        restarted = np.zeros(self.num_envs, bool)
+        frames: list = [None] * self.num_envs
+        for i in ids:
+            out = results[i]
+            if isinstance(out, _SubEnvFailure):
+                out = self._restart(i, out, render=i in self._record)
+                restarted[i] = True
+            else:
+                self._slots[i].failures = 0
+            self._accept_reset(i, out)
+            if out.frame is not None:
+                frames[i] = [out.frame]
+        info = dict(task_id=self._slot_array("task_id"), init_state_id=self._slot_array("init_state_id"),
+                    restarted=restarted, frames=frames, num_restarts=self.num_restarts)
+        return self._batch_obs(), info
+
+    def step(self, actions: np.ndarray):
+        """Step one chunk ``[B, H, A]`` in every env (see the module docstring for the returned info)."""
+        self._check_open()
+        actions = np.asarray(actions, dtype=np.float32)
+        if actions.ndim != 3 or actions.shape[0] != self.num_envs or actions.shape[2] != self.spec.action_dim:
+            raise ValueError(f"actions must have shape [B={self.num_envs}, H, A={self.spec.action_dim}], "
+                             f"got {list(actions.shape)}")
+        if any(slot.obs is None for slot in self._slots):
+            raise RuntimeError("call reset() before step()")
+        B, H, _ = actions.shape
+        ids = list(range(B))
+        results = self._gather(ids, "step", [dict(actions=actions[i], render_all=i in self._record) for i in ids])
+
+        reward = np.zeros((B, H), np.float32)                                # (B, H)
+        terminated, truncated = np.zeros(B, bool), np.zeros(B, bool)         # (B,)
+        success, restarted, was_reset = np.zeros(B, bool), np.zeros(B, bool), np.zeros(B, bool)
+        steps = np.zeros(B, np.int64)
+        episode_return, episode_length = np.zeros(B, np.float32), np.zeros(B, np.int64)
+        final_task, final_init = self._slot_array("task_id"), self._slot_array("init_state_id")
+        final_obs_rows: list[dict[str, np.ndarray]] = []
+        frames: list = [None] * B
+        reset_frames: list = [None] * B
+        for i in ids:
+            out = results[i]
+            if isinstance(out, _SubEnvFailure):
+                reset_out = self._restart(i, out, render=i in self._record)
+                self._accept_reset(i, reset_out)
+                restarted[i] = True
+                final_obs_rows.append(reset_out.obs)
+                reset_frames[i] = [reset_out.frame] if reset_out.frame is not None else None
+                continue
+            self._slots[i].failures = 0
+            reward[i, : out.steps] = out.rewards
+            terminated[i], truncated[i], success[i] = out.terminated, out.truncated, out.success
+            steps[i], episode_return[i], episode_length[i] = out.steps, out.episode_return, out.episode_length
+            frames[i] = out.frames
+            final_obs_rows.append(out.final_obs if out.final_obs is not None else out.obs)
+            if out.reset is not None:
+                was_reset[i] = True
+                self._slots[i].seed = None          # an auto-reset continues the simulator's own RNG
+                self._accept_reset(i, out.reset)
+                if out.reset.frame is not None:
+                    reset_frames[i] = [out.reset.frame]
+            else:
+                self._slots[i].obs = out.obs
+        info = dict(success=success, restarted=restarted, steps=steps, episode_return=episode_return,
+                    episode_length=episode_length, task_id=self._slot_array("task_id"),
+                    init_state_id=self._slot_array("init_state_id"), frames=frames, reset_frames=reset_frames,
+                    num_restarts=self.num_restarts)
+        if self.auto_reset:
+            info.update(final_obs=_stack(final_obs_rows), _final_obs=was_reset, final_task_id=final_task,
+                        final_init_state_id=final_init)
+        if self.reward_type == "chunk_level":
+            reward = reward.sum(axis=1)                                      # (B,)
+        return self._batch_obs(), reward, terminated, truncated, info
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        for slot in getattr(self, "_slots", []):
+            if isinstance(slot.handle, _ProcessSubEnv):
+                slot.handle.request_close()    # ask everyone first, then wait: closing is parallel too
+        for slot in getattr(self, "_slots", []):
+            slot.handle.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ProcessVectorEnv is closed")
+
+    def _per_env(self, values, n: int, name: str) -> list[int | None]:
+        if values is None:
+            return [None] * n
+        arr = np.asarray(values).reshape(-1)
+        if arr.shape[0] != n:
+            raise ValueError(f"{name} has {arr.shape[0]} entries for {n} envs to reset")
+        return [None if v is None or int(v) < 0 else int(v) for v in arr.tolist()]
+
+    def _accept_reset(self, i: int, out: _ResetOut) -> None:
+        slot = self._slots[i]
+        slot.obs = out.obs
+        slot.task_id = out.task_id
+        slot.init_state_id = None if out.init_state_id == NO_INIT_STATE else out.init_state_id
+
+    def _slot_array(self, name: str) -> np.ndarray:
+        values = [getattr(slot, name) for slot in self._slots]
+        return np.array([NO_INIT_STATE if v is None else v for v in values], np.int64)
+
+    def _batch_obs(self) -> dict[str, np.ndarray]:
+        return _stack([slot.obs for slot in self._slots])
+
+
+def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Un-batched observations -> batched dict (``task_id`` as int64 ``[B]``)."""
+    batched = {key: np.stack([np.asarray(row[key]) for row in rows]) for key in rows[0]}
+    if "task_id" in batched:
+        batched["task_id"] = batched["task_id"].astype(np.int64)
+    return batched
