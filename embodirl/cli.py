@@ -104,6 +104,8 @@ def _run(cfg) -> None:
 
     try:
         run(cfg)
+    except (ConfigError, AssetsMissing) as exc:
+        _fail(str(exc))
     except ModuleNotFoundError as exc:
         if exc.name == "embodirl.runner.loop":
             print("embodirl: the configuration is valid; the training loop (embodirl.runner.loop) is not implemented yet.")

@@ -1,0 +1,108 @@
+"""Evaluation: run a policy over an env's evaluation sweep and report per-task success.
+
+The sweep is the adapter's ``eval_schedule(cfg)`` (LIBERO: trial k of every task starts from init
+state k, 50 trials per task in the standard protocol) or, for adapters without fixed init states,
+``num_trials_per_task`` seeded episodes per task. Episodes run in batches of ``num_envs`` without
+auto-reset; each episode ends at termination or at the time limit. The first ``num_videos`` episodes
+are recorded (every low-level step, with the info overlay).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from embodirl.envs.registry import get_adapter, make_env
+from embodirl.envs.video import VideoRecorder
+from embodirl.models.base import Policy, SamplingParams
+from embodirl.rollout.inference import act
+from embodirl.runner.eval_report import EpisodeResult, build_eval_info
+
+log = logging.getLogger(__name__)
+
+
+def eval_schedule(env_cfg: Mapping, num_tasks: int) -> list[tuple[int, int]]:
+    """Ordered ``(task_id, init_state_id)`` pairs of the sweep."""
+    adapter = get_adapter(env_cfg["adapter"])
+    if hasattr(adapter, "eval_schedule"):
+        return list(adapter.eval_schedule(env_cfg))
+    tasks = env_cfg.get("task_ids") or range(num_tasks)
+    trials = env_cfg.get("init_state_ids") or range(int(env_cfg["num_trials_per_task"]))
+    return [(int(t), int(k)) for t in tasks for k in trials]
+
+
+def evaluate(policy: Policy, env_cfg: Mapping, *, out_dir: str | Path, step: int = 0, seed: int = 0,
+             greedy: bool = True, temperature: float = 1.0, episodes_per_task: int | None = None,
+             num_videos: int = 0, max_decisions: int | None = None) -> dict:
+    """Run the sweep; returns the ``eval_info`` dict (see :mod:`embodirl.runner.eval_report`)."""
+    cfg = copy.deepcopy(dict(env_cfg))
+    cfg["auto_reset"] = False
+    if episodes_per_task is not None:
+        cfg["num_trials_per_task"] = int(episodes_per_task)
+    B = int(cfg["num_envs"])
+    num_videos = min(int(num_videos), B)
+    cfg["video"] = {**dict(cfg.get("video") or {}), "enabled": num_videos > 0, "env_ids": list(range(num_videos))}
+    t_start = time.perf_counter()
+    env = make_env(cfg, num_envs=B, seed=seed)
+    try:
+        spec = env.spec
+        schedule = eval_schedule(cfg, len(spec.task_descriptions))
+        H = policy.action_chunk
+        T = max_decisions or -(-spec.max_episode_steps // H)
+        sampling = SamplingParams(greedy=greedy, temperature=temperature)
+        recorder = None
+        if num_videos:
+            recorder = VideoRecorder.for_env(env, Path(out_dir) / "videos", cfg["video"], step=step)
+        results: list[EpisodeResult] = []
+        for start in range(0, len(schedule), B):
+            part = schedule[start:start + B]
+            n = len(part)
+            padded = part + [part[-1]] * (B - n)             # keep the batch full; extra rows are dropped
+            task_ids = np.asarray([t for t, _ in padded], np.int64)
+            init_ids = np.asarray([k for _, k in padded], np.int64)
+            obs, info = env.reset(task_ids=task_ids, init_state_ids=init_ids, seed=seed + start)
+            if recorder is not None:
+                recorder.on_reset(info)
+            alive = np.ones(B, bool)
+            written: list[Path] = []
+            success = np.zeros(B, bool)
+            ret = np.zeros(B, np.float64)
+            length = np.zeros(B, np.int64)
+            for _ in range(T):
+                out = act(policy, obs, spec.task_descriptions, sampling)
+                obs, reward, terminated, truncated, info = env.step(out["action_chunk"])
+                chunk_reward = np.asarray(reward, np.float64).reshape(B, -1).sum(axis=1)
+                ret += np.where(alive, chunk_reward, 0.0)
+                length += np.where(alive, np.asarray(info["steps"]), 0)
+                success |= alive & np.asarray(info["success"], bool)
+                if recorder is not None:
+                    written += recorder.on_step(reward, terminated, truncated, info)
+                alive &= ~(np.asarray(terminated, bool) | np.asarray(truncated, bool))
+                if not alive.any():
+                    break
+            videos: dict[int, str] = {}
+            if recorder is not None:
+                written += recorder.flush()
+                for path in written:
+                    name = path.name
+                    for i in range(num_videos):
+                        if f"_env{i}_" in name and i not in videos:
+                            videos[i] = str(Path(path).relative_to(out_dir))
+                env.record_env_ids = []                      # video only for the first batch
+                recorder = None
+            for i in range(n):
+                task_id, init_id = part[i]
+                results.append(EpisodeResult(
+                    suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id], init_state_id=init_id,
+                    success=bool(success[i]), episode_return=float(ret[i]), length=int(length[i]),
+                    video_path=videos.get(i)))
+            log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
+                     np.mean([r.success for r in results]))
+    finally:
+        env.close()
+    return build_eval_info(results, eval_s=time.perf_counter() - t_start)
