@@ -1,0 +1,46 @@
+"""OpenVLA-OFT (Kim et al. 2025) with LoRA, as RLinf / SimpleVLA-RL fine-tune it with RL.
+
+Registered as policy ``openvla_oft`` (``model.name``). Files, along the dataflow:
+
+* ``config.py``     - the model config group resolved against the env (sizes, LoRA, value head);
+* ``vision.py``     - fused DINOv2 + SigLIP backbone on transformers' ViTs;
+* ``projector.py``  - patch / proprio projectors, L1 regression head, value head;
+* ``modeling.py``   - the sequence layout and one bidirectional pass for a whole action chunk;
+* ``sampling.py``   - temperature / top-k / top-p over the action ids, log-probs, entropy;
+* ``lora.py``       - peft adapters and fully trainable heads;
+* ``names.py``      - public (Prismatic/timm) parameter names <-> our modules, tensor by tensor;
+* ``weights.py`` / ``adapters.py`` / ``checkpoint.py`` - weight files, LoRA adapters, and the whole
+  public checkpoint directory, read and written;
+* ``policy.py``     - the :class:`~embodirl.models.base.Policy` (``act`` / ``evaluate`` / reference mode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from embodirl.errors import ConfigError
+from embodirl.models.openvla_oft.config import build_config
+from embodirl.models.openvla_oft.policy import OpenVLAOFTPolicy, build_policy
+from embodirl.models.openvla_oft.weights import HUB_ID
+from embodirl.models.registry import register_policy
+
+__all__ = ["OpenVLAOFTPolicy", "build_policy", "build_openvla_oft"]
+
+
+@register_policy("openvla_oft")
+def build_openvla_oft(model_cfg: Mapping, env_spec) -> OpenVLAOFTPolicy:
+    """Registry builder: ``builder(model_cfg, env_spec) -> Policy``."""
+    return build_policy(model_cfg, env_spec)
+
+
+def _check_config(model_cfg: Mapping) -> None:
+    """Cheap checks before any worker starts (no weights are built, nothing is downloaded)."""
+    build_config(model_cfg, None)
+    for key in ("path", "base_path"):
+        value = model_cfg.get(key)
+        if value and not Path(value).expanduser().exists() and not HUB_ID.fullmatch(str(value)):
+            raise ConfigError(f"model.{key}", f"'{value}' is neither an existing directory nor a hub id (owner/name)")
+
+
+build_openvla_oft.check_config = _check_config

@@ -1,0 +1,216 @@
+"""OpenVLA-OFT as an embodirl :class:`~embodirl.models.base.Policy`: observations in, action chunks out.
+
+``act`` (rollout worker, no autograd) and ``evaluate`` (learner, autograd) share one parallel-decoding
+pass (:mod:`.modeling`): the whole ``[H, A]`` chunk's ``L = H * A`` token distributions come from one
+forward, so recomputing log-probs for given tokens is exactly the sampling-time computation. Action
+slots carry no token content, hence the tokens being scored do not enter the forward at all.
+
+Observation dict: ``images`` uint8 ``[B, V_env, 3, h, w]`` (the first ``num_images_in_input`` cameras
+are used: agentview, then wrist), ``state`` float32 ``[B, S]`` (raw proprio, normalised here with the
+checkpoint's statistics), and either ``instruction`` (list of B strings) or ``task_id`` int64 ``[B]``
+indexing the env's task table (``env_spec.task_descriptions``) - a trajectory batch carries only the
+latter, so the learner's ``evaluate`` works from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from embodirl import data as D
+from embodirl.errors import ConfigError
+from embodirl.models.base import Policy, SamplingParams
+from embodirl.models.normalization import BoundsNormalizer, resolve_unnorm_key
+from embodirl.models.openvla_oft import checkpoint as ckpt
+from embodirl.models.openvla_oft.adapters import load_live_adapter
+from embodirl.models.openvla_oft.config import OFTConfig, build_config
+from embodirl.models.openvla_oft.lora import apply_lora
+from embodirl.models.openvla_oft.modeling import OpenVLAOFT, build_model
+from embodirl.models.openvla_oft.weights import canonical_parameters
+from embodirl.models.openvla_oft.sampling import log_prob_and_entropy, sample
+from embodirl.models.processor import DINO_MEAN, DINO_STD, SIGLIP_MEAN, SIGLIP_STD, ImageProcessor, PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+INSTRUCTION = "instruction"
+LOGPROB, ENTROPY = "logprob", "entropy"
+
+
+class OpenVLAOFTPolicy(Policy):
+    """See module docstring. Build with :func:`build_policy`."""
+
+    action_field = D.ACTION_TOKENS
+
+    def __init__(self, cfg: OFTConfig, core: OpenVLAOFT, *, model_cfg: Mapping,
+                 loaded: ckpt.LoadedCheckpoint | None = None, task_descriptions: list[str] | None = None):
+        super().__init__()
+        self.task_descriptions = list(task_descriptions or [])
+        self.cfg = cfg
+        self.action_chunk = cfg.action_chunk
+        self.action_dim = cfg.action_dim
+        self.value_type = cfg.value_type
+        self.model_cfg = dict(model_cfg)
+        self._loaded = loaded
+        self.vla = apply_lora(core, cfg.lora) if cfg.lora.enabled else core
+        if loaded is not None:
+            self._apply_deferred(loaded)
+        self.action_tokenizer = core.action_tokenizer
+        self.prompts = PromptTokenizer(loaded.tokenizer if loaded is not None else None)
+        means, stds = (loaded.image_means_stds if loaded is not None and loaded.image_means_stds
+                       else ((DINO_MEAN, SIGLIP_MEAN), (DINO_STD, SIGLIP_STD)))
+        self.images = ImageProcessor(cfg.image_size, cfg.center_crop, means, stds)
+        self.statistics = loaded.statistics if loaded is not None else None
+        self.unnorm_key, self.action_normalizer, self.proprio_normalizer = self._normalizers()
+
+    # --- construction helpers ------------------------------------------------------------------
+    def _apply_deferred(self, loaded: ckpt.LoadedCheckpoint) -> None:
+        if loaded.live_adapter is not None:
+            load_live_adapter(self.core, self.cfg, loaded.live_adapter)
+        if loaded.trained_proprio is not None:
+            active = canonical_parameters(self.core, "active")
+            with torch.no_grad():
+                for key, tensor in loaded.trained_proprio.items():
+                    active[f"{ckpt.PROPRIO}.{key}"].copy_(tensor)
+
+    def _normalizers(self):
+        cfg = self.cfg
+        if self.statistics is None:
+            if cfg.path is not None:
+                log.warning("checkpoint %s has no dataset statistics: actions and proprio are not "
+                            "(un-)normalised", cfg.path)
+            proprio = BoundsNormalizer.identity(cfg.proprio_dim) if cfg.use_proprio else None
+            return None, BoundsNormalizer.identity(cfg.action_dim), proprio
+        key = resolve_unnorm_key(self.statistics, cfg.unnorm_key)
+        entry = self.statistics[key]
+        action = BoundsNormalizer.from_statistics(entry["action"], cfg.normalization)
+        if action.dim != cfg.action_dim:
+            raise ConfigError("model.action_dim", f"is {cfg.action_dim} but the '{key}' statistics describe "
+                                                  f"{action.dim}-D actions")
+        proprio = None
+        if cfg.use_proprio:
+            if "proprio" not in entry:
+                raise ConfigError("model.use_proprio", f"the '{key}' statistics have no proprio entry")
+            proprio = BoundsNormalizer.from_statistics(entry["proprio"], cfg.normalization)
+            if proprio.dim != cfg.proprio_dim:
+                raise ConfigError("model.proprio_dim", f"is {cfg.proprio_dim} but the '{key}' statistics "
+                                                       f"describe a {proprio.dim}-D proprio state")
+        return key, action, proprio
+
+    # --- structure -------------------------------------------------------------------------------
+    @property
+    def core(self) -> OpenVLAOFT:
+        """The OFT network (LoRA layers injected in place when adapters are on)."""
+        return self.vla.get_base_model() if hasattr(self.vla, "get_base_model") else self.vla
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.projector.fc1.weight.device
+
+    # --- inputs ----------------------------------------------------------------------------------
+    def prepare_inputs(self, obs: Mapping) -> dict[str, torch.Tensor | None]:
+        """Observation dict -> the network's keyword inputs (pixels, prompt ids/mask, normalised proprio),
+        on the policy's device."""
+        device = self.device
+        images = obs.get(D.IMAGES)
+        if images is None:
+            raise KeyError(f"OpenVLA-OFT needs obs['{D.IMAGES}'] (uint8 [B, V, 3, h, w])")
+        images = torch.from_numpy(np.ascontiguousarray(images)) if isinstance(images, np.ndarray) else images
+        if images.ndim != 5 or images.shape[1] < self.cfg.num_images_in_input:
+            raise ValueError(f"obs['{D.IMAGES}'] has shape {tuple(images.shape)}; expected [B, V>="
+                             f"{self.cfg.num_images_in_input}, 3, h, w]")
+        B = images.shape[0]
+        pixel_values = self.images(images[:, : self.cfg.num_images_in_input].to(device))
+        instructions = obs.get(INSTRUCTION)
+        if instructions is None and obs.get(D.TASK_ID) is not None and self.task_descriptions:
+            task_ids = torch.as_tensor(np.asarray(obs[D.TASK_ID]) if not torch.is_tensor(obs[D.TASK_ID])
+                                       else obs[D.TASK_ID]).reshape(-1).tolist()
+            instructions = [self.task_descriptions[int(t)] for t in task_ids]
+        if instructions is None or len(instructions) != B:
+            raise ValueError(f"obs needs '{INSTRUCTION}' (one string per batch element) or '{D.TASK_ID}' "
+                             f"indexing the env's task table ({B} elements)")
+        prompt_ids, prompt_mask = self.prompts(list(instructions), device)
+        proprio = None
+        if self.cfg.use_proprio:
+            state = obs.get(D.STATE)
+            if state is None:
+                raise KeyError(f"this policy uses proprio: obs['{D.STATE}'] (float32 [B, S]) is required")
+            state = torch.as_tensor(np.asarray(state) if not torch.is_tensor(state) else state)
+            proprio = self.proprio_normalizer.normalize(state.to(device=device, dtype=torch.float32))
+        return {"pixel_values": pixel_values, "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                "proprio": proprio}
+
+    # --- Policy interface --------------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, obs: dict, sampling: SamplingParams, *, return_value: bool = False) -> dict[str, torch.Tensor]:
+        out = self.core(**self.prepare_inputs(obs))
+        B, L, _ = out.action_logits.shape
+        H, A = self.action_chunk, self.action_dim
+        tok = self.action_tokenizer
+        if self.cfg.use_l1_regression:
+            # continuous head (OFT's L1 variant): deterministic; tokens are the discretised actions
+            normalized = self.core.regress_actions(out.action_hidden)                  # (B, H, A)
+            tokens = tok.encode(normalized.reshape(B, L))                              # (B, L)
+            temperature = 1.0 if sampling.greedy else sampling.temperature
+            logprob, _ = log_prob_and_entropy(out.action_logits, tok.ids_to_index(tokens), temperature, False)
+        else:
+            index, logprob = sample(out.action_logits, sampling)                        # (B, L), (B, L)
+            tokens = tok.index_to_ids(index)                                           # (B, L)
+            normalized = tok.decode(tokens).reshape(B, H, A)                           # (B, H, A)
+        result = {D.ACTION_CHUNK: self.action_normalizer.unnormalize(normalized),   # (B, H, A)
+                  D.ACTION_TOKENS: tokens, D.LOGPROB_BEHAVIOR: logprob}
+        if return_value:
+            result[D.VALUE] = self.core.values(out.prompt_hidden)                    # (B,) or (B, H)
+        return result
+
+    def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
+                 return_value: bool = True, return_entropy: bool = True) -> dict[str, torch.Tensor]:
+        out = self.core(**self.prepare_inputs(obs))
+        tokens = torch.as_tensor(actions).to(self.device)
+        if tokens.shape != out.action_logits.shape[:2]:
+            raise ValueError(f"action tokens have shape {tuple(tokens.shape)}, expected {tuple(out.action_logits.shape[:2])}")
+        if not bool(self.action_tokenizer.is_action_id(tokens).all()):
+            raise ValueError("action tokens contain ids outside the action vocabulary")
+        index = self.action_tokenizer.ids_to_index(tokens)                            # (B, L)
+        logprob, entropy = log_prob_and_entropy(out.action_logits, index, temperature, return_entropy)
+        result = {LOGPROB: logprob}
+        if return_entropy:
+            result[ENTROPY] = entropy
+        if return_value:
+            result[D.VALUE] = self.core.values(out.prompt_hidden)
+        return result
+
+    @contextlib.contextmanager
+    def reference_mode(self):
+        """Adapters off: the policy as loaded (LoRA layers bypassed, original heads)."""
+        if not hasattr(self.vla, "disable_adapter"):
+            raise NotImplementedError("this OpenVLA-OFT policy has no LoRA adapter (model.lora.enabled is false), "
+                                      "so it has no separate reference policy")
+        with self.vla.disable_adapter():
+            yield
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def save_pretrained(self, directory, *, step: int = 0, max_shard_bytes: int = ckpt.DEFAULT_MAX_SHARD_BYTES):
+        """Write the public OpenVLA-OFT layout plus the value head (see :mod:`.checkpoint`)."""
+        return ckpt.save(self.core, self.cfg, directory, step=step, model_cfg=self.model_cfg,
+                         statistics=self.statistics, tokenizer=self.prompts.tokenizer,
+                         image_config=self.images.to_config(), source=self._loaded,
+                         max_shard_bytes=max_shard_bytes)
+
+
+def build_policy(model_cfg: Mapping, env_spec=None, *, device: torch.device | str | None = None) -> OpenVLAOFTPolicy:
+    """The policy a ``model`` config describes: random init (``path: null``) or a checkpoint.
+
+    ``device`` (default: ``model_cfg['device']``, else CPU) is where the weights are created; ``"meta"``
+    builds the structure without memory (random init only)."""
+    cfg = build_config(model_cfg, env_spec)
+    device = device or model_cfg.get("device") or "cpu"
+    if cfg.path is not None and torch.device(device).type == "meta":
+        raise ConfigError("model.device", "a checkpoint cannot be loaded onto the meta device")
+    core = build_model(cfg, device, init_weights=cfg.path is None)
+    loaded = ckpt.load_base(core, cfg, model_cfg.get("base_path")) if cfg.path is not None else None
+    tasks = list(env_spec.task_descriptions) if env_spec is not None else None
+    return OpenVLAOFTPolicy(cfg, core, model_cfg=model_cfg, loaded=loaded, task_descriptions=tasks)

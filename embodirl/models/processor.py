@@ -1,0 +1,198 @@
+"""OpenVLA-OFT's input processing, batched on tensors: camera images -> fused-tower pixels, instructions -> prompt ids.
+
+Images follow OFT's LIBERO evaluation (``experiments/robot/openvla_utils.py`` of openvla-oft) and the
+Prismatic image processor of the checkpoint:
+
+1. resize to ``image_size`` when the camera renders another size, rounding back to uint8 levels
+   (OFT: JPEG round trip + TF ``lanczos3`` antialiased resize; torch has no Lanczos kernel, so the
+   antialiased bicubic resize is used - the one deliberate deviation);
+2. optionally the "90 % area" centre crop of models trained with random-crop augmentation: TF
+   ``crop_and_resize`` (bilinear, box corners on pixel centres) of the central ``sqrt(0.9)`` square back to
+   ``image_size``, then TF's float->uint8 conversion (``x * 255.5`` truncated);
+3. per-tower normalisation (DINOv2: ImageNet mean/std; SigLIP: 0.5/0.5) stacked on the channel axis,
+   6 channels per image, images (agentview, then wrist) concatenated on the channel axis.
+
+Prompts are OFT's ``In: What action should the robot take to {instruction.lower()}?\\nOut:``; the
+ids always end with Llama-2's empty piece ``"▁"`` (29871), which OFT appends when the tokenizer does
+not produce it, because the training sequences had it before the first action token. Checkpoints
+bring their own tokenizer (``tokenizer.json``); a randomly initialised policy has no vocabulary to
+match and uses :class:`HashWordTokenizer`, one id per word or punctuation mark (about as many tokens as
+Llama-2's tokenizer produces, which keeps the tiny preset's sequences realistic in length).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# --- Llama-2 special ids (OpenVLA's prompt and sequence layout) --------------------------------
+LLAMA_BOS_ID = 1
+LLAMA_STOP_ID = 2             # "</s>": OFT appends it after the action slots
+LLAMA_EMPTY_PIECE_ID = 29871  # "▁": the piece between "Out:" and the first action token
+LLAMA_PAD_ID = 32000          # OpenVLA's added "<PAD>" token
+#: ids the hashing tokenizer may use: above Llama-2's special and byte-fallback ids ("<0xFF>" is 258),
+#: below the action ids (the last 256 of the 32000)
+HASH_ID_LOW, HASH_ID_HIGH = 259, 31744
+PROMPT_TEMPLATE = "In: What action should the robot take to {instruction}?\nOut:"
+
+# --- image constants -----------------------------------------------------------------------------
+#: DINOv2 (timm ``vit_large_patch14_reg4_dinov2``) and SigLIP (``vit_so400m_patch14_siglip_224``) data configs
+DINO_MEAN, DINO_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+RGB_CHANNELS = 3
+TOWERS = 2
+CHANNELS_PER_IMAGE = RGB_CHANNELS * TOWERS
+#: OFT evaluation crops the central 90 % of the image area (side sqrt(0.9)) for augmentation-trained models
+CENTER_CROP_AREA = 0.9
+UINT8_MAX = 255.0
+#: TF ``convert_image_dtype`` float -> uint8 scales by ``max + 0.5`` before truncating
+TF_FLOAT_TO_UINT8_SCALE = UINT8_MAX + 0.5
+PROMPT_CACHE_SIZE = 4096
+
+
+def _as_uint8_tensor(images) -> torch.Tensor:
+    if isinstance(images, np.ndarray):
+        images = torch.from_numpy(np.ascontiguousarray(images))
+    if images.dtype != torch.uint8:
+        raise TypeError(f"images must be uint8, got {images.dtype}")
+    return images
+
+
+def resize_uint8_levels(images: torch.Tensor, size: int) -> torch.Tensor:
+    """Antialiased bicubic resize of float images in [0, 255] ``(N, C, h, w)`` -> ``(N, C, size, size)``,
+    rounded and clipped to uint8 levels (kept as float)."""
+    out = F.interpolate(images, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
+    return out.round().clamp(0.0, UINT8_MAX)
+
+
+def tf_center_crop_and_resize(images: torch.Tensor, area: float, size: int) -> torch.Tensor:
+    """TF ``crop_and_resize`` (bilinear) of the central square covering ``area`` of the image.
+
+    ``images``: float ``(N, C, H, W)`` in [0, 1]. Box corners are normalised coordinates mapped onto pixel
+    centres (``y = y1 * (H - 1) + i * (y2 - y1) * (H - 1) / (size - 1)``), which is ``grid_sample`` with
+    ``align_corners=True``. Returns ``(N, C, size, size)``.
+    """
+    N, _, H, W = images.shape
+    side = math.sqrt(min(max(area, 0.0), 1.0))
+    lo, hi = (1.0 - side) / 2.0, (1.0 + side) / 2.0
+    steps = torch.linspace(0.0, 1.0, size, device=images.device, dtype=torch.float32)  # (size,)
+    # normalised box coordinate -> grid_sample coordinate in [-1, 1] (align_corners=True: -1/+1 = pixel centres)
+    coords = 2.0 * (lo + steps * (hi - lo)) - 1.0  # (size,)
+    gy, gx = torch.meshgrid(coords, coords, indexing="ij")  # (size, size)
+    grid = torch.stack([gx, gy], dim=-1).expand(N, size, size, 2)  # (N, size, size, 2): (x, y) order
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=True)
+
+
+class ImageProcessor:
+    """uint8 ``[B, V, 3, h, w]`` camera images -> float32 pixels ``[B, V * 6, S, S]`` for the fused towers.
+
+    Runs on the device of its input (the rollout worker passes GPU tensors straight from the obs channel).
+    """
+
+    def __init__(self, image_size: int, center_crop: bool = False,
+                 means: Sequence[Sequence[float]] = (DINO_MEAN, SIGLIP_MEAN),
+                 stds: Sequence[Sequence[float]] = (DINO_STD, SIGLIP_STD),
+                 crop_area: float = CENTER_CROP_AREA):
+        if len(means) != TOWERS or len(stds) != TOWERS:
+            raise ValueError(f"the fused backbone needs {TOWERS} means/stds (DINOv2, SigLIP), got {len(means)}")
+        self.image_size = int(image_size)
+        self.center_crop = bool(center_crop)
+        self.crop_area = float(crop_area)
+        self.means = torch.tensor(means, dtype=torch.float32).reshape(TOWERS * RGB_CHANNELS, 1, 1)  # (6, 1, 1)
+        self.stds = torch.tensor(stds, dtype=torch.float32).reshape(TOWERS * RGB_CHANNELS, 1, 1)    # (6, 1, 1)
+
+    def __call__(self, images) -> torch.Tensor:
+        images = _as_uint8_tensor(images)
+        if images.ndim != 5 or images.shape[2] != RGB_CHANNELS:
+            raise ValueError(f"images must be [B, V, 3, h, w] uint8, got shape {tuple(images.shape)}")
+        B, V, C, h, w = images.shape
+        S = self.image_size
+        x = images.reshape(B * V, C, h, w).to(torch.float32)  # (B*V, 3, h, w) in [0, 255]
+        if (h, w) != (S, S):
+            x = resize_uint8_levels(x, S)  # (B*V, 3, S, S)
+        if self.center_crop:
+            x = tf_center_crop_and_resize(x / UINT8_MAX, self.crop_area, S).clamp(0.0, 1.0)
+            x = torch.trunc(x * TF_FLOAT_TO_UINT8_SCALE).clamp(0.0, UINT8_MAX)  # (B*V, 3, S, S) uint8 levels
+        x = x / UINT8_MAX
+        stacked = x.repeat(1, TOWERS, 1, 1)  # (B*V, 6, S, S): DINOv2 channels then SigLIP channels
+        stacked = (stacked - self.means.to(x.device)) / self.stds.to(x.device)
+        return stacked.reshape(B, V * CHANNELS_PER_IMAGE, S, S)
+
+    def to_config(self) -> dict:
+        """Prismatic ``preprocessor_config.json`` fields describing this processor."""
+        means = self.means.reshape(TOWERS, RGB_CHANNELS).tolist()
+        stds = self.stds.reshape(TOWERS, RGB_CHANNELS).tolist()
+        return {"image_processor_type": "PrismaticImageProcessor", "use_fused_vision_backbone": True,
+                "image_resize_strategy": "resize-naive",
+                "input_sizes": [[RGB_CHANNELS, self.image_size, self.image_size]] * TOWERS,
+                "interpolations": ["bicubic"] * TOWERS, "means": means, "stds": stds}
+
+
+class HashWordTokenizer:
+    """Tokenizer for policies without a checkpoint: every word or punctuation mark becomes one id by a
+    stable hash (CRC-32) into ``[HASH_ID_LOW, HASH_ID_HIGH)``. It needs no files and is the same in every
+    process; a randomly initialised model has no vocabulary to match anyway."""
+
+    PIECES = re.compile(r"\w+|[^\w\s]")
+
+    def encode(self, text: str) -> list[int]:
+        span = HASH_ID_HIGH - HASH_ID_LOW
+        return [HASH_ID_LOW + zlib.crc32(piece.encode("utf-8")) % span for piece in self.PIECES.findall(text)]
+
+
+class PromptTokenizer:
+    """Instructions -> left-padded prompt ids without BOS (the model places BOS itself).
+
+    ``tokenizer`` is a transformers tokenizer (from the checkpoint) or ``None`` for
+    :class:`HashWordTokenizer`. Ids per instruction are cached: an env group repeats a few instructions.
+    """
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self._words = HashWordTokenizer() if tokenizer is None else None
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    @staticmethod
+    def prompt(instruction: str) -> str:
+        return PROMPT_TEMPLATE.format(instruction=instruction.lower())
+
+    def prompt_ids(self, instruction: str) -> tuple[int, ...]:
+        """Ids of the prompt after BOS, ending with :data:`LLAMA_EMPTY_PIECE_ID`."""
+        ids = self._cache.get(instruction)
+        if ids is not None:
+            return ids
+        text = self.prompt(instruction)
+        if self._words is not None:
+            out = self._words.encode(text)
+        else:
+            out = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+            bos = self.tokenizer.bos_token_id
+            if out and bos is not None and out[0] == bos:
+                out = out[1:]
+        if not out or out[-1] != LLAMA_EMPTY_PIECE_ID:
+            out.append(LLAMA_EMPTY_PIECE_ID)
+        ids = tuple(out)
+        if len(self._cache) >= PROMPT_CACHE_SIZE:
+            self._cache.clear()
+        self._cache[instruction] = ids
+        return ids
+
+    def __call__(self, instructions: Sequence[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``ids`` int64 ``[B, M]`` (left-padded with :data:`LLAMA_PAD_ID`) and ``mask`` bool
+        ``[B, M]`` (True on real tokens), M the longest prompt of the batch."""
+        if isinstance(instructions, str):
+            raise TypeError("instructions must be a list of strings, one per batch element")
+        rows = [self.prompt_ids(str(t)) for t in instructions]
+        M = max(len(r) for r in rows)
+        ids = torch.full((len(rows), M), LLAMA_PAD_ID, dtype=torch.int64)  # (B, M)
+        mask = torch.zeros((len(rows), M), dtype=torch.bool)               # (B, M)
+        for i, r in enumerate(rows):
+            ids[i, M - len(r):] = torch.tensor(r, dtype=torch.int64)
+            mask[i, M - len(r):] = True
+        return ids.to(device), mask.to(device)
