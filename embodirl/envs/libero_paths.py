@@ -19,12 +19,13 @@ from pathlib import Path
 
 import yaml
 
+from embodirl.errors import AssetsMissing
 from embodirl.paths import cache_dir, source_root
 
 ASSETS_ENV_VAR = "EMBODIRL_LIBERO_ASSETS"
 
 
-class LiberoAssetsMissing(FileNotFoundError):
+class LiberoAssetsMissing(AssetsMissing):
     """The LIBERO asset folder is not where the settings say."""
 
 

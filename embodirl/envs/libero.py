@@ -1,0 +1,638 @@
+"""LIBERO (robosuite 1.4 + MuJoCo) behind :class:`~embodirl.envs.base.SimEnv`, following the OpenVLA-OFT
+LIBERO evaluation protocol.
+
+The protocol (OpenVLA-OFT ``experiments/robot/libero/run_libero_eval.py``), and where this module keeps it:
+
+* **Scene**: one ``OffScreenRenderEnv`` per task, built from the task's BDDL file with cameras of
+  ``image_size`` (OFT renders 256x256 and lets the processor resize).
+* **Episode start**: ``env.reset()``, then ``env.set_init_state(init_states[k])`` with the package's
+  ``get_task_init_states`` (50 per task); trial k of a task uses init state k (:func:`eval_schedule`).
+  Then ``num_settle_steps`` (10) no-op steps ``[0, 0, 0, 0, 0, 0, -1]`` let objects settle; they do not
+  count towards ``max_episode_steps`` (220 / 280 / 300 / 520 / 400 policy steps for spatial / object /
+  goal / 10 / 90, in the suite YAMLs) and their done flag is ignored.
+* **Observation**: cameras ``agentview`` and ``wrist`` (robosuite's ``robot0_eye_in_hand``), each image
+  rotated by 180 degrees (``img[::-1, ::-1]``: both axes flipped, as OFT does to match its training
+  data), returned as uint8 ``[V, 3, h, w]``; an 8-D proprio ``state``: end-effector position (3), the
+  axis-angle of the end-effector quaternion (3, OFT's ``quat2axisangle``: ``2*acos(w)`` about
+  ``xyz/|xyz|``, zero when ``w = +-1``) and the two gripper finger positions (2).
+* **Gripper**: the policy's last action dim is in [0, 1] with 1 = open (OFT's normalisation). OFT
+  executes ``invert_gripper_action(normalize_gripper_action(a, binarize=True))``: ``sign(2g - 1)``
+  then a sign flip, i.e. LIBERO's -1 = open, +1 = close. Here ``g > 0.5`` -> -1 (open) and
+  ``g <= 0.5`` -> +1 (close); the only difference is ``g == 0.5`` exactly, where OFT's ``sign`` gives 0
+  (keep the gripper's current command) and this module closes. The other six dims (end-effector delta
+  position / rotation for robosuite's OSC_POSE controller) pass through unchanged.
+* **Success**: the env's done flag (``env._check_success()``, the BDDL goal predicates); the episode
+  terminates on success. **Reward**: sparse, 1.0 at a step after which the goal holds, else 0 (the
+  reward LIBERO itself returns). With ``ignore_terminations`` the chunk is not cut at success and every
+  step on which the goal holds earns 1.0 (the vector env reports success-so-far).
+
+Four departures make the same episodes cheaper; each is tested to change no observation (a test
+drives a stock ``OffScreenRenderEnv`` the OFT way next to the adapter and compares bit for bit):
+
+* **Render at decisions only.** Within an action chunk the H-1 intermediate steps run physics only:
+  robosuite's camera sensors are gated (they return a blank image while closed) and only the chunk's
+  last step renders, unless ``render_all`` (video). robosuite samples all observables at one substep
+  of every control step whose phase depends on the reset history, so the gate swaps the sensors'
+  output, never their timing; the image at the chunk's end is bit-identical to rendering every step.
+  A chunk cut short by success renders the terminal image from a copy of the simulator taken at that
+  step's sampling substep (``mj_copyData``), so early ends are bit-identical too.
+* **Cheap reset.** LIBERO's default hard reset rebuilds the MuJoCo model and the renderer (seconds).
+  Here the env is built with ``hard_reset=False`` and kept per task: a reset is robosuite's soft reset
+  (``sim.reset()`` and the usual re-initialisation) plus zeroing the gripper's accumulated command
+  (``gripper.current_action``, which a hard reset re-creates and a soft one would keep), then
+  ``set_init_state`` - the resulting episode equals a hard reset's step for step.
+* **No repeated forward pass.** Within ``env.step`` robosuite runs MuJoCo's forward pass before the
+  controller, and the OSC controller runs it again on the same state; the controllers get a ``sim``
+  whose ``forward`` is skipped during steps (about a third less physics time per step).
+* **Deterministic scene.** Each reset re-samples the placement of fixtures (cabinets, stoves: up to
+  about 1 cm) from numpy's global RNG, which the init-state vector does not cover; OFT inherits that
+  randomness from ``env.seed(0)`` and the reset order. Here numpy's global RNG is seeded from
+  ``(task_id, init_state_id)`` before each reset, so an init state id names one whole scene: GRPO
+  groups that share it see the same scene, and evaluation is reproducible in any order.
+
+Faults: a simulator that goes unstable (non-finite ``qpos``/``qvel`` or MuJoCo's bad-state warnings,
+after which MuJoCo silently resets the data) raises :class:`SimulationUnstable` from ``step_chunk``; the
+vector env then replaces the sub-env.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from embodirl import runtime
+from embodirl.envs import libero_paths
+from embodirl.envs.base import ChunkResult, EnvSpec, SimEnv
+from embodirl.envs.registry import register_adapter
+from embodirl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# task count per suite (libero/libero/benchmark/libero_suite_task_map.py; a test checks it)
+SUITE_NUM_TASKS = {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10, "libero_10": 10, "libero_90": 90}
+# config camera name -> robosuite camera; LIBERO's scenes all define these (the slow test checks)
+CAMERAS = {
+    "agentview": "agentview",
+    "wrist": "robot0_eye_in_hand",
+    "robot0_eye_in_hand": "robot0_eye_in_hand",
+    "frontview": "frontview",
+    "birdview": "birdview",
+    "sideview": "sideview",
+}
+ACTION_DIM = 7                  # OSC_POSE delta (6) + gripper (1)
+STATE_DIM = 8                   # eef pos (3) + axis-angle (3) + gripper qpos (2)
+GRIPPER_OPEN_THRESHOLD = 0.5    # policy gripper g > 0.5 means open
+LIBERO_GRIPPER_OPEN = -1.0
+LIBERO_GRIPPER_CLOSE = 1.0
+SETTLE_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, LIBERO_GRIPPER_OPEN])   # OFT's dummy action
+SUCCESS_REWARD = 1.0
+SCENE_SEED = 20_231_031         # numpy's global RNG is seeded from (SCENE_SEED, task, init state)
+REWARD_TYPES = ("chunk_level", "action_level")
+# robosuite observables the adapter reads; the others (object poses) are switched off to save time
+EEF_POS, EEF_QUAT, GRIPPER_QPOS = "robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos"
+_PROPRIO_OBSERVABLES = (EEF_POS, EEF_QUAT, GRIPPER_QPOS)
+
+
+class SimulationUnstable(RuntimeError):
+    """The MuJoCo state became non-finite or invalid; the episode cannot continue."""
+
+
+# --------------------------------------------------------------------------------------------------
+# protocol pieces (pure functions)
+# --------------------------------------------------------------------------------------------------
+def quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:
+    """Quaternion ``[4]`` (x, y, z, w; robosuite's order) -> axis-angle ``[3]``, as OFT's ``quat2axisangle``:
+    ``w`` clipped to [-1, 1], angle ``2*acos(w)`` in [0, 2*pi], zero vector when ``sqrt(1 - w^2) == 0``."""
+    quat = np.asarray(quat, np.float64)
+    w = min(max(float(quat[3]), -1.0), 1.0)
+    den = math.sqrt(1.0 - w * w)
+    if den == 0.0:
+        return np.zeros(3)
+    return quat[:3] * 2.0 * math.acos(w) / den
+
+
+def proprio_state(raw_obs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """robosuite observation dict -> OFT's 8-D state float32 ``[8]``."""
+    return np.concatenate([raw_obs[EEF_POS], quat_to_axis_angle(raw_obs[EEF_QUAT]),
+                           raw_obs[GRIPPER_QPOS]]).astype(np.float32)
+
+
+def to_libero_action(action: np.ndarray) -> np.ndarray:
+    """Policy action ``[7]`` (gripper in [0, 1], 1 = open) -> LIBERO action ``[7]`` (-1 = open, +1 = close)."""
+    out = np.array(action, np.float64)                                       # (7,)
+    out[-1] = LIBERO_GRIPPER_OPEN if out[-1] > GRIPPER_OPEN_THRESHOLD else LIBERO_GRIPPER_CLOSE
+    return out
+
+
+def flip_image(image_hwc: np.ndarray) -> np.ndarray:
+    """robosuite camera image ``[h, w, 3]`` -> rotated by 180 degrees, channels first ``[3, h, w]``."""
+    return np.ascontiguousarray(image_hwc[::-1, ::-1].transpose(2, 0, 1))
+
+
+def scene_seed(task_id: int, init_state_id: int) -> int:
+    """numpy global seed (uint32) for the fixture placement of ``(task_id, init_state_id)``."""
+    return int(np.random.SeedSequence([SCENE_SEED, task_id, init_state_id]).generate_state(1)[0])
+
+
+@contextlib.contextmanager
+def _global_numpy_seed(seed: int):
+    """LIBERO's samplers draw from numpy's global RNG: seed it for the block, then put the caller's back."""
+    state = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        yield
+    finally:
+        np.random.set_state(state)
+
+
+# --------------------------------------------------------------------------------------------------
+# the suite's static facts
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SuiteInfo:
+    """Tasks of one LIBERO suite in the package's order (task order 0, as OFT uses)."""
+
+    name: str
+    descriptions: list[str]
+    bddl_files: list[Path]
+    num_init_states: list[int]
+    benchmark: object               # libero.libero.benchmark.Benchmark
+
+    def init_states(self, task_id: int) -> np.ndarray:
+        """float64 ``[K, D]`` flattened MuJoCo states (time, qpos, qvel) of task ``task_id``."""
+        return np.asarray(self.benchmark.get_task_init_states(task_id))
+
+
+@functools.lru_cache(maxsize=None)
+def _suite_info(suite: str, assets: str) -> SuiteInfo:
+    libero = libero_paths.prepare(assets)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:   # the package prints its task order
+        from libero.libero import benchmark  # noqa: PLC0415 - after prepare()
+
+        bench = benchmark.get_benchmark_dict()[suite]()
+    if printed.getvalue().strip():
+        log.debug("libero: %s", printed.getvalue().strip())
+    bddl_root = Path(libero.get_libero_path("bddl_files"))
+    tasks = [bench.get_task(i) for i in range(bench.get_num_tasks())]
+    return SuiteInfo(
+        name=suite,
+        descriptions=[task.language for task in tasks],
+        bddl_files=[bddl_root / task.problem_folder / task.bddl_file for task in tasks],
+        num_init_states=[len(bench.get_task_init_states(i)) for i in range(len(tasks))],
+        benchmark=bench,
+    )
+
+
+def suite_info(cfg: Mapping) -> SuiteInfo:
+    """The suite an env config names (assets resolved as :mod:`libero_paths` says)."""
+    assets = libero_paths.resolve_assets_dir(cfg.get("assets_path"))
+    return _suite_info(cfg["suite"], str(assets))
+
+
+def task_pool(cfg: Mapping) -> list[int]:
+    """Task ids the config uses (``task_ids``; null = the whole suite)."""
+    ids = cfg.get("task_ids")
+    return [int(t) for t in ids] if ids is not None else list(range(SUITE_NUM_TASKS[cfg["suite"]]))
+
+
+def eval_schedule(cfg: Mapping) -> list[tuple[int, int]]:
+    """The evaluation sweep as ordered ``(task_id, init_state_id)`` pairs: for every task of the pool,
+    trial k uses init state k (``num_trials_per_task`` trials), or the listed ``init_state_ids``."""
+    explicit = cfg.get("init_state_ids")
+    trials = [int(i) for i in explicit] if explicit is not None else list(range(int(cfg["num_trials_per_task"])))
+    return [(task, init) for task in task_pool(cfg) for init in trials]
+
+
+# --------------------------------------------------------------------------------------------------
+# rendering only where needed
+# --------------------------------------------------------------------------------------------------
+class _CameraGate:
+    """Wraps a robosuite env's camera sensors so that they render only while ``open``.
+
+    Closed, a sensor returns a blank image of the right shape; robosuite's observable timing is
+    untouched. With ``keep_snapshot`` a closed gate also copies the simulator data (and the site colours
+    LIBERO toggles) at the sampling substep, so that :meth:`render_snapshot` can later produce exactly
+    the images the sensors would have returned then.
+    """
+
+    def __init__(self, env, camera_names: Sequence[str]):
+        import mujoco  # noqa: PLC0415 - after runtime.configure()
+
+        self._mujoco = mujoco
+        self.env = env                              # robosuite env (LIBERO problem class)
+        self.names = [f"{cam}_image" for cam in camera_names]
+        self.open = True
+        self.keep_snapshot = False
+        self._real = {}
+        self._blank = {}
+        self._snapshot = None
+        self._backup = None
+        self._snapshot_time = None
+        self._snapshot_rgba = None
+        self.install()
+
+    def install(self) -> None:
+        """Wrap the camera observables' sensors."""
+        for name in self.names:
+            observable = self.env._observables[name]
+            real = observable._sensor
+            self._real[name] = real
+            self._blank[name] = np.zeros(observable._data_shape, np.uint8)           # (h, w, 3)
+
+            def gated(obs_cache, _name=name, _real=real):
+                if self.open:
+                    return _real(obs_cache)
+                if self.keep_snapshot:
+                    self._take_snapshot()
+                return self._blank[_name]
+
+            gated.__modality__ = real.__modality__
+            # set directly: Observable.set_sensor would call (and so render) the sensor once
+            observable._sensor = gated
+
+    def _take_snapshot(self) -> None:
+        sim = self.env.sim
+        data = sim.data._data
+        if self._snapshot_time == data.time:        # cameras sample at the same substep: copy once
+            return
+        model = sim.model._model
+        if self._snapshot is None:
+            self._snapshot = self._mujoco.MjData(model)
+        self._mujoco.mj_copyData(self._snapshot, model, data)
+        self._snapshot_rgba = np.array(sim.model.site_rgba)
+        self._snapshot_time = data.time
+
+    def forget_snapshot(self) -> None:
+        self._snapshot_time = None
+
+    @property
+    def has_snapshot(self) -> bool:
+        return self._snapshot_time is not None
+
+    def render_snapshot(self) -> dict[str, np.ndarray]:
+        """Camera images ``{observable: [h, w, 3]}`` of the last snapshot; the simulator is left as it was."""
+        if not self.has_snapshot:
+            raise RuntimeError("no camera snapshot to render")
+        mujoco, sim = self._mujoco, self.env.sim
+        model, data = sim.model._model, sim.data._data
+        if self._backup is None:
+            self._backup = mujoco.MjData(model)
+        mujoco.mj_copyData(self._backup, model, data)
+        rgba = np.array(sim.model.site_rgba)
+        try:
+            mujoco.mj_copyData(data, model, self._snapshot)
+            sim.model.site_rgba[:] = self._snapshot_rgba
+            return {name: np.asarray(self._real[name]({})) for name in self.names}
+        finally:
+            mujoco.mj_copyData(data, model, self._backup)
+            sim.model.site_rgba[:] = rgba
+
+
+class _ControllerSim:
+    """What a robosuite controller sees as its ``sim``: the real one, except that ``forward()`` is
+    skipped while ``in_step``. Inside ``env.step`` robosuite calls ``sim.forward()`` right before
+    ``_pre_action``, whose controller update calls it again on the same state; MuJoCo's forward pass is
+    a pure function of the state, so the second call only costs time (about a third of a physics step).
+    Outside steps (controller construction at reset) every call goes through."""
+
+    def __init__(self, sim):
+        self._sim = sim
+        self.in_step = False
+
+    def forward(self) -> None:
+        if not self.in_step:
+            self._sim.forward()
+
+    def __getattr__(self, name: str):
+        return getattr(self._sim, name)
+
+
+@dataclass
+class _Scene:
+    """One task's built simulator and the adapter's hooks into it."""
+
+    env: object                        # libero OffScreenRenderEnv
+    gate: _CameraGate | None           # None without cameras
+    controller_sim: _ControllerSim
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """Around ``env.step`` calls: controllers skip their redundant forward pass (:class:`_ControllerSim`)."""
+        self.controller_sim.in_step = True
+        try:
+            yield
+        finally:
+            self.controller_sim.in_step = False
+
+    def attach_controllers(self) -> None:
+        """robosuite builds new controllers on every reset: give them the skipping sim."""
+        for robot in self.env.env.robots:
+            robot.controller.sim = self.controller_sim
+
+
+# --------------------------------------------------------------------------------------------------
+# one simulator
+# --------------------------------------------------------------------------------------------------
+class LiberoSimEnv(SimEnv):
+    """One LIBERO simulator serving the tasks of ``cfg["task_ids"]`` (see the module docstring).
+
+    Scenes are built on the first reset into a task and kept (``max_cached_tasks`` of them, least
+    recently used closed first: a scene holds about 0.6-1 GB with its renderer).
+
+    Args:
+        cfg: a LIBERO env config (``config/env/_libero_base.yaml`` keys), a plain mapping.
+        seed: seeds the choice of task / init state when :meth:`reset` is not told them.
+    """
+
+    def __init__(self, cfg: Mapping, seed: int = 0):
+        runtime.configure()                     # before robosuite / mujoco are imported
+        LiberoAdapter.check_config(cfg)
+        self.cfg = dict(cfg)
+        self.suite = suite_info(cfg)
+        self.task_ids = task_pool(cfg)
+        self.camera_names = list(cfg["cameras"] or [])
+        self._rs_cameras = [CAMERAS[c] for c in self.camera_names]
+        self.image_size = (int(cfg["image_size"][0]), int(cfg["image_size"][1]))    # (h, w)
+        self.max_episode_steps = int(cfg["max_episode_steps"])
+        self.num_settle_steps = int(cfg["num_settle_steps"])
+        self.stop_on_success = not bool(cfg["ignore_terminations"])
+        self.max_cached_tasks = int(cfg["max_cached_tasks"])
+        self.fixed_starts = bool(cfg["use_fixed_reset_state_ids"])
+        self._init_pool = cfg.get("init_state_ids")
+        self.spec = EnvSpec(
+            action_dim=ACTION_DIM, max_episode_steps=self.max_episode_steps,
+            task_descriptions=list(self.suite.descriptions), camera_names=list(self.camera_names),
+            image_size=self.image_size if self.camera_names else None, state_dim=STATE_DIM,
+            num_init_states=list(self.suite.num_init_states),
+            action_low=[-1.0] * (ACTION_DIM - 1) + [0.0], action_high=[1.0] * ACTION_DIM, name=self.suite.name)
+        self.rng = np.random.default_rng(seed)
+        self._scenes: OrderedDict[int, _Scene] = OrderedDict()
+        self._init_states: dict[int, np.ndarray] = {}
+        self.task_id: int | None = None
+        self.init_state_id: int | None = None
+        self.elapsed = 0                       # policy steps of the current episode
+        self.last_raw_obs: dict | None = None  # robosuite's observation dict of the last step (debugging)
+        self._obs: dict[str, np.ndarray] | None = None
+        self._warnings_at_reset = 0
+
+    # -- scenes ----------------------------------------------------------------------------------
+    @property
+    def libero_env(self):
+        """The ``OffScreenRenderEnv`` of the current task (None before the first reset)."""
+        return self._scenes[self.task_id].env if self.task_id in self._scenes else None
+
+    def _scene(self, task_id: int) -> _Scene:
+        if task_id in self._scenes:
+            self._scenes.move_to_end(task_id)
+            return self._scenes[task_id]
+        while len(self._scenes) >= self.max_cached_tasks:
+            _, old = self._scenes.popitem(last=False)
+            old.env.close()
+        from libero.libero.envs import OffScreenRenderEnv  # noqa: PLC0415 - heavy, after prepare()
+
+        start = time.perf_counter()
+        h, w = self.image_size
+        env = OffScreenRenderEnv(
+            bddl_file_name=str(self.suite.bddl_files[task_id]), camera_names=list(self._rs_cameras),
+            use_camera_obs=bool(self._rs_cameras), camera_heights=h, camera_widths=w,
+            hard_reset=False, ignore_done=True)   # episode limits are ours; robosuite's horizon would raise
+        inner = env.env
+        for name, observable in inner._observables.items():
+            if name not in _PROPRIO_OBSERVABLES and not name.endswith("_image"):
+                observable.set_enabled(False)      # object-pose sensors: unused, they cost time every step
+        gate = _CameraGate(inner, self._rs_cameras) if self._rs_cameras else None
+        scene = self._scenes[task_id] = _Scene(env, gate, _ControllerSim(inner.sim))
+        log.info("built LIBERO %s task %d in %.1f s", self.suite.name, task_id, time.perf_counter() - start)
+        return scene
+
+    def _task_init_states(self, task_id: int) -> np.ndarray:
+        if task_id not in self._init_states:
+            self._init_states[task_id] = self.suite.init_states(task_id)
+        return self._init_states[task_id]
+
+    # -- SimEnv ----------------------------------------------------------------------------------
+    def reset(self, task_id: int | None = None, init_state_id: int | None = None,
+              seed: int | None = None) -> dict[str, np.ndarray]:
+        """Start an episode of ``task_id`` from init state ``init_state_id`` and return its first
+        observation (after the settle steps). Unset ids are drawn with the env's RNG (``seed`` re-seeds
+        it) from ``task_ids`` / ``init_state_ids``; with ``use_fixed_reset_state_ids`` an unseeded reset
+        without ids (an auto-reset) repeats the previous episode's start, so a GRPO group keeps
+        sharing its init state."""
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        elif self.fixed_starts and task_id is None and init_state_id is None and self.task_id is not None:
+            task_id, init_state_id = self.task_id, self.init_state_id
+        if task_id is None:
+            task_id = self.task_ids[int(self.rng.integers(len(self.task_ids)))]
+        task_id = int(task_id)
+        if not 0 <= task_id < len(self.suite.descriptions):
+            raise ValueError(f"{self.suite.name} has tasks 0..{len(self.suite.descriptions) - 1}, not {task_id}")
+        num_states = self.suite.num_init_states[task_id]
+        if init_state_id is None:
+            pool = self._init_pool if self._init_pool is not None else range(num_states)
+            init_state_id = int(list(pool)[int(self.rng.integers(len(pool)))])
+        init_state_id = int(init_state_id)
+        if not 0 <= init_state_id < num_states:
+            raise ValueError(f"{self.suite.name} task {task_id} has init states 0..{num_states - 1}, "
+                             f"not {init_state_id}")
+        scene = self._scene(task_id)
+        env, gate = scene.env, scene.gate
+        self.task_id, self.init_state_id = task_id, init_state_id
+        if gate is not None:
+            gate.open = False                           # the reset's own forced render is wasted
+            gate.keep_snapshot = False
+        with _global_numpy_seed(scene_seed(task_id, init_state_id)):   # fixture placement (module docstring)
+            env.reset()
+        for robot in env.env.robots:                # a hard reset would re-create the gripper model
+            robot.gripper.current_action = np.zeros(robot.gripper.dof)
+        scene.attach_controllers()
+        if gate is not None:
+            gate.open = self.num_settle_steps == 0      # without settle steps this is the first observation
+        raw = env.set_init_state(self._task_init_states(task_id)[init_state_id])
+        self._warnings_at_reset = self._bad_state_warnings()
+        with scene.stepping():
+            for k in range(self.num_settle_steps):
+                if gate is not None:
+                    gate.open = k == self.num_settle_steps - 1
+                raw, _, _, _ = env.step(SETTLE_ACTION)
+        self._check_stable()
+        self.elapsed = 0
+        self._obs = self._observation(raw)
+        return self._obs
+
+    def step_chunk(self, actions: np.ndarray, render_all: bool = False) -> ChunkResult:
+        """Execute ``actions`` ``[H, 7]`` (policy convention, see module docstring). Stops after the step
+        that solves the task (unless ``ignore_terminations``) or reaches ``max_episode_steps``."""
+        if self.task_id is None:
+            raise RuntimeError("LiberoSimEnv.step_chunk() before reset()")
+        actions = np.asarray(actions, np.float64)
+        if actions.ndim != 2 or actions.shape[1] != ACTION_DIM:
+            raise ValueError(f"LIBERO actions must have shape [H, {ACTION_DIM}], got {list(actions.shape)}")
+        if not np.all(np.isfinite(actions)):
+            raise ValueError("LIBERO actions contain non-finite values")
+        budget = self.max_episode_steps - self.elapsed
+        if budget <= 0:
+            raise RuntimeError(f"the episode already ran its {self.max_episode_steps} steps; reset() first")
+        todo = actions[:budget]                                               # (h <= H, 7)
+        scene = self._scene(self.task_id)
+        env, gate = scene.env, scene.gate
+        rewards: list[float] = []
+        frames: list[np.ndarray] = []
+        success_any = False
+        raw = None
+        if gate is not None:
+            gate.keep_snapshot = self.stop_on_success and not render_all
+            gate.forget_snapshot()
+        with scene.stepping():
+            for k, action in enumerate(todo):
+                last = k == len(todo) - 1
+                if gate is not None:
+                    gate.open = render_all or last
+                raw, _, done, _ = env.step(to_libero_action(action))
+                self._check_stable()
+                success = bool(done)
+                rewards.append(SUCCESS_REWARD if success else 0.0)
+                if render_all and gate is not None:
+                    frames.append(self._images(raw))
+                success_any |= success
+                if success and self.stop_on_success:
+                    break
+        steps = len(rewards)
+        self.elapsed += steps
+        images = None
+        if gate is not None and not gate.open and gate.has_snapshot:
+            # cut short by success: render what the cameras would have sampled in that step
+            images = self._images_from(gate.render_snapshot())
+        self._obs = self._observation(raw, images)
+        terminated = success_any
+        truncated = self.elapsed >= self.max_episode_steps and not terminated
+        return ChunkResult(obs=self._obs, rewards=np.asarray(rewards, np.float32), terminated=terminated,
+                           truncated=truncated, success=success_any, steps=steps,
+                           frames=np.stack(frames) if frames else None)
+
+    def render_frame(self) -> np.ndarray | None:
+        """The first camera's image of the latest observation, ``[h, w, 3]`` uint8."""
+        if self._obs is None or "images" not in self._obs:
+            return None
+        return np.ascontiguousarray(self._obs["images"][0].transpose(1, 2, 0))
+
+    def close(self) -> None:
+        while self._scenes:
+            _, scene = self._scenes.popitem()
+            scene.env.close()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _images(self, raw: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Camera images of a robosuite observation -> uint8 ``[V, 3, h, w]``, rotated by 180 degrees."""
+        return np.stack([flip_image(raw[f"{cam}_image"]) for cam in self._rs_cameras])
+
+    def _images_from(self, rendered: Mapping[str, np.ndarray]) -> np.ndarray:
+        return np.stack([flip_image(rendered[f"{cam}_image"]) for cam in self._rs_cameras])   # (V, 3, h, w)
+
+    def _observation(self, raw: Mapping[str, np.ndarray], images: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        self.last_raw_obs = dict(raw)
+        obs = {"task_id": np.array(self.task_id, np.int64), "state": proprio_state(raw)}   # state (8,)
+        if self._rs_cameras:
+            obs["images"] = images if images is not None else self._images(raw)          # (V, 3, h, w)
+        return obs
+
+    def _bad_state_warnings(self) -> int:
+        import mujoco  # noqa: PLC0415
+
+        data = self.libero_env.env.sim.data._data
+        return sum(int(data.warning[w].number) for w in (mujoco.mjtWarning.mjWARN_BADQPOS,
+                                                          mujoco.mjtWarning.mjWARN_BADQVEL,
+                                                          mujoco.mjtWarning.mjWARN_BADQACC))
+
+    def _check_stable(self) -> None:
+        # MuJoCo resets the data (and counts a warning) when qpos/qvel/qacc go bad, so a blown-up
+        # simulation may look finite afterwards: check both the state and the warning counters.
+        data = self.libero_env.env.sim.data
+        if not (np.all(np.isfinite(data.qpos)) and np.all(np.isfinite(data.qvel))):
+            raise SimulationUnstable(f"LIBERO {self.suite.name} task {self.task_id}: non-finite MuJoCo state")
+        if self._bad_state_warnings() > self._warnings_at_reset:
+            raise SimulationUnstable(f"LIBERO {self.suite.name} task {self.task_id}: MuJoCo reported a bad "
+                                     "qpos/qvel/qacc and reset its data")
+
+
+# --------------------------------------------------------------------------------------------------
+# adapter
+# --------------------------------------------------------------------------------------------------
+def _make_sim_env(cfg: dict, seed: int) -> LiberoSimEnv:
+    return LiberoSimEnv(cfg, seed=seed)
+
+
+@register_adapter("libero")
+class LiberoAdapter:
+    """``adapter: libero``: one :class:`LiberoSimEnv` per sub-process of a ProcessVectorEnv."""
+
+    @staticmethod
+    def check_config(cfg: Mapping) -> None:
+        """Cheap checks before any worker starts; one-sentence ConfigError / AssetsMissing."""
+        suite = cfg.get("suite")
+        if suite not in SUITE_NUM_TASKS:
+            raise ConfigError("suite", f"unknown LIBERO suite '{suite}'; available: {', '.join(SUITE_NUM_TASKS)}")
+        num_tasks = SUITE_NUM_TASKS[suite]
+        task_ids = cfg.get("task_ids")
+        if task_ids is not None:
+            bad = [t for t in task_ids if not 0 <= int(t) < num_tasks]
+            if bad or not task_ids:
+                raise ConfigError("task_ids", f"{suite} has task ids 0..{num_tasks - 1} (null for all), got "
+                                              f"{list(task_ids)}")
+        unknown = [c for c in cfg.get("cameras") or [] if c not in CAMERAS]
+        if unknown:
+            raise ConfigError("cameras", f"unknown LIBERO camera(s) {unknown}; available: {', '.join(CAMERAS)}")
+        size = cfg.get("image_size")
+        if not size or len(size) != 2 or min(int(s) for s in size) < 1:
+            raise ConfigError("image_size", f"must be [height, width] with positive sizes, got {size}")
+        for key, low in (("max_episode_steps", 1), ("num_settle_steps", 0), ("num_trials_per_task", 1),
+                         ("max_cached_tasks", 1)):
+            value = cfg.get(key)
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(key, f"must be an integer >= {low}, got {value!r}")
+        if cfg.get("reward_type") not in REWARD_TYPES:
+            raise ConfigError("reward_type", f"must be one of {', '.join(REWARD_TYPES)}, got {cfg.get('reward_type')!r}")
+        info = suite_info(cfg)                      # AssetsMissing when the asset folder is absent
+        counts = {info.num_init_states[t] for t in task_pool(cfg)}
+        limit = min(counts)
+        init_ids = cfg.get("init_state_ids")
+        if init_ids is not None:
+            bad = [i for i in init_ids if not 0 <= int(i) < limit]
+            if bad or not init_ids:
+                raise ConfigError("init_state_ids", f"{suite} tasks have init states 0..{limit - 1}, got {list(init_ids)}")
+        elif cfg["num_trials_per_task"] > limit:
+            raise ConfigError("num_trials_per_task", f"{suite} tasks have {limit} init states, so at most {limit} "
+                                                     f"trials per task, got {cfg['num_trials_per_task']}")
+
+    @staticmethod
+    def eval_schedule(cfg: Mapping) -> list[tuple[int, int]]:
+        """Ordered ``(task_id, init_state_id)`` pairs of an evaluation sweep (see :func:`eval_schedule`)."""
+        return eval_schedule(cfg)
+
+    @classmethod
+    def make(cls, cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0):
+        """``num_envs`` LIBERO simulators, one process each, as a ProcessVectorEnv."""
+        from embodirl.envs.vector import ProcessVectorEnv  # noqa: PLC0415 - keeps this module importable alone
+
+        cls.check_config(cfg)
+        plain = dict(cfg)
+        # sub-processes resolve the asset folder themselves: pass on the one found here
+        plain["assets_path"] = str(libero_paths.resolve_assets_dir(cfg.get("assets_path")))
+        factories = [functools.partial(_make_sim_env, plain, seed + env_offset + i) for i in range(num_envs)]
+        return ProcessVectorEnv.from_config(factories, plain, env_offset=env_offset)
+
+
+__all__ = [
+    "CAMERAS", "LiberoAdapter", "LiberoSimEnv", "SimulationUnstable", "SuiteInfo", "eval_schedule",
+    "proprio_state", "quat_to_axis_angle", "scene_seed", "suite_info", "to_libero_action",
+]

@@ -1,0 +1,210 @@
+"""FSDP2 wrapping of a policy and the few torch.distributed helpers the learner needs.
+
+:func:`wrap_policy` applies ``torch.distributed.fsdp.fully_shard`` to each *unit* of the policy
+(transformer blocks) and then to the root, with a :class:`MixedPrecisionPolicy` (e.g. bf16 compute,
+fp32 gradient reduction) and optionally :class:`CPUOffloadPolicy`. Units are the modules whose class
+name appears in a ``_no_split_modules`` list of the policy or any of its submodules - transformers'
+own declaration of its blocks (``LlamaDecoderLayer``, ``Dinov2Layer``, ``SiglipEncoderLayer``, ...);
+a policy without one (a small MLP) is sharded as a single unit.
+
+Gradients are *summed* across ranks (divide factor 1, SUM-only collectives, which gloo supports):
+the loss aggregation already divides by global counts (:mod:`embodirl.algorithms.aggregation`), so
+the sum of the rank gradients is the full-batch gradient.
+
+Without an initialised process group nothing here is needed: the learner runs the plain module in
+the calling process. Process groups are started by the caller (the worker group sets the usual
+``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` and calls :func:`init_process_group`): gloo
+on CPU, NCCL on GPU, any number of nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: methods of a policy that run its forward computation outside ``forward`` (FSDP2 must see them)
+FORWARD_METHODS = ("evaluate", "act")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+# --- process group ------------------------------------------------------------------------------------
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def default_device() -> torch.device:
+    """``cuda:<LOCAL_RANK>`` when a GPU is visible, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
+                       device: torch.device | None = None, timeout_s: float = 1800.0) -> None:
+    """Join the learner's process group over TCP (gloo on CPU, NCCL on GPU)."""
+    import datetime
+
+    device = device or default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(default_backend(device), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce across the learner ranks (identity in a single process)."""
+    if is_distributed() and world_size() > 1:
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return tensor
+
+
+def all_gather_ints(value: int, device: torch.device) -> list[int]:
+    if not is_distributed() or world_size() == 1:
+        return [int(value)]
+    out = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world_size())]
+    dist.all_gather(out, torch.tensor(int(value), dtype=torch.int64, device=device))
+    return [int(x) for x in out]
+
+
+# --- wrapping -----------------------------------------------------------------------------------------
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype '{name}'; use one of {', '.join(sorted(_DTYPES))} or null")
+    return _DTYPES[name]
+
+
+def shard_units(policy: nn.Module) -> list[nn.Module]:
+    """The modules to shard individually (see module docstring), outermost first, root excluded."""
+    names: set[str] = set()
+    for module in policy.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    units, seen = [], set()
+    for module in policy.modules():
+        if module is policy or type(module).__name__ not in names:
+            continue
+        if any(id(parent) in seen for parent in _ancestors(policy, module)):
+            continue  # a block inside a block is sharded with its parent
+        seen.add(id(module))
+        units.append(module)
+    return units
+
+
+def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    path: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> bool:
+        for child in module.children():
+            if child is target:
+                return True
+            path.append(child)
+            if visit(child):
+                return True
+            path.pop()
+        return False
+
+    visit(root)
+    return path
+
+
+def enable_gradient_checkpointing(modules: Iterable[nn.Module]) -> int:
+    """Recompute each module's activations in backward (``torch.utils.checkpoint``, non-reentrant).
+
+    The module's ``forward`` is wrapped in place, so parameter names - which weight publishing and
+    checkpoints rely on - do not change (``checkpoint_wrapper`` would insert a prefix). Composes with
+    FSDP2: the unit's parameters are gathered again by its pre-backward hook before recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    count = 0
+    for module in modules:
+        if getattr(module, "_embodirl_checkpointed", False):
+            continue
+        inner = module.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward
+        module._embodirl_checkpointed = True
+        count += 1
+    return count
+
+
+def upcast_trainable_(policy: nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """Keep trainable parameters (the optimizer's master weights) in ``dtype``; frozen ones keep theirs."""
+    for param in policy.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def model_dtype(policy: nn.Module) -> torch.dtype:
+    """The dtype the policy computes in: that of its frozen floating-point weights (else any)."""
+    floating = [p for p in policy.parameters() if p.is_floating_point()]
+    frozen = [p for p in floating if not p.requires_grad]
+    return (frozen or floating)[0].dtype if floating else torch.float32
+
+
+def wrap_policy(policy: nn.Module, *, device: torch.device, param_dtype: torch.dtype | None,
+                reduce_dtype: torch.dtype | None, cpu_offload: bool) -> nn.Module:
+    """Shard ``policy`` in place with FSDP2 over all ranks of the default process group.
+
+    Compute runs in ``param_dtype`` (None: the model's own dtype, e.g. bf16 for OpenVLA-OFT); the
+    trainable parameters - the sharded master weights the optimizer updates - are kept in fp32 and
+    cast for forward/backward; gradients are reduced in ``reduce_dtype``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                        fully_shard, register_fsdp_forward_method)
+
+    if not is_distributed():
+        raise RuntimeError("FSDP2 needs an initialised torch.distributed process group")
+    compute_dtype = param_dtype or model_dtype(policy)
+    if compute_dtype != torch.float32:
+        param_dtype = compute_dtype
+        upcast_trainable_(policy)
+    mesh = init_device_mesh(device.type, (world_size(),))
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # pinned host memory needs an accelerator; on a CPU-only machine offloading is a plain CPU copy
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    units = shard_units(policy)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    fully_shard(policy, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    for method in FORWARD_METHODS:
+        if callable(getattr(policy, method, None)):
+            register_fsdp_forward_method(policy, method)
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    log.info("FSDP2: %d unit(s) + root over %d rank(s), param_dtype=%s reduce_dtype=%s cpu_offload=%s",
+             len(units), world_size(), param_dtype, reduce_dtype, cpu_offload)
+    return policy
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The un-sharded value of a (possibly FSDP2 DTensor) parameter; collective under FSDP."""
+    data = param.detach()
+    return data.full_tensor() if hasattr(data, "full_tensor") else data

@@ -1,0 +1,370 @@
+"""The learner: turns prepared trajectory batches into policy updates, and publishes the new weights.
+
+One training step, as the runner drives it::
+
+    batch = learner.compute_ref_logprob(batch)          # only when a KL term is on (reference forward)
+    batch, m = prepare_batch(batch, cfg.algorithm,       # driver side, on the WHOLE rollout batch:
+                             kl_coef=learner.kl_coef)     #   KL reward penalty, group filter, advantages
+    metrics = learner.update(shard)                       # every rank, its shard of rows
+    version, tensors = learner.publish_weights()          # every rank (FSDP gathers); rank 0 sends
+
+:meth:`Learner.step` does all of it in one process (with the replay buffer) for the plain in-process
+path and tests.
+
+Inside :meth:`Learner.update`, for ``update_epochs`` epochs the rows are shuffled and cut into
+optimizer steps of ``global_batch_size / world_size`` rows per rank, each run as micro-batches of
+``micro_batch_size`` rows with gradient accumulation. Only valid decisions go through the policy
+(their outputs are scattered back to ``[n, T, ...]``); the loss normalisers are counted on the whole
+optimizer step over all ranks before any forward pass, so the summed gradient equals the full-batch
+gradient (:mod:`embodirl.algorithms.aggregation`). The learner works with or without
+torch.distributed: with more than one rank the policy is sharded with FSDP2 (:mod:`.fsdp`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from tensordict import TensorDict
+
+from embodirl import data as D
+from embodirl.algorithms import kl as kl_mod
+from embodirl.algorithms import losses
+from embodirl.algorithms.advantages import compute_advantages
+from embodirl.algorithms.filtering import drop_filtered
+from embodirl.errors import ConfigError
+from embodirl.learner import fsdp
+from embodirl.learner.config import LearnerConfig, plain
+from embodirl.learner.optim import build_optimizer, clip_grad_norm, trainable_named_parameters, warmup_schedule
+from embodirl.learner.replay_buffer import ReplayBuffer, row_versions
+from embodirl.models.base import Policy
+
+log = logging.getLogger(__name__)
+
+#: truncation of the replay importance weight pi_prox / pi_behaviour (V-trace's rho-bar, Espeholt et al. 2018)
+REPLAY_MAX_IMPORTANCE_WEIGHT = 1.0
+
+
+def prepare_batch(batch: TensorDict, algorithm: Mapping, *, kl_coef: float = 0.0
+                  ) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+    """Driver-side preparation of a whole rollout batch (before it is cut into learner shards):
+    the KL reward penalty (``use_kl_loss: false``; needs ``logprob_ref``), group filtering
+    (``filter_groups.enable``) and advantages/returns (:func:`compute_advantages`)."""
+    algorithm = plain(algorithm)
+    metrics: dict[str, torch.Tensor] = {}
+    if kl_coef > 0 and not bool(algorithm["use_kl_loss"]):
+        if D.LOGPROB_REF not in batch.keys():
+            raise ValueError("the KL reward penalty needs 'logprob_ref': call Learner.compute_ref_logprob first")
+        reward, mean_kl = kl_mod.apply_kl_reward_penalty(
+            batch.get(D.REWARD), batch.get(D.LOGPROB_BEHAVIOR), batch.get(D.LOGPROB_REF), batch.get(D.VALID),
+            coef=kl_coef, kind=str(algorithm["kl_penalty"]))
+        batch = batch.copy()
+        batch.set(D.REWARD, reward.float())
+        metrics["kl/reward_penalty_kl"] = mean_kl
+    if bool(algorithm["filter_groups"]["enable"]):
+        batch, filter_metrics = drop_filtered(
+            batch, group_size=int(algorithm["group_size"]), min_success=float(algorithm["filter_groups"]["min_success"]),
+            max_success=float(algorithm["filter_groups"]["max_success"]))
+        metrics.update(filter_metrics)
+    return compute_advantages(batch, algorithm), metrics
+
+
+class Learner:
+    """Trainable policy + optimizer on this rank (see module docstring).
+
+    ``cfg`` holds the ``algorithm`` and ``actor`` nodes (DictConfig or dict). ``task_table`` maps
+    ``task_id`` to instructions; ``temperature`` must be the rollout's sampling temperature so that
+    recomputed log-probs refer to the behaviour distribution. ``device`` defaults to this rank's GPU,
+    else the CPU. Call collectively on every rank when torch.distributed is initialised.
+    """
+
+    def __init__(self, policy: Policy, cfg: Mapping, *, task_table: Sequence[str], temperature: float = 1.0,
+                 device: torch.device | str | None = None):
+        self.cfg = LearnerConfig.from_config(cfg)
+        self.world_size, self.rank = fsdp.world_size(), fsdp.rank()
+        self.cfg.check(self.world_size)
+        self.device = torch.device(device) if device is not None else fsdp.default_device()
+        self.task_table = list(task_table)
+        self.temperature = float(temperature)
+        if self.cfg.uses_critic and policy.value_type is None:
+            raise ConfigError("algorithm.adv_type", f"gae needs a value head but {type(policy).__name__} has none; "
+                                                    "use grpo/rloo/reinforce_plus_plus/remax")
+        if self.cfg.full_finetune:
+            policy.requires_grad_(True)
+        policy.to(self.device)
+        self.use_fsdp = self.cfg.fsdp_enabled is True or (self.cfg.fsdp_enabled == "auto" and self.world_size > 1)
+        if self.world_size > 1 and not self.use_fsdp:
+            raise ConfigError("actor.fsdp.enabled", f"{self.world_size} learner ranks need FSDP2; set it to auto or true")
+        if self.cfg.gradient_checkpointing:
+            units = fsdp.shard_units(policy)
+            if not fsdp.enable_gradient_checkpointing(units):
+                log.warning("gradient checkpointing: %s declares no blocks (_no_split_modules); nothing to "
+                            "checkpoint", type(policy).__name__)
+        if self.use_fsdp:
+            fsdp.wrap_policy(policy, device=self.device, param_dtype=fsdp.parse_dtype(self.cfg.param_dtype),
+                             reduce_dtype=fsdp.parse_dtype(self.cfg.reduce_dtype), cpu_offload=self.cfg.cpu_offload)
+        else:
+            if self.cfg.param_dtype is not None or self.cfg.cpu_offload:
+                log.info("single-process learner without FSDP: actor.fsdp.param_dtype/cpu_offload do not apply")
+            low = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad and p.dtype != torch.float32})
+            if low:
+                log.warning("trainable parameters in %s: AdamW updates them in that precision (FSDP keeps fp32 "
+                            "master weights; set actor.fsdp.enabled=true)", ", ".join(low))
+        self.policy = policy
+        self.optimizer = build_optimizer(policy, self.cfg.optim)
+        self.scheduler = warmup_schedule(self.optimizer, int(self.cfg.optim["warmup_steps"]))
+        self.kl_ctrl = kl_mod.KLController.from_config(self.cfg.algorithm)
+        self.replay = ReplayBuffer.from_config(self.cfg.replay)
+        self._trainable = trainable_named_parameters(policy)
+        self._changed: set[str] = set()
+        self.version = 0          # policy version: +1 per update() call
+        self.optimizer_steps = 0
+
+    # --- public API ----------------------------------------------------------------------------------
+    @property
+    def kl_coef(self) -> float:
+        return self.kl_ctrl.value
+
+    def compute_ref_logprob(self, batch: TensorDict) -> TensorDict:
+        """``logprob_ref`` of the behaviour actions under the reference policy (adapter disabled)."""
+        # peft switches adapters off and on by toggling requires_grad on whatever parameters the
+        # modules hold at that moment. Under FSDP2 the root keeps its gathered parameters after a
+        # forward, so both toggles must happen while the modules hold the sharded parameters (the
+        # optimizer's); otherwise the root's trainable tensors silently stop receiving gradients.
+        self._reshard()
+        try:
+            with self.policy.reference_mode():
+                ref = self._logprob_no_grad(batch)
+                self._reshard()
+        except NotImplementedError as exc:
+            raise ConfigError("algorithm.kl_beta", f"{exc}; set algorithm.kl_beta=0") from None
+        out = batch.copy()
+        out.set(D.LOGPROB_REF, ref)
+        return out
+
+    def prepare(self, batch: TensorDict) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+        """Single-process preparation of a whole rollout: reference log-probs when a KL term is on,
+        then :func:`prepare_batch`."""
+        if self.cfg.kl_active and D.LOGPROB_REF not in batch.keys():
+            batch = self.compute_ref_logprob(batch)
+        return prepare_batch(batch, self.cfg.algorithm, kl_coef=self.kl_coef)
+
+    def step(self, batch: TensorDict) -> dict[str, torch.Tensor]:
+        """prepare -> replay buffer -> update, in one process (the plain in-process path)."""
+        prepared, metrics = self.prepare(batch)
+        self.replay.add(prepared, version=self.version)
+        metrics.update(self.update(self.replay.sample(self.version)))
+        metrics.update(self.replay.stats())
+        return metrics
+
+    def update(self, batch: TensorDict) -> dict[str, torch.Tensor]:
+        """Train on this rank's prepared rows for ``update_epochs``; returns detached metrics
+        (global over ranks, averaged over optimizer steps). Bumps :attr:`version`."""
+        self._check_batch(batch)
+        N = batch.batch_size[0]
+        sizes = fsdp.all_gather_ints(N, self.device)
+        if len(set(sizes)) > 1:
+            raise ValueError(f"learner ranks received different numbers of trajectories {sizes}; shard the batch evenly")
+        rows_per_step = self.cfg.global_batch_size // self.world_size
+        action_dim = self.policy.action_dim
+        L = batch.get(self.policy.action_field).shape[-1]
+        value_dims = batch.get(D.VALUE).dim() if self.cfg.uses_critic else 2
+        params = self.cfg.loss
+        old_logprob, is_weight = self._old_logprob(batch)
+        kl_coef = self.kl_coef if params.use_kl_loss else 0.0
+
+        self.policy.train()
+        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.version)
+        step_metrics: list[dict[str, torch.Tensor]] = []
+        for _ in range(self.cfg.update_epochs):
+            order = torch.randperm(N, generator=generator)
+            for start in range(0, N, rows_per_step):
+                rows = order[start:start + rows_per_step]
+                norms = fsdp.all_reduce_(losses.normalisers(
+                    batch.get(D.VALID)[rows], params, L=L, action_dim=action_dim, value_dims=value_dims
+                ).to(self.device))
+                sums: dict[str, torch.Tensor] = {}
+                for micro_rows in rows.split(self.cfg.micro_batch_size):
+                    micro = batch[micro_rows].to(self.device)
+                    out = self._forward(micro, return_value=self.cfg.uses_critic, return_entropy=True)
+                    loss, micro_metrics = losses.compute_loss(
+                        out, micro, old_logprob=old_logprob[micro_rows].to(self.device), params=params, norms=norms,
+                        action_dim=action_dim, kl_coef=kl_coef,
+                        is_weight=None if is_weight is None else is_weight[micro_rows].to(self.device))
+                    loss.backward()
+                    for key, value in micro_metrics.items():
+                        sums[key] = sums.get(key, 0.0) + value
+                step_metrics.append(self._optimizer_step(sums))
+        self.version += 1
+        metrics = {key: torch.stack([m[key] for m in step_metrics]).mean() for key in step_metrics[0]}
+        metrics.update(self._batch_metrics(batch, L))
+        self.kl_ctrl.update(self._measured_kl(metrics), N * self.world_size)
+        metrics["actor/kl_coef"] = torch.tensor(self.kl_coef)
+        metrics["learner/version"] = torch.tensor(float(self.version))
+        return metrics
+
+    def publish_weights(self, *, full: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(version, tensors)``: the trainable tensors changed since the last call (all trainable
+        tensors with ``full``), un-sharded, on CPU, by parameter name. Collective under FSDP."""
+        state = {}
+        for name, param in self._trainable:
+            if full or name in self._changed:
+                state[name] = fsdp.full_tensor(param).to("cpu", copy=True)
+        self._changed.clear()
+        return self.version, state
+
+    def state_dict(self) -> dict:
+        """Resumable learner state with full (un-sharded) CPU tensors. Collective under FSDP, where
+        the optimizer state is gathered on rank 0 only (the other ranks' entry is empty): save rank
+        0's copy."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            "version": self.version, "optimizer_steps": self.optimizer_steps, "kl_ctrl": self.kl_ctrl.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "trainable": {name: fsdp.full_tensor(p).to("cpu", copy=True) for name, p in self._trainable},
+            # deep copies: the returned state must not alias the live optimizer's moment tensors
+            "optimizer": copy.deepcopy(get_optimizer_state_dict(self.policy, self.optimizer, options=options)),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict` (on every rank; under FSDP rank 0's optimizer state is
+        broadcast, so the other ranks may pass a copy without it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        params = dict(self._trainable)
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                param = params[name]
+                if hasattr(param, "full_tensor"):  # FSDP2 DTensor: take this rank's shard of the full value
+                    from torch.distributed.tensor import distribute_tensor
+
+                    value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
+                                              param.placements)
+                    param.to_local().copy_(value.to_local())
+                else:
+                    param.copy_(value.to(param.device, param.dtype))
+        # not strict: trainable tensors that were never updated (GRPO's idle value head) have no state
+        set_optimizer_state_dict(self.policy, self.optimizer, copy.deepcopy(state["optimizer"]),
+                                 options=StateDictOptions(full_state_dict=True, strict=False,
+                                                          broadcast_from_rank0=fsdp.is_distributed()))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.version, self.optimizer_steps = int(state["version"]), int(state["optimizer_steps"])
+
+    # --- internals -----------------------------------------------------------------------------------
+    def _check_batch(self, batch: TensorDict) -> None:
+        D.validate(batch)
+        need = [D.ADVANTAGE, D.LOGPROB_BEHAVIOR, self.policy.action_field]
+        if self.cfg.uses_critic:
+            need += [D.VALUE, D.RETURNS]
+        if self.cfg.loss.use_kl_loss and self.kl_coef > 0:
+            need.append(D.LOGPROB_REF)
+        missing = [k for k in need if k not in batch.keys()]
+        if missing:
+            raise ValueError(f"the learner's batch lacks {missing}; prepare it with prepare_batch/compute_ref_logprob")
+
+    def _obs(self, micro: TensorDict, idx_n: torch.Tensor, idx_t: torch.Tensor) -> dict:
+        """Observation dict of the selected decisions ``B`` (see :mod:`embodirl.models.base`)."""
+        obs: dict = {}
+        for key in (D.IMAGES, D.STATE):
+            if key in micro.keys():
+                obs[key] = micro.get(key)[idx_n, idx_t]  # (B, ...)
+        task_id = micro.get(D.TASK_ID)[idx_n, idx_t]  # (B,)
+        obs[D.TASK_ID] = task_id
+        if self.task_table:
+            obs["instruction"] = [self.task_table[int(i)] for i in task_id.tolist()]
+        return obs
+
+    def _forward(self, micro: TensorDict, *, return_value: bool, return_entropy: bool) -> dict[str, torch.Tensor]:
+        """Evaluate the valid decisions of ``micro`` ``[n, T]`` and scatter the outputs back to
+        ``(n, T, ...)`` (zeros elsewhere). A micro-batch without valid decisions still runs one
+        (masked) decision, so that every rank takes part in the same FSDP collectives."""
+        valid = micro.get(D.VALID)  # (n, T)
+        n, T = valid.shape
+        idx_n, idx_t = valid.nonzero(as_tuple=True)  # (B,), (B,)
+        if idx_n.numel() == 0:
+            idx_n = idx_t = torch.zeros(1, dtype=torch.long, device=valid.device)
+        obs = self._obs(micro, idx_n, idx_t)
+        actions = micro.get(self.policy.action_field)[idx_n, idx_t]  # (B, L)
+        out = self.policy.evaluate(obs, actions, temperature=self.temperature, return_value=return_value,
+                                   return_entropy=return_entropy)
+        scattered = {}
+        for key in (losses.LOGPROB, losses.ENTROPY, D.VALUE):
+            if key in out and out[key] is not None:
+                x = out[key]  # (B, ...)
+                scattered[key] = x.new_zeros((n, T, *x.shape[1:])).index_put((idx_n, idx_t), x)
+        return scattered
+
+    def _reshard(self) -> None:
+        if self.use_fsdp:
+            self.policy.reshard()
+
+    @torch.no_grad()
+    def _logprob_no_grad(self, batch: TensorDict) -> torch.Tensor:
+        """Log-probs ``(N, T, L)`` of the batch's actions under the current weights (CPU float32)."""
+        self.policy.eval()
+        parts = []
+        for rows in torch.arange(batch.batch_size[0]).split(self.cfg.micro_batch_size):
+            out = self._forward(batch[rows].to(self.device), return_value=False, return_entropy=False)
+            parts.append(out[losses.LOGPROB].float().cpu())
+        return torch.cat(parts)
+
+    def _old_logprob(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Behaviour log-probs for on-policy rows; for replayed (stale) rows the current "proximal"
+        log-probs plus truncated importance weights (decoupled PPO; see :mod:`.replay_buffer`)."""
+        behaviour = batch.get(D.LOGPROB_BEHAVIOR)
+        stale = torch.tensor(float((row_versions(batch, self.version) < self.version).any()), device=self.device)
+        if not fsdp.all_reduce_(stale, "max").item():
+            return behaviour, None
+        prox = self._logprob_no_grad(batch)
+        weight = losses.importance_weight(prox, behaviour, batch.get(D.VALID), logprob_type=self.cfg.loss.logprob_type,
+                                          action_dim=self.policy.action_dim, max_weight=REPLAY_MAX_IMPORTANCE_WEIGHT)
+        return prox, weight
+
+    def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        lrs = {f"actor/lr_{g.get('name', 'group')}": torch.tensor(float(g["lr"])) for g in self.optimizer.param_groups}
+        grad_norm = clip_grad_norm([p for _, p in self._trainable], self.cfg.optim["clip_grad"])
+        if torch.isfinite(grad_norm):
+            self._changed.update(name for name, p in self._trainable if p.grad is not None)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer_steps += 1
+        else:
+            log.warning("non-finite gradient norm %s: optimizer step skipped", float(grad_norm))
+        self.optimizer.zero_grad(set_to_none=True)
+        keys = sorted(sums)
+        stacked = fsdp.all_reduce_(torch.stack([torch.as_tensor(sums[k], device=self.device).float() for k in keys]))
+        metrics = {k: v.detach().cpu() for k, v in zip(keys, stacked.unbind(0))}
+        metrics["actor/grad_norm"] = grad_norm.detach().float().cpu()
+        metrics.update(lrs)  # the learning rates this step used
+        return metrics
+
+    def _batch_metrics(self, batch: TensorDict, L: int) -> dict[str, torch.Tensor]:
+        """Whole-batch metrics over all ranks: valid decisions, explained variance of the critic,
+        KL(behaviour || reference) when reference log-probs are present."""
+        valid = batch.get(D.VALID)
+        decisions = fsdp.all_reduce_(valid.sum().float().to(self.device)).cpu()
+        metrics = {"learner/decisions": decisions * self.cfg.update_epochs, "learner/trajectories":
+                   torch.tensor(float(batch.batch_size[0] * self.world_size))}
+        if self.cfg.uses_critic:
+            sums = fsdp.all_reduce_(losses.explained_variance_sums(
+                batch.get(D.VALUE), batch.get(D.RETURNS), valid).to(self.device)).cpu()
+            metrics["critic/explained_variance"] = losses.explained_variance(sums)
+        if D.LOGPROB_REF in batch.keys():
+            token_kl = kl_mod.kl_divergence(batch.get(D.LOGPROB_BEHAVIOR), batch.get(D.LOGPROB_REF),
+                                            self.cfg.loss.kl_penalty) * valid[:, :, None]
+            sums = fsdp.all_reduce_(torch.stack([token_kl.sum(), valid.sum().float() * L]).to(self.device)).cpu()
+            metrics["kl/behaviour_ref_kl"] = sums[0] / sums[1].clamp(min=1)
+        return metrics
+
+    def _measured_kl(self, metrics: Mapping[str, torch.Tensor]) -> float:
+        """The KL the adaptive controller tracks: of the trained policy (loss mode) or of the behaviour
+        policy (reward-penalty mode)."""
+        key = "actor/kl" if self.cfg.loss.use_kl_loss else "kl/behaviour_ref_kl"
+        value = metrics.get(key)
+        return 0.0 if value is None or not math.isfinite(float(value)) else float(value)

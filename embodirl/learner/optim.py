@@ -1,0 +1,66 @@
+"""The learner's optimizer: AdamW with separate learning rates for the policy and the value head,
+linear warm-up, and global-norm gradient clipping that works on FSDP2 (DTensor) gradients.
+
+Reads ``actor.optim.{lr, value_lr, weight_decay, betas, eps, warmup_steps, clip_grad}``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+#: a parameter belongs to the critic when a component of its dotted name starts with one of these
+#: (``value_head`` in OpenVLA-OFT, also inside peft's ``modules_to_save``; ``critic`` in state_mlp)
+VALUE_PARAM_MARKERS = ("value_head", "critic")
+
+
+def is_value_param(name: str) -> bool:
+    return any(part.startswith(VALUE_PARAM_MARKERS) for part in name.split("."))
+
+
+def trainable_named_parameters(policy: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+
+
+def build_optimizer(policy: nn.Module, optim: Mapping) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters: a ``policy`` group at ``lr`` and a ``value`` group at
+    ``value_lr`` (empty groups are left out)."""
+    named = trainable_named_parameters(policy)
+    if not named:
+        raise ValueError("the policy has no trainable parameters")
+    policy_params = [p for n, p in named if not is_value_param(n)]
+    value_params = [p for n, p in named if is_value_param(n)]
+    groups = []
+    if policy_params:
+        groups.append({"params": policy_params, "lr": float(optim["lr"]), "name": "policy"})
+    if value_params:
+        groups.append({"params": value_params, "lr": float(optim["value_lr"]), "name": "value"})
+    betas = tuple(float(b) for b in optim["betas"])
+    return torch.optim.AdamW(groups, betas=betas, eps=float(optim["eps"]), weight_decay=float(optim["weight_decay"]))
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over the first ``warmup_steps`` optimizer
+    steps, constant afterwards."""
+    warmup_steps = int(warmup_steps)
+
+    def factor(step: int) -> float:
+        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """Clip the global gradient norm to ``max_norm`` (None or <= 0: measure only) and return the
+    norm before clipping as a plain detached tensor (FSDP2's DTensor norm is materialised)."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    limit = float(max_norm) if max_norm and max_norm > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm.detach()

@@ -1,0 +1,72 @@
+"""``rollout.backend: huggingface``: the policy's own PyTorch/transformers modules as inference engine.
+
+The policy comes from the model registry (``make_policy(model_cfg, env_spec)``, which honours
+``model.dtype``: bf16 for the real OpenVLA-OFT, float32 for the tiny preset), is put in ``eval()``
+mode on the worker's device (CUDA when present) and answers whole env batches under
+``torch.inference_mode`` through :func:`embodirl.rollout.inference.act`. Offload moves the weights
+to CPU memory between rollouts (collocated placement) and back before the next one; on a CPU-only
+machine both are no-ops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from embodirl.envs.base import EnvSpec
+from embodirl.models.base import SamplingParams
+from embodirl.models.registry import make_policy
+from embodirl.rollout.inference import act
+from embodirl.workers.backends import register_backend
+from embodirl.workers.backends.base import RolloutBackend
+
+log = logging.getLogger(__name__)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@register_backend("huggingface")
+class HuggingFaceBackend(RolloutBackend):
+    """See module docstring. ``policy`` may be given directly (tests, in-process runs); otherwise it is
+    built from ``model_cfg``."""
+
+    def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, device: str | None = None, policy=None):
+        super().__init__(model_cfg, env_spec, device=device)
+        self.device = torch.device(device) if device else default_device()
+        self.policy = policy if policy is not None else make_policy(self.model_cfg, env_spec)
+        self.policy.eval()
+        self.policy.to(self.device)
+        self.value_type = getattr(self.policy, "value_type", None)
+        self._offloaded = False
+
+    def generate(self, obs: Mapping[str, np.ndarray], sampling: SamplingParams, *,
+                 return_value: bool = False) -> dict[str, np.ndarray]:
+        if self._offloaded:
+            self.onload()
+        return act(self.policy, obs, self.env_spec.task_descriptions, sampling,
+                   return_value=return_value and self.value_type is not None, device=self.device)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.policy.load_trainable_state_dict(dict(state))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.policy.trainable_state_dict()
+
+    def offload(self) -> None:
+        if self.device.type == "cpu" or self._offloaded:
+            return
+        self.policy.to("cpu")
+        torch.cuda.empty_cache()
+        self._offloaded = True
+        log.debug("rollout weights offloaded to CPU memory")
+
+    def onload(self) -> None:
+        if not self._offloaded:
+            return
+        self.policy.to(self.device)
+        self._offloaded = False

@@ -1,0 +1,153 @@
+"""The rollout worker: an inference copy of the policy answering env workers' observation batches.
+
+A plain class (driven in-process by tests and CPU runs) that the worker groups wrap with
+``ray.remote``. Observations arrive three ways:
+
+* on this node, through a shared-memory stream (:mod:`embodirl.workers.stream`): one Ray call opens
+  it (:meth:`RolloutWorker.open_stream`), then a thread of this worker answers every queued batch
+  from zero-copy views and writes the answers into a response ring - no Ray message per decision;
+* as the argument of :meth:`RolloutWorker.infer`: a dict of arrays (in-process, or through Ray's
+  object store between nodes) or a :class:`~embodirl.channel.ShmRef` into a ring on this node; the
+  answer (action chunk, policy-space actions, log-probs, values: a few KB) is the return value.
+
+Every answer carries the weight version that produced it. A lock keeps weight updates and offloading
+apart from decisions of the streaming thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from embodirl.channel import ChannelInfo, ShmReader, ShmRef
+from embodirl.envs.base import EnvSpec
+from embodirl.models.base import SamplingParams
+from embodirl.rollout.inference import PolicyOutput
+from embodirl.workers import process_env
+from embodirl.workers.backends import make_backend
+from embodirl.workers.stream import StreamServer
+from embodirl.workers.weight_sync import WeightReceiver, WeightUpdate
+
+log = logging.getLogger(__name__)
+
+TRAIN, EVAL = "train", "eval"
+
+
+def sampling_from_config(rollout_cfg: Mapping, eval_greedy: bool = True) -> dict[str, SamplingParams]:
+    """``rollout.{temperature, top_k, top_p}`` for training; evaluation is greedy (``runner.eval_greedy``)
+    or samples like training (at ``rollout.eval_temperature`` when that key is set)."""
+    top_k, top_p = rollout_cfg.get("top_k"), rollout_cfg.get("top_p")
+    temperature = rollout_cfg.get("temperature")
+    train = SamplingParams(greedy=False, temperature=1.0 if temperature is None else float(temperature),
+                           top_k=top_k, top_p=top_p)
+    eval_temperature = rollout_cfg.get("eval_temperature")
+    evaluation = SamplingParams(greedy=bool(eval_greedy), top_k=top_k, top_p=top_p,
+                                temperature=train.temperature if eval_temperature is None else float(eval_temperature))
+    return {TRAIN: train, EVAL: evaluation}
+
+
+class RolloutWorker:
+    """One inference engine behind the transport (see module docstring).
+
+    Args:
+        model_cfg: the ``model`` config.
+        env_spec: the env's static description (task table for instructions, action bounds).
+        backend: ``rollout.backend`` name.
+        sampling: ``{"train": SamplingParams, "eval": SamplingParams}``.
+        weights: a full :class:`WeightUpdate` to start from (a restarted worker).
+        device: where the backend runs the policy (default: CUDA when visible, else CPU).
+        process_vars: environment variables to adopt before anything heavy is imported (Ray workers
+            do not inherit the driver's later ``os.environ`` changes).
+        policy: an already built policy instead of one built from ``model_cfg``; in-process it is used
+            as is (the backend puts it in eval mode on its device), through Ray it arrives as a copy.
+    """
+
+    def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, backend: str = "huggingface",
+                 sampling: Mapping[str, SamplingParams] | None = None, weights: WeightUpdate | None = None,
+                 device: str | None = None, process_vars: Mapping[str, str] | None = None, policy=None):
+        process_env.adopt(process_vars)
+        kwargs = {"device": device}
+        if policy is not None:
+            kwargs["policy"] = policy
+        self.backend = make_backend(backend, model_cfg, env_spec, **kwargs)
+        self.sampling = dict(sampling or {TRAIN: SamplingParams(), EVAL: SamplingParams(greedy=True)})
+        self.receiver = WeightReceiver(self.backend.load_weights)
+        self.reader = ShmReader()
+        self.requests = 0
+        self._lock = threading.RLock()      # decisions (any thread) vs weight updates and offload
+        self.server = StreamServer(self._decide, has_value=self.backend.value_type is not None)
+        if weights is not None:
+            self.receiver.apply(weights)
+
+    # --- inference ---------------------------------------------------------------------------------
+    def infer(self, batch: Mapping[str, np.ndarray] | ShmRef, *, return_value: bool = False,
+              mode: str = TRAIN) -> PolicyOutput:
+        """One decision for an observation batch (a dict or a shared-memory reference)."""
+        if not isinstance(batch, ShmRef):
+            return self._decide(batch, return_value, mode)
+        try:
+            return self._decide(self.reader.read(batch), return_value, mode)
+        finally:
+            self.reader.release(batch)
+
+    def open_stream(self, request: ChannelInfo, first: ShmRef, meta: int):
+        """Start serving an env worker's request ring (see :mod:`embodirl.workers.stream`); answers the
+        batch ``first`` and returns ``(response ring, answer)``."""
+        return self.server.open(request, first, meta)
+
+    def _decide(self, obs: Mapping[str, np.ndarray], return_value: bool, mode: str) -> PolicyOutput:
+        t0 = time.perf_counter()
+        with self._lock:
+            fields = self.backend.generate(obs, self.sampling[mode], return_value=return_value)
+            version = self.receiver.version
+            self.requests += 1
+        return PolicyOutput(fields, version, {"infer_s": time.perf_counter() - t0})
+
+    # --- weights -----------------------------------------------------------------------------------
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Apply a published update; returns the version now held."""
+        with self._lock:
+            applied = self.receiver.apply(update)
+        if applied:
+            log.debug("rollout worker %d now holds weights v%d", os.getpid(), self.receiver.version)
+        return self.receiver.version
+
+    def weight_version(self) -> int:
+        return self.receiver.version
+
+    def trainable_state_dict(self):
+        return self.backend.trainable_state_dict()
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def offload(self) -> None:
+        with self._lock:
+            self.backend.offload()
+
+    def onload(self) -> None:
+        with self._lock:
+            self.backend.onload()
+
+    def forget_channels(self, prefix: str) -> None:
+        """Close streams and unmap rings whose names start with ``prefix`` (their producer was replaced)."""
+        self.server.close_matching(prefix)
+        self.reader.forget(prefix)
+
+    def info(self) -> dict:
+        return process_env.describe()
+
+    def counts(self) -> dict:
+        """Decisions made in total and those served through shared-memory streams."""
+        return {"decisions": self.requests, "streamed": self.server.served}
+
+    def ready(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.server.close()
+        self.reader.close()
+        self.backend.close()

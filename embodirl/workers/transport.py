@@ -1,0 +1,109 @@
+"""How data moves between workers: the collector's inference clients, and trajectories going home.
+
+Decisions (an env worker asking its rollout worker):
+
+* :class:`LocalClient` - the rollout worker is an object in this process (zero remote workers). With
+  ``background=True`` decisions run on one thread so pipeline stages still overlap.
+* :class:`~embodirl.workers.stream.StreamClient` - the rollout worker is a Ray actor on the same
+  node: observation batches and answers travel through shared-memory rings, no Ray message per
+  decision (``rollout.channel.shm: true``, the default);
+* :class:`RayClient` - the rollout worker is a Ray actor on another node (or shared memory is off):
+  every decision is an actor call carrying the batch through Ray's object store; the answer (a few KB)
+  is the call's return value, which Ray sends inline with the reply.
+
+Trajectories travel back to the driver once per rollout as the return value of the env worker's
+call, packed as a dict of numpy arrays (:func:`pack_trajectory`): Ray stores numpy buffers in its
+object store without pickling them and the driver maps them, about 10x faster than sending the
+``TensorDict`` itself for a LIBERO-sized batch. Both choices are measured in
+``scripts/bench_workers.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from embodirl.rollout.inference import Done, FutureResult, Pending, PolicyOutput
+
+log = logging.getLogger(__name__)
+
+
+def pack_trajectory(traj) -> dict:
+    """A trajectory ``TensorDict`` as ``{"batch_size": [N, T], "fields": {"key" or "extras.key": array}}``."""
+    flat = traj.flatten_keys(".")
+    return {"batch_size": list(traj.batch_size), "fields": {k: flat.get(k).numpy() for k in flat.keys()}}
+
+
+def unpack_trajectory(packed: dict):
+    """Inverse of :func:`pack_trajectory`; copies out of the (read-only) object-store buffers."""
+    import torch
+    from tensordict import TensorDict
+
+    fields = {k: torch.from_numpy(np.array(v, copy=True)) for k, v in packed["fields"].items()}
+    return TensorDict(fields, batch_size=packed["batch_size"]).unflatten_keys(".")
+
+
+class RolloutWorkerDied(RuntimeError):
+    """The rollout worker serving this env worker died during a decision."""
+
+
+class LocalClient:
+    """In-process client over a :class:`~embodirl.workers.rollout_worker.RolloutWorker` object."""
+
+    def __init__(self, worker, *, mode: str = "train", background: bool = False):
+        self.worker = worker
+        self.mode = mode
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embodirl-rollout") if background else None
+
+    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
+        if self._pool is None:
+            return Done(self.worker.infer(obs, return_value=return_value, mode=self.mode))
+        snapshot = {k: np.array(v, copy=True) for k, v in obs.items()}
+        return FutureResult(self._pool.submit(self.worker.infer, snapshot, return_value=return_value, mode=self.mode))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class _RayPending:
+    def __init__(self, ref):
+        self._ref = ref
+
+    def result(self) -> PolicyOutput:
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            return ray.get(self._ref)
+        except RayActorError as exc:
+            raise RolloutWorkerDied(f"rollout worker died: {exc}") from exc
+
+
+class RayClient:
+    """Client over a rollout-worker actor handle through Ray's object store: each decision is one
+    actor call whose argument is the batch (the path between nodes, or with
+    ``rollout.channel.shm: false``)."""
+
+    def __init__(self, actor, *, mode: str = "train"):
+        self.actor = actor
+        self.mode = mode
+        self.batches = 0
+
+    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
+        self.batches += 1
+        return _RayPending(self.actor.infer.remote(dict(obs), return_value=return_value, mode=self.mode))
+
+    def info(self) -> dict:
+        return {"shm": False, "stream": False, "segment": None, "shm_batches": 0, "ray_batches": self.batches,
+                "fallbacks": 0}
+
+    def reconnect(self, actor) -> None:
+        self.actor = actor
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,125 @@
+"""No shared-memory entry outlives its run: close, exit, SIGTERM, Ctrl-C, SIGKILL (owner and group)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from embodirl.channel import ShmChannel, segments
+
+CLEANUP_DEADLINE_S = 20.0   # generous: the janitor reacts within milliseconds, the machine may be busy
+
+# A process that owns a ring, prints its entries, then waits to be ended in the way the test chooses.
+_OWNER = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    from embodirl.channel import ShmChannel, segments
+    if os.environ.get("OWN_RUN"):
+        segments.own_run()
+    channel = ShmChannel({"images": np.zeros((4, 3, 32, 32), np.uint8)}, num_slots=2, tag="test")
+    channel.put({"images": np.ones((4, 3, 32, 32), np.uint8)})
+    print(" ".join(segments.owned()), flush=True)
+    if sys.argv[1] == "exit":
+        sys.stdin.readline()
+        sys.exit(0)
+    time.sleep(600)
+""")
+
+
+def _wait_gone(names, deadline_s=CLEANUP_DEADLINE_S):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        left = [n for n in names if os.path.exists(os.path.join(segments.SHM_DIR, n))]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return left
+
+
+def _spawn_owner(mode: str, run: str, own_run: bool = False, **popen):
+    env = dict(os.environ, EMBODIRL_SHM_RUN=run)
+    if own_run:
+        env["OWN_RUN"] = "1"
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=env, text=True, **popen)
+    names = proc.stdout.readline().split()
+    assert len(names) == 3, f"owner printed {names!r}"   # the segment and its two FIFOs
+    assert all(n.startswith(f"erl_{run}_{proc.pid}_") for n in names)
+    assert all(os.path.exists(os.path.join(segments.SHM_DIR, n)) for n in names)
+    return proc, names
+
+
+@pytest.fixture
+def run_id():
+    rid = "t" + os.urandom(3).hex()
+    yield rid
+    segments.sweep(f"erl_{rid}_")
+
+
+def test_close_unlinks_segment_and_fifos():
+    channel = ShmChannel({"x": np.zeros(8, np.float32)}, num_slots=2)
+    names = [channel.info.segment, channel.info.fifo, channel.info.ready]
+    assert all(n in segments.listing() for n in names)
+    channel.close()
+    assert not [n for n in names if n in segments.listing()]
+
+
+def test_normal_exit_without_close_cleans_up(run_id):
+    proc, names = _spawn_owner("exit", run_id)
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.wait(30) == 0
+    assert _wait_gone(names) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["sigterm", "ctrl-c", "sigkill"])
+def test_owner_killed_by_signal_leaves_nothing(run_id, sig):
+    proc, names = _spawn_owner("wait", run_id)
+    os.kill(proc.pid, sig)
+    proc.wait(30)
+    assert _wait_gone(names) == []
+
+
+def test_sigkill_of_a_whole_process_group_leaves_nothing(run_id):
+    # the run owner and everything in its process group die at once (what a terminal's kill -9 -PGID or
+    # a container stop does); the janitors live in their own sessions and still clean up
+    proc, names = _spawn_owner("wait", run_id, own_run=True, start_new_session=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert _wait_gone(names) == []
+    assert segments.listing(f"erl_{run_id}_") == []
+
+
+def test_sweep_removes_a_prefix_and_refuses_foreign_names(run_id):
+    proc, names = _spawn_owner("wait", run_id)
+    try:
+        removed = segments.sweep(segments.process_prefix(proc.pid, run_id))
+        assert sorted(removed) == sorted(names)
+        assert segments.listing(f"erl_{run_id}_") == []
+    finally:
+        proc.kill()
+        proc.wait(30)
+    with pytest.raises(ValueError, match="refusing"):
+        segments.sweep("psm_")
+
+
+def test_forked_child_does_not_unlink_parent_segments():
+    channel = ShmChannel({"x": np.zeros(8, np.float32)}, num_slots=1)
+    try:
+        pid = os.fork()
+        if pid == 0:   # child: runs the exit-time cleanup, which must not touch the parent's ring
+            try:
+                segments._release_all()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert channel.info.segment in segments.listing()
+    finally:
+        channel.close()

@@ -1,0 +1,128 @@
+"""Worker groups as real Ray actors on the toy simulator: shared-memory transport, placement groups,
+weight versions, and recovery from SIGKILLed env and rollout workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from embodirl import data as D
+from embodirl.channel import segments
+from embodirl.workers.groups import WorkerGroups
+
+KILL_WAIT_S = 120.0
+
+
+def _toy(compose_cfg, *overrides):
+    return compose_cfg("env=toy_reach", "model=state_mlp", "env.train.state_obs=true", "env.train.num_envs=8",
+                       "actor.global_batch_size=8", *overrides)
+
+
+def _run_entries():
+    return segments.listing(segments.run_prefix())
+
+
+def test_collect_through_actors_over_shared_memory(ray_local, compose_cfg):
+    cfg = _toy(compose_cfg, "env_workers.num_workers=2", "rollout.pipeline_stage_num=2")
+    with WorkerGroups.from_config(cfg, remote=True) as groups:
+        # real placement groups: one STRICT_PACK group of one-core bundles on this node
+        table = ray_local.util.placement_group_table()
+        ours = [pg for pg in table.values() if pg["name"] == "embodirl-node0" and pg["state"] == "CREATED"]
+        assert len(ours) == 1 and all(b == {"CPU": 1.0} for b in ours[0]["bundles"].values())
+        traj = groups.collect()
+        D.validate(traj)
+        assert traj.batch_size == torch.Size([8, 6])
+        assert traj[D.VALID][:, 0].all()
+        assert (traj[D.GROUP_ID][:, 0] == torch.arange(8)).all()
+        # every observation batch went through the env workers' rings, none through the object store;
+        # after the call that opened each stream, no Ray message per decision
+        infos = ray_local.get([w.transport_info.remote() for w in groups.env.workers])
+        assert all(i["stream"] and i["shm_batches"] > 0 and i["ray_batches"] == 0 for i in infos)
+        counts = ray_local.get(groups.rollout.workers[0].counts.remote())
+        assert counts["decisions"] == sum(i["shm_batches"] for i in infos)
+        assert counts["streamed"] == counts["decisions"] - len(infos)
+        rings = [i["segment"] for i in infos]
+        assert all(r in _run_entries() for r in rings)
+        # weight sync: the next rollout's decisions carry the published version
+        state = groups.rollout.publisher.state()
+        assert groups.sync_weights({k: v * 0.5 for k, v in state.items()}) == 1
+        assert groups.rollout.weight_versions() == [1]
+        assert (groups.collect()[D.WEIGHT_VERSION] == 1).all()
+    assert not [r for r in rings if r in _run_entries()]
+
+
+def test_object_store_path_when_shared_memory_is_off(ray_local, compose_cfg):
+    cfg = _toy(compose_cfg, "rollout.channel.shm=false")
+    with WorkerGroups.from_config(cfg, remote=True) as groups:
+        traj = groups.collect()
+        assert traj[D.VALID][:, 0].all()
+        info = ray_local.get(groups.env.workers[0].transport_info.remote())
+        assert info["shm_batches"] == 0 and info["ray_batches"] > 0 and info["segment"] is None
+
+
+def _kill_when_rolling(pid: int, prefix: str, killed: list):
+    """SIGKILL ``pid`` once it has sent its first observation batch (its ring exists): mid-rollout."""
+    end = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < end:
+        if segments.listing(prefix):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.slow
+def test_env_worker_killed_mid_rollout_is_replaced(ray_local, compose_cfg):
+    # long episodes (250 decisions) so that the kill lands while the worker is collecting
+    cfg = _toy(compose_cfg, "env_workers.num_workers=2", "env.train.max_episode_steps=1000")
+    with WorkerGroups.from_config(cfg, remote=True) as groups:
+        victim = groups.env.env_worker_pids()[0]
+        killed: list = []
+        killer = threading.Thread(target=_kill_when_rolling,
+                                  args=(victim, segments.process_prefix(victim), killed))
+        killer.start()
+        traj = groups.collect()
+        killer.join()
+        assert killed == [victim]
+        # the requested number of valid trajectories, slots in order, whole episodes
+        assert traj.batch_size[0] == 8
+        assert traj[D.VALID][:, 0].all()
+        assert ((traj[D.TERMINATED] | traj[D.TRUNCATED]) & traj[D.VALID]).any(dim=1).all()
+        assert (traj[D.GROUP_ID][:, 0] == torch.arange(8)).all()
+        events = [e for e in groups.events if e["event"] == "env_worker_replaced"]
+        assert len(events) == 1 and events[0]["worker"] == 0 and events[0]["pid"] == victim
+        assert groups.env.env_worker_pids()[0] != victim
+        # nothing of the dead worker is left in /dev/shm
+        assert segments.listing(segments.process_prefix(victim)) == []
+
+
+@pytest.mark.slow
+def test_rollout_worker_killed_mid_rollout_restarts_with_published_weights(ray_local, compose_cfg):
+    cfg = _toy(compose_cfg, "env_workers.num_workers=2", "env.train.max_episode_steps=1000")
+    with WorkerGroups.from_config(cfg, remote=True) as groups:
+        state = groups.rollout.publisher.state()
+        groups.sync_weights({k: v + 0.01 for k, v in state.items()})
+        groups.sync_weights({k: v + 0.02 for k, v in state.items()})
+        victim = groups.rollout.infos[0]["pid"]
+        killed: list = []
+        # the rollout worker's response rings appear once it serves the env workers' streams
+        killer = threading.Thread(target=_kill_when_rolling, args=(victim, segments.process_prefix(victim), killed))
+        killer.start()
+        traj = groups.collect()
+        killer.join()
+        assert killed == [victim]
+        assert traj.batch_size[0] == 8 and traj[D.VALID][:, 0].all()
+        assert (traj[D.WEIGHT_VERSION] == 2).all()
+        assert [e["event"] for e in groups.events] == ["rollout_worker_restarted"]
+        assert groups.rollout.infos[0]["pid"] != victim
+        assert groups.rollout.weight_versions() == [2]
+        restarted = ray_local.get(groups.rollout.workers[0].trainable_state_dict.remote())
+        for name, tensor in restarted.items():
+            torch.testing.assert_close(tensor, state[name] + 0.02)
+        # the next rollout streams from the new worker
+        assert groups.collect()[D.VALID][:, 0].all()
