@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from embodirl.channel import ChannelInfo, ShmChannel, ShmReader, ShmRef
-from embodirl.rollout.inference import Pending, PolicyOutput
+from embodirl.rollout.inference import Done, Pending, PolicyOutput
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +214,6 @@ class StreamClient:
         self.batches = 0
 
     def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
-        from embodirl.rollout.inference import Done
-
         if self.request is None:
             self.request = ShmChannel(obs, self.queue_size, tag=self.tag)
         meta = request_meta(return_value, self.mode)
@@ -239,14 +237,13 @@ class StreamClient:
                 continue
             ref, _ = msg
             views = self._reader.read(ref)
-            answer_seq = int(views[_SEQ][0])
-            if views[_ERROR][0]:
-                self._reader.release(ref)
-                raise RuntimeError(f"the rollout worker failed on batch {answer_seq}; see its log")
+            answer_seq, failed = int(views[_SEQ][0]), bool(views[_ERROR][0])
             fields = {k: np.array(v, copy=True) for k, v in views.items() if not k.startswith("_")}
             out = PolicyOutput(fields, int(views[_VERSION][0]), {"infer_s": float(views[_INFER_S][0])})
             del views
             self._reader.release(ref)
+            if failed:
+                raise RuntimeError(f"the rollout worker failed on batch {answer_seq}; see its log")
             self._answers[answer_seq] = out
         return _strip(self._answers.pop(seq), return_value)
 
