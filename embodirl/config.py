@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -30,6 +30,13 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 ROLLOUT_BACKENDS = ("huggingface", "vllm")
 RESUME_MODES = ("auto", "disable")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def to_plain(cfg: Mapping) -> dict:
+    """A DictConfig (resolved) or any mapping as nested plain dicts, for code that takes plain configs."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return {k: to_plain(v) if isinstance(v, Mapping) else v for k, v in dict(cfg).items()}
 
 
 def available_options(group: str, root: Path | None = None) -> list[str]:

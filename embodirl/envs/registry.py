@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from embodirl.config import to_plain
 from embodirl.errors import ConfigError
 
 # adapter name -> module that registers it on import
@@ -47,24 +48,14 @@ def get_adapter(name: str, key: str = "env.adapter"):
     return _ADAPTERS[name]
 
 
-def _plain(cfg: Mapping) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover
-        pass
-    return dict(cfg)
-
 
 def check_env_config(cfg: Mapping, key: str = "env") -> None:
     adapter = get_adapter(cfg.get("adapter"), f"{key}.adapter")
-    adapter.check_config(_plain(cfg))
+    adapter.check_config(to_plain(cfg))
 
 
 def make_env(cfg: Mapping, *, num_envs: int | None = None, seed: int = 0, env_offset: int = 0):
     """Build the :class:`~embodirl.envs.base.ChunkVectorEnv` an env config describes."""
-    plain = _plain(cfg)
+    plain = to_plain(cfg)
     adapter = get_adapter(plain.get("adapter"))
     return adapter.make(plain, num_envs=num_envs or plain["num_envs"], seed=seed, env_offset=env_offset)

@@ -18,19 +18,10 @@ from typing import Any
 
 from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
 from embodirl.algorithms.losses import LossParams
+from embodirl.config import to_plain as plain
 from embodirl.errors import ConfigError
 
 
-def plain(cfg: Any) -> dict:
-    """A DictConfig (resolved) or mapping as nested plain dicts."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover
-        pass
-    return {k: plain(v) if isinstance(v, Mapping) else v for k, v in dict(cfg).items()}
 
 
 def _get(node: Mapping, path: str, root: str):

@@ -42,7 +42,7 @@ def get_policy_builder(name: str, key: str = "model.name"):
 
 
 def make_policy(model_cfg: Mapping, env_spec):
-    from omegaconf import DictConfig, OmegaConf
+    from embodirl.config import to_plain
 
-    plain = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    plain = to_plain(model_cfg)
     return get_policy_builder(plain["name"])(plain, env_spec)

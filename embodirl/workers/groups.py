@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from embodirl import data as D
 from embodirl.channel import segments
-from embodirl.config import CRITIC_ADV_TYPES, decisions_per_episode
+from embodirl.config import CRITIC_ADV_TYPES, decisions_per_episode, to_plain
 from embodirl.errors import ConfigError
 from embodirl.rollout.starts import EpisodeStarts, plan_starts
 from embodirl.workers import process_env
@@ -106,16 +106,12 @@ def layout_from_config(cfg: DictConfig, env_key: str = "env.train") -> RolloutLa
     return RolloutLayout(K, S, N // (K * S), int(cfg.rollout.num_workers), T, G)
 
 
-def _plain(cfg) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-
-
 class RolloutWorkerGroup:
     """R rollout workers (objects in-process, or Ray actors)."""
 
     def __init__(self, model_cfg: Mapping, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
                  remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None):
-        self.model_cfg = _plain(model_cfg)
+        self.model_cfg = to_plain(model_cfg)
         self.env_spec = env_spec
         self.backend = backend
         self.sampling = dict(sampling)
@@ -243,7 +239,7 @@ class EnvWorkerGroup:
                  use_shm: bool = True, queue_size: int = 4, placement=None,
                  process_vars: Mapping[str, str] | None = None, mode: str = TRAIN,
                  max_faults: int = DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None):
-        self.env_cfg = _plain(env_cfg)
+        self.env_cfg = to_plain(env_cfg)
         self.layout = layout
         self.rollout: RolloutWorkerGroup | None = None
         self.remote = remote
@@ -459,7 +455,7 @@ class WorkerGroups:
         env_group = _env_group(cfg, "env.train", layout, remote=remote, placement=placement,
                                process_vars=process_vars)
         try:
-            rollout_cfg = _plain(cfg.rollout)
+            rollout_cfg = to_plain(cfg.rollout)
             rollout_group = RolloutWorkerGroup(cfg.model, env_group.spec, num_workers=layout.num_rollout_workers,
                                                backend=rollout_cfg["backend"],
                                                sampling=sampling_from_config(rollout_cfg, cfg.runner.eval_greedy),
