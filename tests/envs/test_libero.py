@@ -391,8 +391,13 @@ def test_scene_is_a_function_of_the_init_state(object_env):
     a = env.reset(SOUP_TASK, 9)
     env.reset(SOUP_TASK, 10)
     b = env.reset(SOUP_TASK, 9)
-    np.testing.assert_array_equal(a["images"], b["images"])
     np.testing.assert_array_equal(a["state"], b["state"])
+    # The physics state is bit-identical. About one run in five, after other tests have created and
+    # dropped GL contexts in this process, a handful of pixels on one image edge differ (seen: 4 of
+    # 98304, identical state). A different scene (e.g. fixture jitter of another init state) changes
+    # thousands of pixels, so a bound of 16 still tells scenes apart.
+    differing = int((a["images"] != b["images"]).sum())
+    assert differing <= 16, f"{differing} pixels differ between two resets to the same init state"
 
 
 # --------------------------------------------------------------------------------------------------
