@@ -251,6 +251,7 @@ class _CameraGate:
 
             def gated(obs_cache, _name=name, _real=real):
                 if self.open:
+                    self.make_current()
                     return _real(obs_cache)
                 if self.keep_snapshot:
                     self._take_snapshot()
@@ -259,6 +260,18 @@ class _CameraGate:
             gated.__modality__ = real.__modality__
             # set directly: Observable.set_sensor would call (and so render) the sensor once
             observable._sensor = gated
+
+    def make_current(self) -> None:
+        """Make this scene's GL context current before it renders.
+
+        robosuite 1.4 makes a context current only when it is created, and rendering uses whatever
+        context is current in the thread. With several scenes in one process (the task cache), or after
+        another robosuite env closed its context, a render would otherwise draw with a foreign or freed
+        context: black or wrong images.
+        """
+        context = getattr(self.env.sim, "_render_context_offscreen", None)
+        if context is not None:
+            context.gl_ctx.make_current()
 
     def _take_snapshot(self) -> None:
         sim = self.env.sim
@@ -292,6 +305,7 @@ class _CameraGate:
         try:
             mujoco.mj_copyData(data, model, self._snapshot)
             sim.model.site_rgba[:] = self._snapshot_rgba
+            self.make_current()
             return {name: np.asarray(self._real[name]({})) for name in self.names}
         finally:
             mujoco.mj_copyData(data, model, self._backup)
