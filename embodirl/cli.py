@@ -100,17 +100,20 @@ def _run(cfg) -> None:
     except (ConfigError, AssetsMissing) as exc:
         _fail(str(exc))
     OmegaConf.set_struct(cfg, True)
+    from embodirl import runtime
     from embodirl.runner import run
+
+    runtime.set_torch_threads(cfg.runner.torch_threads)
 
     try:
         run(cfg)
     except (ConfigError, AssetsMissing) as exc:
         _fail(str(exc))
-    except ModuleNotFoundError as exc:
-        if exc.name == "embodirl.runner.loop":
-            print("embodirl: the configuration is valid; the training loop (embodirl.runner.loop) is not implemented yet.")
-            return
-        raise
+    except KeyboardInterrupt:
+        # workers are closed by the runner's context managers; checkpoints written so far are kept
+        print(f"embodirl: interrupted; completed checkpoints are in {cfg.runner.output_dir}/checkpoints "
+              "(the next run with the same output_dir resumes from the latest)", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 ROLLOUT_BACKENDS = ("huggingface", "vllm")
 RESUME_MODES = ("auto", "disable")
+RAY_MODELS = ("openvla_oft",)          # cluster.use_ray=auto runs model.name openvla_oft* through Ray worker groups
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -130,6 +131,17 @@ def decisions_per_episode(cfg: DictConfig, env_key: str = "env.train") -> int:
     return int(explicit) if explicit else math.ceil(steps / H)
 
 
+def use_ray(cfg: DictConfig) -> bool:
+    """Whether the runner collects through Ray worker groups (``cluster.use_ray``; ``auto``: for VLA
+    models, several env or rollout workers, several nodes or a given Ray address) or in process."""
+    choice = cfg.cluster.get("use_ray", "auto")
+    if choice != "auto":
+        return bool(choice)
+    return (str(cfg.model.name).startswith(RAY_MODELS) or int(cfg.env_workers.num_workers) > 1
+            or int(cfg.rollout.num_workers) > 1 or int(cfg.cluster.num_nodes) > 1
+            or bool(cfg.cluster.get("ray_address")))
+
+
 def data_parallel_size(cfg: DictConfig, placement=None) -> int:
     """Learner ranks: accelerators given to the actor, or ``actor.cpu_world_size`` on CPU."""
     if placement is not None and placement.accelerator == "gpu":
@@ -156,6 +168,14 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     _choice(cfg, "algorithm.kl_ctrl.type", KL_CTRL_TYPES)
     _choice(cfg, "rollout.backend", ROLLOUT_BACKENDS)
     _choice(cfg, "runner.resume_mode", RESUME_MODES)
+    if cfg.runner.get("torch_threads", "auto") not in (None, "auto"):
+        _positive(cfg, "runner.torch_threads")
+    from embodirl.runner.checkpoint import eval_model_path, resume_source
+
+    # an explicit runner.resume_dir must hold a complete checkpoint (raises naming it; reads only);
+    # evaluation may also name a model checkpoint there (loaded as model.path)
+    if eval_model_path(cfg.runner) is None:
+        resume_source(cfg.runner.resume_dir, cfg.runner.resume_mode, cfg.runner.output_dir)
     for key in ("algorithm.gamma", "algorithm.gae_lambda"):
         value = OmegaConf.select(cfg, key)
         if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
@@ -180,6 +200,14 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
         _fail("rollout.top_k", f"must be at least 1 (or null), got {rollout.top_k}")
     if rollout.backend == "vllm":
         _fail("rollout.backend", "the vllm backend is not available in this version; use rollout.backend=huggingface")
+    ray_choice = cfg.cluster.get("use_ray", "auto")
+    if not (isinstance(ray_choice, bool) or ray_choice == "auto"):
+        _fail("cluster.use_ray", f"{ray_choice!r} is not one of auto, true, false")
+    if ray_choice is False:
+        for key in ("env_workers.num_workers", "rollout.num_workers", "cluster.num_nodes"):
+            if int(OmegaConf.select(cfg, key)) > 1:
+                _fail("cluster.use_ray", f"false runs every worker in this process, but {key} = "
+                                         f"{OmegaConf.select(cfg, key)} needs Ray; set cluster.use_ray=auto or {key}=1")
 
     # --- placement and data-parallel size --------------------------------------------------------------
     if num_devices is None:

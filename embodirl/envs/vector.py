@@ -76,6 +76,7 @@ import multiprocessing as mp
 import os
 import pickle
 import select
+import sys
 import threading
 import time
 import traceback
@@ -313,6 +314,11 @@ def _worker_main(conn, factory_bytes: bytes, runner_kwargs: dict, owner_pid: int
     from embodirl import runtime
 
     runtime.configure()   # before the factory imports mujoco / sapien
+    # one simulator per process: single-threaded torch (ManiSkill) avoids thread pools spinning
+    # against the other simulators on the same cores
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
     try:
         runner = EpisodeRunner(cloudpickle.loads(factory_bytes)(), **runner_kwargs)
         conn.send(("ok", runner.spec))

@@ -217,15 +217,16 @@ class Learner:
         return self.version, state
 
     def state_dict(self) -> dict:
-        """Resumable learner state with full (un-sharded) CPU tensors. Collective under FSDP, where
-        the optimizer state is gathered on rank 0 only (the other ranks' entry is empty): save rank
-        0's copy."""
+        """Resumable learner state with full (un-sharded) CPU tensors: ``trainable`` (by parameter
+        name), ``optimizer``, ``scheduler``, ``kl_ctrl``, ``replay`` (the held rollouts) and the
+        ``version`` / ``optimizer_steps`` counters. Collective under FSDP, where the optimizer state
+        is gathered on rank 0 only (the other ranks' entry is empty): save rank 0's copy."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return {
             "version": self.version, "optimizer_steps": self.optimizer_steps, "kl_ctrl": self.kl_ctrl.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "replay": self.replay.state_dict(),
             "trainable": {name: fsdp.full_tensor(p).to("cpu", copy=True) for name, p in self._trainable},
             # deep copies: the returned state must not alias the live optimizer's moment tensors
             "optimizer": copy.deepcopy(get_optimizer_state_dict(self.policy, self.optimizer, options=options)),
@@ -254,6 +255,7 @@ class Learner:
                                                           broadcast_from_rank0=fsdp.is_distributed()))
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.replay.load_state_dict(state["replay"])
         self.version, self.optimizer_steps = int(state["version"]), int(state["optimizer_steps"])
 
     # --- internals -----------------------------------------------------------------------------------

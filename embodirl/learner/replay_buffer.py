@@ -106,6 +106,15 @@ class ReplayBuffer:
             self._rollouts.clear()
         return parts[0] if len(parts) == 1 else D.concat(parts)
 
+    def state_dict(self) -> dict:
+        """The held rollouts as plain nested dicts of CPU tensors (loadable with ``weights_only``)."""
+        return {"rollouts": [{"batch_size": list(b.batch_size), "data": b.to_dict()} for b in self._rollouts],
+                "dropped_rows": self.dropped_rows}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self._rollouts = deque(TensorDict(r["data"], batch_size=r["batch_size"]) for r in state["rollouts"])
+        self.dropped_rows = int(state["dropped_rows"])
+
     def stats(self) -> dict[str, torch.Tensor]:
         return {"replay/bytes": torch.tensor(float(self.nbytes)), "replay/rollouts": torch.tensor(float(len(self))),
                 "replay/dropped_rows": torch.tensor(float(self.dropped_rows))}

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from embodirl import data as D
+
+#: the trained tensors a policy folder holds outside any adapter layout, by parameter name (safetensors)
+TRAINABLE_WEIGHTS = "trainable.safetensors"
 
 
 @dataclass
@@ -84,6 +89,39 @@ class Policy(nn.Module, abc.ABC):
                     raise ValueError(f"weight update for '{name}' has shape {tuple(tensor.shape)}, "
                                      f"the model's is {tuple(target.shape)}")
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    # --- the trained weights on disk -----------------------------------------------------------
+    def save_trainable(self, folder: str | Path, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Write the trained tensors into ``folder``: by default every trainable tensor, by parameter
+        name, in ``trainable.safetensors``. ``tensors`` (full CPU tensors named as in
+        :meth:`trainable_state_dict`, e.g. gathered by the learner) replaces the live ones. Adapter
+        policies override this to write the adapter in its library's layout."""
+        from safetensors.torch import save_file
+
+        tensors = dict(self.trainable_state_dict() if tensors is None else tensors)
+        save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()},
+                  str(Path(folder) / TRAINABLE_WEIGHTS), metadata={"format": "pt"})
+
+    def load_trainable(self, folder: str | Path) -> None:
+        """Load what :meth:`save_trainable` wrote. Every trainable tensor must be in the folder; it may
+        also hold other parameters of this policy (a full fine-tuning run trained them all)."""
+        self._load_trainable_file(Path(folder), {n for n, p in self.named_parameters() if p.requires_grad})
+
+    def _load_trainable_file(self, folder: Path, required: set[str]) -> None:
+        from safetensors.torch import load_file
+
+        path = folder / TRAINABLE_WEIGHTS
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: {folder} is not a policy folder written by save_trainable")
+        state = load_file(str(path))
+        missing = sorted(required - set(state))
+        if missing:
+            raise ValueError(f"{path} lacks {len(missing)} trained tensor(s) of {type(self).__name__}, e.g. "
+                             f"'{missing[0]}'; it was written for another model configuration")
+        try:
+            self.load_trainable_state_dict(state)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{path} does not fit {type(self).__name__}: {exc.args[0]}") from None
 
     @contextlib.contextmanager
     def reference_mode(self):

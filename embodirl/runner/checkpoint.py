@@ -1,12 +1,31 @@
 """Atomic, resumable checkpoints: ``<output_dir>/checkpoints/step_<n>/``.
 
-A checkpoint is written into a temporary sibling folder and renamed into place only after every
-file is flushed and a ``COMPLETE`` marker written, so a crash mid-save never leaves a folder that
-looks complete: :func:`latest_checkpoint` ignores temporary folders and folders without the marker.
+Layout of one checkpoint (the part folders are what :class:`~embodirl.runner.loop.Runner` writes)::
 
-What goes in is decided by the caller as named parts; each part is a callable that writes into the
-folder it is given (the learner writes the LoRA adapter in peft layout, value head, optimizer and
-schedule; the runner writes RNG states, counters and the resolved config).
+    step_<n>/
+      COMPLETE                     {"step": n, "parts": [...]}; written last
+      policy/                      the trained policy, loadable on its own (Policy.load_trainable)
+        adapter_config.json        LoRA models: the adapter in peft's layout, written by
+        adapter_model.safetensors    PeftModel.save_pretrained (with the modules-to-save copies)
+        README.md                  peft's model card
+        trainable.safetensors      the other trained tensors by parameter name: the value head; for
+                                     full-weight models (state_mlp, full fine-tuning) every trained tensor
+      learner/train_state.pt       optimizer moments, LR schedule, KL controller, replay-buffer rollouts,
+                                     policy version and optimizer-step counters (torch.save, weights_only)
+      runner/state.json            the step and the start-planning generator's state
+      runner/rng.pt                python / numpy / torch (and CUDA) RNG states
+      config/config.yaml           the resolved config of the run
+
+Only the trained tensors are stored: the frozen base weights come from ``model.path`` (or the random
+init of ``runner.seed``), as when the run started. ``embodirl eval runner.resume_dir=<step folder>``
+reads nothing but ``policy/``.
+
+Atomicity: a checkpoint is written into a temporary sibling folder ``.tmp_step_<n>_<pid>``, every file
+is flushed to disk, the ``COMPLETE`` marker is written, and only then is the folder renamed into place.
+A crash (even SIGKILL) mid-save therefore never leaves a ``step_<n>`` that looks complete, and
+:func:`list_checkpoints` / :func:`latest_checkpoint` ignore temporary folders and folders without the
+marker. Older checkpoints are never touched by a save (except by ``keep_last``); temporary folders of
+dead processes are removed by the next save.
 """
 
 from __future__ import annotations
@@ -20,57 +39,102 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
+from embodirl.errors import ConfigError
+
 COMPLETE = "COMPLETE"
+CHECKPOINTS = "checkpoints"
+#: the parts the runner writes (sub-folders of a checkpoint)
+POLICY, LEARNER, RUNNER, CONFIG = "policy", "learner", "runner", "config"
+TRAIN_STATE = "train_state.pt"
+#: ``runner.resume_dir`` / ``runner.resume_mode`` value that turns resuming off
+DISABLE = "disable"
+#: a model checkpoint (public OpenVLA-OFT layout) has this file: it is given as model.path, not resumed from
+MODEL_CONFIG = "config.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.(?:tmp|old)_step_\d+_(\d+)$")
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
+    return Path(output_dir) / CHECKPOINTS
 
 
 def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
+    for path in sorted(folder.rglob("*"), reverse=True):   # files before the folders that list them
         if path.is_file():
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
+        elif path.is_dir():
+            _fsync_dir(path)
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Temporary folders left by processes that died mid-save."""
+    for path in root.iterdir():
+        match = _TMP_DIR.match(path.name)
+        if match and (int(match.group(1)) == os.getpid() or not psutil.pid_exists(int(match.group(1)))):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(output_dir: str | Path, step: int, parts: Mapping[str, Callable[[Path], None]],
                     keep_last: int | None = None) -> Path:
-    """Write ``step_<step>`` atomically; each part writes into ``<folder>/<part name>/``."""
+    """Write ``step_<step>`` atomically (see module docstring); each part writes into
+    ``<folder>/<part name>/``. ``keep_last`` removes all but the newest complete checkpoints."""
     root = checkpoint_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(root)
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for name, write in parts.items():
-        sub = tmp / name
-        sub.mkdir()
-        write(sub)
-    (tmp / COMPLETE).write_text(json.dumps({"step": step, "parts": sorted(parts)}))
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        for name, write in parts.items():
+            sub = tmp / name
+            sub.mkdir()
+            write(sub)
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, "parts": sorted(parts)}))
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        # Re-saving a step (a run resumed from an earlier checkpoint of this folder): move the old one
+        # aside first. A crash in between loses only this step's old copy, never an older checkpoint.
+        old = root / f".old_step_{step}_{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
     if keep_last:
-        for old in list_checkpoints(output_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for stale in list_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
+def is_checkpoint(path: str | Path) -> bool:
+    """``path`` is a complete checkpoint folder (``step_<n>`` with its marker)."""
+    path = Path(path)
+    return bool(_STEP_DIR.match(path.name)) and (path / COMPLETE).is_file()
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints of a run's output folder, oldest first."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and (path / COMPLETE).is_file():
-            found.append((int(match.group(1)), path))
+    found = [(checkpoint_step(p), p) for p in root.iterdir() if is_checkpoint(p)]
     return [p for _, p in sorted(found)]
 
 
@@ -79,11 +143,72 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def find_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint ``path`` designates: itself when it is a complete checkpoint folder, else the
+    latest complete checkpoint of the run folder ``path`` (or of its ``checkpoints/`` folder);
+    None when there is none."""
+    path = Path(path).expanduser()
+    if is_checkpoint(path):
+        return path
+    if path.name == CHECKPOINTS:
+        path = path.parent
+    return latest_checkpoint(path)
+
+
+def is_model_checkpoint(path: str | Path) -> bool:
+    """``path`` is a model checkpoint directory (``config.json`` + weights, e.g. a public OpenVLA-OFT
+    checkpoint) rather than a run's checkpoint."""
+    path = Path(path).expanduser()
+    return not is_checkpoint(path) and (path / MODEL_CONFIG).is_file()
+
+
+def eval_model_path(runner_cfg) -> str | None:
+    """For evaluation only: ``runner.resume_dir`` when it names a model checkpoint (e.g. a public
+    OpenVLA-OFT directory), which then loads as ``model.path``; else None."""
+    resume_dir = runner_cfg.get("resume_dir")
+    if not runner_cfg.get("only_eval") or resume_dir in (None, "", "auto", DISABLE):
+        return None
+    return str(Path(str(resume_dir)).expanduser()) if is_model_checkpoint(str(resume_dir)) else None
+
+
+def resume_source(resume_dir: str | None, resume_mode: str, output_dir: str | Path) -> Path | None:
+    """The checkpoint a run starts from (``runner.resume_dir`` / ``runner.resume_mode``):
+
+    * ``resume_mode: disable`` or ``resume_dir: disable`` - none, a fresh start;
+    * ``resume_dir: null`` or ``auto`` - the latest complete checkpoint of ``output_dir`` (none yet: a
+      fresh start);
+    * a path - that ``step_<n>`` folder, or the latest complete checkpoint of that run folder (or of
+      its ``checkpoints/``).
+
+    An explicit path without a complete checkpoint raises one :class:`ConfigError` sentence naming
+    ``runner.resume_dir``; nothing is read or written besides looking at the folder.
+    """
+    if resume_mode == DISABLE or resume_dir == DISABLE:
+        return None
+    if resume_dir in (None, "", "auto"):
+        return latest_checkpoint(output_dir)
+    path = Path(str(resume_dir)).expanduser()
+    how = f"give a run's output folder or one of its checkpoints/step_<n> folders, or set runner.resume_dir={DISABLE}"
+    if not path.is_dir():
+        raise ConfigError("runner.resume_dir", f"'{path}' is not an existing folder; {how}")
+    found = find_checkpoint(path)
+    if found is not None:
+        return found
+    if is_model_checkpoint(path):
+        raise ConfigError("runner.resume_dir", f"'{path}' is a model checkpoint ({MODEL_CONFIG} and weights), not a "
+                                               f"run's checkpoint; load it with model.path={path}")
+    if _STEP_DIR.match(path.name):
+        complete = find_checkpoint(path.parent)
+        raise ConfigError("runner.resume_dir", f"'{path}' has no {COMPLETE} marker (its save was interrupted); "
+                                               + (f"use {complete}, the latest complete one" if complete else how))
+    raise ConfigError("runner.resume_dir", f"'{path}' holds no complete checkpoint (checkpoints/step_<n>/ with a "
+                                           f"{COMPLETE} marker); {how}")
+
+
 def checkpoint_step(path: str | Path) -> int:
-    match = _STEP_DIR.match(Path(path).name)
-    if not match or not (Path(path) / COMPLETE).is_file():
+    if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint folder (step_<n> with a {COMPLETE} marker)")
-    return int(match.group(1))
+    return int(_STEP_DIR.match(Path(path).name).group(1))
 
 
 def rng_state() -> dict:
@@ -109,3 +234,12 @@ def save_rng(folder: Path) -> None:
 def load_rng(folder: Path) -> None:
     # RNG states hold numpy arrays and tuples: not loadable with weights_only=True.
     set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+
+
+def save_train_state(folder: Path, learner_state: Mapping) -> None:
+    """The learner's state without its trained tensors (those go to the policy folder)."""
+    torch.save({k: v for k, v in learner_state.items() if k != "trainable"}, folder / TRAIN_STATE)
+
+
+def load_train_state(folder: Path) -> dict:
+    return torch.load(folder / TRAIN_STATE, weights_only=True)

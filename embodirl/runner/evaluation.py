@@ -36,20 +36,40 @@ def eval_schedule(env_cfg: Mapping, num_tasks: int) -> list[tuple[int, int]]:
     return [(int(t), int(k)) for t in tasks for k in trials]
 
 
-def evaluate(policy: Policy, env_cfg: Mapping, *, out_dir: str | Path, step: int = 0, seed: int = 0,
-             greedy: bool = True, temperature: float = 1.0, episodes_per_task: int | None = None,
-             num_videos: int = 0, max_decisions: int | None = None) -> dict:
-    """Run the sweep; returns the ``eval_info`` dict (see :mod:`embodirl.runner.eval_report`)."""
-    cfg = copy.deepcopy(dict(env_cfg))
-    cfg["auto_reset"] = False
-    if episodes_per_task is not None:
-        cfg["num_trials_per_task"] = int(episodes_per_task)
-    B = int(cfg["num_envs"])
-    num_videos = min(int(num_videos), B)
-    cfg["video"] = {**dict(cfg.get("video") or {}), "enabled": num_videos > 0, "env_ids": list(range(num_videos))}
-    t_start = time.perf_counter()
-    env = make_env(cfg, num_envs=B, seed=seed)
-    try:
+class Evaluator:
+    """Runs the evaluation sweep of ``env_cfg`` again and again on one set of simulators.
+
+    The env batch is built on the first :meth:`run` and kept until :meth:`close`, so periodic
+    evaluation during training does not pay the simulators' start-up (ManiSkill: shader compilation
+    and scene building, seconds per process) every time. Every run replays the same sweep with the
+    same seeds, so successive evaluations measure the same episodes.
+    """
+
+    def __init__(self, env_cfg: Mapping, *, seed: int = 0, episodes_per_task: int | None = None,
+                 num_videos: int = 0):
+        cfg = copy.deepcopy(dict(env_cfg))
+        cfg["auto_reset"] = False
+        if episodes_per_task is not None:
+            cfg["num_trials_per_task"] = int(episodes_per_task)
+        self.B = int(cfg["num_envs"])
+        self.num_videos = min(int(num_videos), self.B)
+        cfg["video"] = {**dict(cfg.get("video") or {}), "enabled": self.num_videos > 0,
+                        "env_ids": list(range(self.num_videos))}
+        self.cfg = cfg
+        self.seed = int(seed)
+        self.env = None
+
+    def _env(self):
+        if self.env is None:
+            self.env = make_env(self.cfg, num_envs=self.B, seed=self.seed)
+        return self.env
+
+    def run(self, policy: Policy, *, out_dir: str | Path, step: int = 0, greedy: bool = True,
+            temperature: float = 1.0, max_decisions: int | None = None) -> dict:
+        """One sweep; returns the ``eval_info`` dict (see :mod:`embodirl.runner.eval_report`)."""
+        cfg, B, seed, num_videos = self.cfg, self.B, self.seed, self.num_videos
+        t_start = time.perf_counter()
+        env = self._env()
         spec = env.spec
         schedule = eval_schedule(cfg, len(spec.task_descriptions))
         H = policy.action_chunk
@@ -57,6 +77,7 @@ def evaluate(policy: Policy, env_cfg: Mapping, *, out_dir: str | Path, step: int
         sampling = SamplingParams(greedy=greedy, temperature=temperature)
         recorder = None
         if num_videos:
+            env.record_env_ids = list(range(num_videos))
             recorder = VideoRecorder.for_env(env, Path(out_dir) / "videos", cfg["video"], step=step)
         results: list[EpisodeResult] = []
         for start in range(0, len(schedule), B):
@@ -103,6 +124,24 @@ def evaluate(policy: Policy, env_cfg: Mapping, *, out_dir: str | Path, step: int
                     video_path=videos.get(i)))
             log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
                      np.mean([r.success for r in results]))
-    finally:
-        env.close()
-    return build_eval_info(results, eval_s=time.perf_counter() - t_start)
+        return build_eval_info(results, eval_s=time.perf_counter() - t_start)
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+
+    def __enter__(self) -> Evaluator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def evaluate(policy: Policy, env_cfg: Mapping, *, out_dir: str | Path, step: int = 0, seed: int = 0,
+             greedy: bool = True, temperature: float = 1.0, episodes_per_task: int | None = None,
+             num_videos: int = 0, max_decisions: int | None = None) -> dict:
+    """One sweep on simulators built for it and closed after (see :class:`Evaluator`)."""
+    with Evaluator(env_cfg, seed=seed, episodes_per_task=episodes_per_task, num_videos=num_videos) as evaluator:
+        return evaluator.run(policy, out_dir=out_dir, step=step, greedy=greedy, temperature=temperature,
+                             max_decisions=max_decisions)

@@ -3,8 +3,9 @@
 :class:`WorkerGroups` is what the runner talks to::
 
     groups = WorkerGroups.from_config(cfg)                  # Ray actors (or remote=False: in-process)
-    groups.sync_weights(learner_changed_tensors, version)   # after each update
+    groups.load_weights(learner_all_tensors, version)       # start (or resume) from the learner's weights
     traj = groups.collect()                                 # Trajectory [N, T], N = env.train.num_envs
+    groups.sync_weights(learner_changed_tensors, version)   # after each update
     groups.close()
 
 Layout (``K = env_workers.num_workers``, ``S = rollout.pipeline_stage_num``, ``R =
@@ -110,7 +111,8 @@ class RolloutWorkerGroup:
     """R rollout workers (objects in-process, or Ray actors)."""
 
     def __init__(self, model_cfg: Mapping, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
-                 remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None):
+                 remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
+                 seed: int | None = None):
         self.model_cfg = to_plain(model_cfg)
         self.env_spec = env_spec
         self.backend = backend
@@ -119,6 +121,7 @@ class RolloutWorkerGroup:
         self.placement = placement       # (plan, groups) or None
         self.process_vars = dict(process_vars or {})
         self._policy = policy            # an existing policy object instead of building one (pickled to actors)
+        self.seed = seed                 # remote workers: worker r (restart g) samples from seed + r + R*g
         self.publisher: WeightPublisher | None = None
         self.generation = [0] * num_workers   # bumped at every restart of worker r
         self.workers = []
@@ -140,6 +143,8 @@ class RolloutWorkerGroup:
                       policy=self._policy)
         if not self.remote:
             return RolloutWorker(self.model_cfg, self.env_spec, **kwargs)
+        if self.seed is not None:
+            kwargs["seed"] = self.seed + r + len(self.generation) * self.generation[r]
         import ray
 
         options = {"max_restarts": 0}
@@ -168,7 +173,14 @@ class RolloutWorkerGroup:
     # --- weights -----------------------------------------------------------------------------------
     def sync_weights(self, tensors: Mapping, version: int | None = None) -> int:
         """Publish the learner's changed trainable tensors; every worker holds them on return."""
-        update = self.publisher.publish(tensors, version)
+        return self._send(self.publisher.publish(tensors, version))
+
+    def load_weights(self, tensors: Mapping, version: int) -> int:
+        """Replace every trainable tensor by ``tensors`` at ``version`` (a full update): the learner's
+        start or resumed weights, or a checkpoint's for evaluation."""
+        return self._send(self.publisher.reset(tensors, version))
+
+    def _send(self, update) -> int:
         if self.remote:
             import ray
 
@@ -200,8 +212,8 @@ class RolloutWorkerGroup:
                 pass
         log.warning("rollout worker %d died%s; restarting it with weights v%d", r, f" ({cause})" if cause else "",
                     self.publisher.version)
-        self.workers[r] = self._create(r, weights=self.publisher.full_update())
         self.generation[r] += 1
+        self.workers[r] = self._create(r, weights=self.publisher.full_update())
         if self.remote:
             import ray
 
@@ -387,6 +399,18 @@ class EnvWorkerGroup:
                                 "version": self.rollout.version})
         self._connect(k)
 
+    def transport_infos(self) -> list[dict]:
+        """How each env worker's observations reach its rollout worker (shared memory or Ray)."""
+        return self._call_all("transport_info")
+
+    def last_stats(self) -> list:
+        """Every env worker's :class:`~embodirl.rollout.collector.RolloutStats` of the last collection."""
+        return self._call_all("last_stats")
+
+    def episode_lengths(self) -> np.ndarray:
+        """int64 ``[N]``: low-level steps of each slot's first episode in the last collection."""
+        return np.concatenate(self._call_all("episode_lengths"))
+
     def env_worker_pids(self) -> list[int]:
         return [info["pid"] for info in self.infos]
 
@@ -396,12 +420,12 @@ class EnvWorkerGroup:
     def onload(self) -> None:
         self._call_all("onload")
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 60.0) -> None:
         if self.remote:
             import ray
 
             try:
-                ray.get([w.close.remote() for w in self.workers], timeout=60)
+                ray.get([w.close.remote() for w in self.workers], timeout=wait_s)
             except Exception as exc:  # noqa: BLE001 - dead workers cannot close
                 log.debug("closing env workers: %s", exc)
             for w in self.workers:
@@ -420,26 +444,30 @@ class WorkerGroups:
     :meth:`from_config`; :meth:`evaluate` creates the evaluation env workers (``env.eval``) on first use
     and serves them from the same rollout workers with evaluation sampling."""
 
-    def __init__(self, cfg: DictConfig, env_group: EnvWorkerGroup, rollout_group: RolloutWorkerGroup, *,
-                 remote: bool, placement=None, process_vars: Mapping[str, str] | None = None):
+    def __init__(self, cfg: DictConfig, env_group: EnvWorkerGroup | None, rollout_group: RolloutWorkerGroup, *,
+                 remote: bool, placement=None, process_vars: Mapping[str, str] | None = None,
+                 eval_env_group: EnvWorkerGroup | None = None):
         self.cfg = cfg
-        self.env = env_group
+        self.env = env_group              # None: built for evaluation only
         self.rollout = rollout_group
         self.remote = remote
         self.rollout_offload = bool(cfg.rollout.get("enable_offload", False))
         self.env_offload = bool(cfg.env_workers.get("enable_offload", False))
-        self.eval_env: EnvWorkerGroup | None = None
+        self.eval_env = eval_env_group
         self._placement = placement
         self._process_vars = process_vars
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, *, remote: bool = True, policy=None,
-                    use_placement_groups: bool = True) -> WorkerGroups:
+    def from_config(cls, cfg: DictConfig, *, remote: bool = True, policy=None, policy_for=None,
+                    use_placement_groups: bool = True, train: bool = True) -> WorkerGroups:
         """Build the training env workers and the rollout workers from a composed config (placement:
         ``cluster.component_placement``; Ray: :func:`~embodirl.workers.ray_cluster.init_ray`).
-        ``remote=False`` runs every worker in this process; ``policy`` may be an existing policy object
-        for the rollout workers instead of building one from ``model``."""
+        ``remote=False`` runs every worker in this process. The rollout workers build their policy from
+        ``model`` unless given one: ``policy`` (an existing policy object), or ``policy_for(env_spec)``
+        called once the env spec is known (returning a policy object, or None to build from ``model``).
+        ``train=False`` builds the evaluation env workers instead of the training ones (evaluation only)."""
         layout = layout_from_config(cfg, "env.train")
+        eval_layout = layout_from_config(cfg, "env.eval")
         placement = process_vars = None
         if remote:
             from embodirl.workers.ray_cluster import init_ray
@@ -449,44 +477,67 @@ class WorkerGroups:
             if use_placement_groups:
                 from embodirl.workers.placement_groups import create_placement_groups
 
-                plan = plan_from_config(cfg, layout, layout_from_config(cfg, "env.eval"))
+                plan = plan_from_config(cfg, layout, eval_layout)
                 placement = (plan, create_placement_groups(plan))
         # env workers first: the env spec (task table, action bounds) comes from worker 0's simulators
-        env_group = _env_group(cfg, "env.train", layout, remote=remote, placement=placement,
-                               process_vars=process_vars)
+        env_group = eval_group = None
         try:
+            if train:
+                env_group = _env_group(cfg, "env.train", layout, remote=remote, placement=placement,
+                                       process_vars=process_vars)
+            else:
+                eval_group = _env_group(cfg, "env.eval", eval_layout, remote=remote, placement=placement,
+                                        process_vars=process_vars, placement_offset=layout.num_env_workers)
+            spec = (env_group or eval_group).spec
+            if policy_for is not None:
+                policy = policy_for(spec)
             rollout_cfg = to_plain(cfg.rollout)
-            rollout_group = RolloutWorkerGroup(cfg.model, env_group.spec, num_workers=layout.num_rollout_workers,
+            rollout_group = RolloutWorkerGroup(cfg.model, spec, num_workers=layout.num_rollout_workers,
                                                backend=rollout_cfg["backend"],
                                                sampling=sampling_from_config(rollout_cfg, cfg.runner.eval_greedy),
                                                remote=remote,
-                                               placement=placement, process_vars=process_vars, policy=policy)
-            env_group.attach(rollout_group)
+                                               placement=placement, process_vars=process_vars, policy=policy,
+                                               seed=int(cfg.runner.seed))
+            for group in (env_group, eval_group):
+                if group is not None:
+                    group.attach(rollout_group)
         except BaseException:
-            env_group.close()
+            for group in (env_group, eval_group):
+                if group is not None:
+                    group.close()
             if placement is not None:
                 from embodirl.workers.placement_groups import remove_placement_groups
 
                 remove_placement_groups(placement[1])
             raise
-        return cls(cfg, env_group, rollout_group, remote=remote, placement=placement, process_vars=process_vars)
+        return cls(cfg, env_group, rollout_group, remote=remote, placement=placement, process_vars=process_vars,
+                   eval_env_group=eval_group)
 
     # --- phases ------------------------------------------------------------------------------------
     def collect(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
                 step: int = 0):
         """One training rollout: the trajectory ``[N, T]`` (``N = env.train.num_envs``)."""
+        if self.env is None:
+            raise RuntimeError("these worker groups were built for evaluation only (train=False)")
         return self._phase(self.env, starts, seed, video_dir, step)
 
     def evaluate(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
                  step: int = 0):
         """One evaluation rollout on ``env.eval`` with evaluation sampling (greedy by default)."""
+        return self._phase(self._eval_group(), starts, seed, video_dir, step)
+
+    def eval_spec(self):
+        """The evaluation env's spec (builds the evaluation env workers if needed)."""
+        return self._eval_group().spec
+
+    def _eval_group(self) -> EnvWorkerGroup:
         if self.eval_env is None:
             layout = layout_from_config(self.cfg, "env.eval")
             self.eval_env = _env_group(self.cfg, "env.eval", layout, remote=self.remote, placement=self._placement,
                                        process_vars=self._process_vars,
                                        placement_offset=self.env.layout.num_env_workers)
             self.eval_env.attach(self.rollout)
-        return self._phase(self.eval_env, starts, seed, video_dir, step)
+        return self.eval_env
 
     def _phase(self, group: EnvWorkerGroup, starts, seed, video_dir, step):
         # collocated placement: what the rollout phase needs comes back first, and goes after
@@ -506,24 +557,35 @@ class WorkerGroups:
         """Publish the learner's changed trainable tensors to every rollout worker; returns the version."""
         return self.rollout.sync_weights(tensors, version)
 
+    def load_weights(self, tensors: Mapping, version: int) -> int:
+        """Give every rollout worker all trainable tensors at ``version`` (start, resume, evaluation of
+        a checkpoint); later :meth:`sync_weights` deltas build on them."""
+        return self.rollout.load_weights(tensors, version)
+
     @property
     def events(self) -> list[dict]:
         """Worker deaths and replacements so far (for the run's log)."""
-        return self.env.events + (self.eval_env.events if self.eval_env is not None else [])
+        return [e for g in (self.env, self.eval_env) if g is not None for e in g.events]
 
     @property
     def videos(self) -> list[str]:
-        return self.env.videos + (self.eval_env.videos if self.eval_env is not None else [])
+        return [v for g in (self.env, self.eval_env) if g is not None for v in g.videos]
 
-    def close(self) -> None:
-        for group in (self.eval_env, self.env, self.rollout):
-            if group is not None:
-                group.close()
-        if self._placement is not None:
-            from embodirl.workers.placement_groups import remove_placement_groups
+    def close(self, wait_s: float = 60.0) -> None:
+        """Stop every worker (``wait_s``: how long env workers may take to close their simulators before
+        they are killed) and release the placement groups."""
+        try:
+            for group in (self.eval_env, self.env):
+                if group is not None:
+                    group.close(wait_s)
+            self.rollout.close()
+        finally:
+            self.eval_env = self.env = None
+            if self._placement is not None:
+                from embodirl.workers.placement_groups import remove_placement_groups
 
-            remove_placement_groups(self._placement[1])
-            self._placement = None
+                remove_placement_groups(self._placement[1])
+                self._placement = None
 
     def __enter__(self):
         return self

@@ -65,12 +65,20 @@ class RolloutWorker:
             do not inherit the driver's later ``os.environ`` changes).
         policy: an already built policy instead of one built from ``model_cfg``; in-process it is used
             as is (the backend puts it in eval mode on its device), through Ray it arrives as a copy.
+        seed: seeds this process's generators (action sampling) when given; leave it None in-process,
+            where the generators are the driver's.
     """
 
     def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, backend: str = "huggingface",
                  sampling: Mapping[str, SamplingParams] | None = None, weights: WeightUpdate | None = None,
-                 device: str | None = None, process_vars: Mapping[str, str] | None = None, policy=None):
+                 device: str | None = None, process_vars: Mapping[str, str] | None = None, policy=None,
+                 seed: int | None = None):
         process_env.adopt(process_vars)
+        if seed is not None:
+            import torch
+
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
         kwargs = {"device": device}
         if policy is not None:
             kwargs["policy"] = policy

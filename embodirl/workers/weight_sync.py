@@ -74,6 +74,14 @@ class WeightPublisher:
         self.version = version
         return update
 
+    def reset(self, tensors: Mapping[str, torch.Tensor], version: int) -> WeightUpdate:
+        """Start over from ``tensors`` (every trainable tensor) at ``version``: a run resumed from a
+        checkpoint, or weights loaded for evaluation. Returns the full update that brings any worker
+        there (workers must not hold a newer version)."""
+        self.version = int(version)
+        self._snapshot = {k: _cpu(v) for k, v in tensors.items()}
+        return self.full_update()
+
     def full_update(self) -> WeightUpdate:
         """Every trainable tensor at the current version (for new or restarted workers)."""
         return WeightUpdate(version=self.version, base_version=self.version, tensors=dict(self._snapshot), full=True)

@@ -79,3 +79,19 @@ def test_learner_reuses_rollouts_with_importance_weights():
     assert second["learner/trajectories"].item() == 16
     assert second["replay/rollouts"].item() == 2
     assert learner.version == 2
+
+
+def test_held_rollouts_survive_a_checkpoint(tmp_path):
+    """A learner restored from its saved state (weights_only file) trains on the same reused rows."""
+    cfg = learner_cfg(grpo(), {"replay_buffer.reuse_last_k": 1, "replay_buffer.max_staleness": 1,
+                               "global_batch_size": 8, "micro_batch_size": 8})
+    learner = Learner(TinyTokenPolicy(), cfg, task_table=TASKS)
+    learner.step(token_batch(seed=1))
+    torch.save(learner.state_dict(), tmp_path / "state.pt")
+    restored = Learner(TinyTokenPolicy(), cfg, task_table=TASKS)   # same frozen base, fresh trainable state
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert len(restored.replay) == 1 and restored.replay.nbytes == learner.replay.nbytes
+    metrics = [x.step(token_batch(seed=2)) for x in (learner, restored)]
+    assert metrics[1]["learner/trajectories"].item() == 16    # the held rollout is reused after the restore
+    a, b = (x.publish_weights(full=True)[1] for x in (learner, restored))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -380,3 +380,58 @@ def test_statistics_key_and_component_errors(public, tmp_path):
     (wrong_bins / "config.json").write_text(json.dumps({**config, "n_action_bins": 128}))
     with pytest.raises(CheckpointError, match="n_action_bins=128"):
         build_policy(tiny(path=str(wrong_bins)), SPEC)
+
+
+def oft_action_head_file(directory, llm_dim: int, action_dim: int, seed: int = 7) -> dict[str, torch.Tensor]:
+    """An L1 regression head saved as OFT's fine-tuning script does (``action_head--<step>_checkpoint.pt``,
+    DDP ``module.`` names of its MLP-ResNet with two residual blocks), spelled out by hand; returns the
+    tensors without the prefix."""
+    g = torch.Generator().manual_seed(seed)
+    wide = llm_dim * action_dim
+    shapes = {"model.layer_norm1.weight": (wide,), "model.layer_norm1.bias": (wide,),
+              "model.fc1.weight": (llm_dim, wide), "model.fc1.bias": (llm_dim,),
+              "model.layer_norm2.weight": (llm_dim,), "model.layer_norm2.bias": (llm_dim,),
+              "model.fc2.weight": (action_dim, llm_dim), "model.fc2.bias": (action_dim,)}
+    for block in range(2):
+        for part, shape in (("0.weight", (llm_dim,)), ("0.bias", (llm_dim,)), ("1.weight", (llm_dim, llm_dim)),
+                            ("1.bias", (llm_dim,))):
+            shapes[f"model.mlp_resnet_blocks.{block}.ffn.{part}"] = shape
+    state = {name: torch.randn(shape, generator=g) * 0.2 for name, shape in shapes.items()}
+    torch.save({f"module.{k}": v for k, v in state.items()}, directory / "action_head--100_checkpoint.pt")
+    return state
+
+
+def test_public_l1_checkpoint_acts_through_its_action_head(public, tmp_path):
+    """OFT's own LIBERO checkpoints regress actions: their action_head file loads by OFT's names and the
+    greedy chunk is that head's output, un-normalised with the checkpoint's q01/q99 statistics."""
+    model, path = public
+    l1 = copy_of(path, tmp_path, "l1")
+    head = oft_action_head_file(l1, model.cfg.llm_dim, 7)
+    policy = build_policy(tiny(path=str(l1), use_l1_regression=True), SPEC)
+    loaded = policy.core.action_head.state_dict()
+    assert loaded.keys() == head.keys() and all(torch.equal(loaded[k], head[k]) for k in head)
+
+    obs = observation()
+    chunk = policy.act(obs, SamplingParams(greedy=True))["action_chunk"]                   # (B, H, A)
+    with torch.no_grad():
+        hidden = policy.core(**policy.prepare_inputs(obs)).action_hidden                  # (B, H*A, D)
+        x = hidden.reshape(2, 8, -1)                                                      # (B, H, A*D)
+        ln = torch.nn.functional.layer_norm
+        x = torch.relu(torch.nn.functional.linear(ln(x, x.shape[-1:], head["model.layer_norm1.weight"],
+                                                     head["model.layer_norm1.bias"]),
+                                                  head["model.fc1.weight"], head["model.fc1.bias"]))
+        for block in range(2):
+            p = f"model.mlp_resnet_blocks.{block}.ffn."
+            y = ln(x, x.shape[-1:], head[p + "0.weight"], head[p + "0.bias"])
+            x = x + torch.relu(torch.nn.functional.linear(y, head[p + "1.weight"], head[p + "1.bias"]))
+        x = ln(x, x.shape[-1:], head["model.layer_norm2.weight"], head["model.layer_norm2.bias"])
+        normalized = torch.nn.functional.linear(x, head["model.fc2.weight"], head["model.fc2.bias"])  # (B, H, A)
+    stats = STATS["libero_10_no_noops"]["action"]
+    low, high = torch.tensor(stats["q01"]), torch.tensor(stats["q99"])
+    expected = torch.where(torch.tensor(stats["mask"]), 0.5 * (normalized + 1) * (high - low) + low, normalized)
+    torch.testing.assert_close(chunk, expected, atol=1e-5, rtol=1e-5)
+
+    missing = copy_of(path, tmp_path, "no_head")
+    with pytest.raises(CheckpointFileMissing) as exc:
+        build_policy(tiny(path=str(missing), use_l1_regression=True), SPEC)
+    assert "action_head--<step>_checkpoint.pt" in one_sentence(exc)

@@ -133,7 +133,7 @@ def test_config_errors_name_the_key():
     one_camera = EnvSpec(action_dim=7, max_episode_steps=10, task_descriptions=["t"], camera_names=["main"],
                          state_dim=8, name="x")
     with pytest.raises(ConfigError, match="model.num_images_in_input"):
-        make_policy(load_preset("openvla_oft"), one_camera)
+        make_policy({**load_preset("openvla_oft"), "num_images_in_input": 2}, one_camera)
     with pytest.raises(ConfigError, match="model.action_dim"):
         make_policy(tiny(action_dim=6), SPEC)
     with pytest.raises(ConfigError, match="model.proprio_dim"):
@@ -214,3 +214,27 @@ def test_bfloat16_model_with_float32_trainable_tensors():
                for n, p in policy.named_parameters() if p.requires_grad and "value_head" in n)
     with policy.reference_mode():
         policy.act(obs, SamplingParams(greedy=True))
+
+
+def test_all_linear_in_a_list_adds_the_lm_head():
+    """``[all-linear, lm_head]``: the forward-path layers of ``all-linear`` plus an adapter on the LM head,
+    whose action rows then train (the tiny preset learns from scratch only with it)."""
+    def adapted(policy):
+        return {n.split(".lora_A", 1)[0] for n, _ in policy.named_parameters() if ".lora_A." in n}
+
+    plain = make(seed=6)
+    both = make(seed=6, lora={**tiny()["lora"], "target_modules": ["all-linear", "lm_head"]})
+    head = {n for n in adapted(both) if n.endswith("lm_head")}
+    assert len(head) == 1 and adapted(both) == adapted(plain) | head
+    assert not any(n.endswith("lm_head") for n in adapted(plain))
+    # the head's adapter changes the action logits and receives their gradient
+    obs = observation()
+    tokens = both.act(obs, SamplingParams())[D.ACTION_TOKENS]
+    before = both.evaluate(obs, tokens, return_value=False)["logprob"]
+    lora_B = next(p for n, p in both.named_parameters() if "lm_head.lora_B" in n)
+    before.sum().backward()
+    assert lora_B.grad is not None and lora_B.grad.abs().sum() > 0
+    with torch.no_grad():
+        lora_B.add_(0.5 * torch.randn_like(lora_B))
+        after = both.evaluate(obs, tokens, return_value=False)["logprob"]
+    assert (after - before.detach()).abs().max() > 1e-3

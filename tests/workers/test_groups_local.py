@@ -54,3 +54,30 @@ def test_in_process_groups_collect_evaluate_and_record_video(compose_cfg, tmp_pa
         videos = sorted(p.name for p in (tmp_path / "step_000003").glob("*.mp4"))
         assert len(videos) == 2 and {v.split("_env")[1][0] for v in videos} == {"0", "3"}
         assert written == sorted(str(p) for p in (tmp_path / "step_000003").glob("*.mp4"))
+
+
+def test_evaluation_only_groups_load_weights_and_count_executed_steps(compose_cfg):
+    # 10 low-level steps in chunks of 4: the third chunk executes only 2 of its actions
+    cfg = _cfg(compose_cfg, "env.eval.num_envs=2", "env.eval.max_episode_steps=10")
+    seen = []
+
+    def policy_for(spec):
+        from embodirl.models.registry import make_policy
+
+        seen.append(spec.name)
+        return make_policy(cfg.model, spec)
+
+    with WorkerGroups.from_config(cfg, remote=False, policy_for=policy_for, train=False) as groups:
+        assert seen == ["toy_reach"] and groups.env is None
+        with pytest.raises(RuntimeError, match="evaluation only"):
+            groups.collect()
+        starts = EpisodeStarts(np.array([0, 1]), np.array([0, 0]))
+        before = groups.evaluate(starts, seed=3)
+        assert before.batch_size == torch.Size([2, 3])
+        assert groups.eval_env.episode_lengths().tolist() == [10, 10]
+        policy = groups.rollout.workers[0].backend.policy
+        weights = {k: v + 1.0 for k, v in policy.trainable_state_dict().items()}
+        assert groups.load_weights(weights, version=5) == 5
+        after = groups.evaluate(starts, seed=3)
+        assert (after[D.WEIGHT_VERSION] == 5).all()
+        assert not torch.allclose(after[D.ACTION_CHUNK], before[D.ACTION_CHUNK])

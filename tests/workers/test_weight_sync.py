@@ -98,3 +98,22 @@ def test_only_changed_tensors_travel_after_an_update(worker_setup):
     update = pub.publish(policy.trainable_state_dict())
     assert list(update.tensors) == ["critic.4.bias"]
     assert update.nbytes == policy.critic[-1].bias.numel() * 4
+
+
+def test_reset_starts_over_at_a_given_version_and_deltas_build_on_it():
+    pub = WeightPublisher(_tensors(0))
+    pub.publish(_tensors(1))                                        # v1 (e.g. a run's first update)
+    restored = _tensors(2)
+    full = pub.reset(restored, version=7)                           # a run resumed at learner version 7
+    assert full.full and full.version == 7 and set(full.tensors) == set(restored)
+    loaded = {}
+    rx = WeightReceiver(loaded.update)
+    assert rx.apply(full) and rx.version == 7
+    torch.testing.assert_close(loaded["lora.A"], restored["lora.A"])
+    at_start = WeightReceiver(loaded.update, version=0)
+    assert pub.reset(restored, version=0).full and at_start.apply(pub.full_update())   # version 0: still applies
+    changed = dict(restored, **{"lora.B": restored["lora.B"] * 2.0})
+    pub.reset(restored, version=7)
+    delta = pub.publish(changed, version=8)
+    assert (delta.base_version, delta.version, set(delta.tensors)) == (7, 8, {"lora.B"})
+    assert rx.apply(delta) and rx.version == 8

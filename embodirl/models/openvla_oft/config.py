@@ -1,6 +1,7 @@
 """The OpenVLA-OFT model configuration: the ``model`` config group resolved against the environment.
 
-``config/model/openvla_oft.yaml`` holds every default; this module only reads, checks and derives.
+``config/model/_openvla_oft_base.yaml`` holds every default of the network (``openvla_oft`` adds the GPU recipe,
+``openvla_oft_tiny`` shrinks it); this module only reads, checks and derives.
 Architecture sizes come from the YAML (a checkpoint must match them: a mismatching parameter shape is
 reported by name when it loads). Keys left ``null`` take the environment's value:
 
@@ -289,25 +290,39 @@ def build_config(cfg: Mapping, env_spec=None) -> OFTConfig:
 
 
 def load_preset(name: str, config_dir: str | Path | None = None) -> dict:
-    """A model preset (``config/model/<name>.yaml``) as a plain dict, its ``defaults`` list resolved
-    (``other@_here_`` entries merged first, ``_self_`` last) - enough for scripts and tests that do not
-    go through Hydra."""
-    from omegaconf import OmegaConf
+    """A model preset (``config/model/<name>.yaml``) as the plain ``model`` dict Hydra composes from it -
+    enough for scripts and tests that do not go through Hydra. The ``defaults`` list is resolved (options
+    of this group merged first, ``_self_`` last). A recipe written in the global package (``openvla_oft``:
+    ``# @package _global_``) contributes its ``model`` node; its choices of other groups (``override
+    /algorithm: ...``) and its keys outside ``model`` are not part of the model and are left out."""
+    from omegaconf import DictConfig, OmegaConf
 
     from embodirl.paths import config_dir as default_config_dir
 
     group = Path(config_dir or default_config_dir()) / PRESETS_GROUP
 
     def load(preset: str):
-        node = OmegaConf.load(group / f"{preset}.yaml")
+        path = group / f"{preset}.yaml"
+        node = OmegaConf.load(path)
         defaults = node.pop("defaults", None) or []
+        own = node.get(PRESETS_GROUP, OmegaConf.create({})) if _global_package(path) else node
         merged = OmegaConf.create({})
         self_seen = False
         for entry in defaults:
             if entry == "_self_":
-                merged, self_seen = OmegaConf.merge(merged, node), True
-            else:
+                merged, self_seen = OmegaConf.merge(merged, own), True
+            elif not isinstance(entry, DictConfig):  # `other@_here_` (or `other@model` from the global package)
                 merged = OmegaConf.merge(merged, load(str(entry).split("@", 1)[0]))
-        return merged if self_seen else OmegaConf.merge(merged, node)
+        return merged if self_seen else OmegaConf.merge(merged, own)
 
     return OmegaConf.to_container(load(name), resolve=True)  # type: ignore[return-value]
+
+
+def _global_package(path: Path) -> bool:
+    """Whether the YAML file's header comment declares Hydra's ``# @package _global_``."""
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            return False
+        if line[1:].split() == ["@package", "_global_"]:
+            return True
+    return False

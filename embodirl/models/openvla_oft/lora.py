@@ -5,7 +5,9 @@ run (all but each tower's last), the projector, and the decoder layers. Like pef
 ``all-linear``, the LM head is left out; so are layers the forward never runs (each tower's last block,
 SigLIP's pooling head), where an adapter would only collect zero gradients. A list of names selects,
 peft style, the linear layers whose qualified name equals or ends with ``.<name>`` (``q_proj``,
-``language_model.lm_head``, ...).
+``language_model.lm_head``, ...); ``all-linear`` inside such a list stands for the set above, so
+``[all-linear, lm_head]`` also adapts the LM head (a randomly initialised small model needs that to move
+its action distribution: its frozen head cannot rank the bins, see config/model/openvla_oft_tiny.yaml).
 
 ``modules_to_save`` lists the heads that stay fully trainable. The proprio projector becomes a peft
 "module to save": a trainable copy is used while adapters are active, the original
@@ -30,6 +32,8 @@ HEAD_MODULES = ("value_head", "proprio_projector", "action_head")
 #: inside these the linear weights are read directly (nn.MultiheadAttention), so LoRA cannot apply
 NON_ADAPTABLE = ("vision.siglip.head",)
 ADAPTER_NAME = "default"
+#: the target_modules value (alone or in a list) for every linear layer on the forward path but the LM head
+ALL_LINEAR = "all-linear"
 VALUE_HEAD = "value_head"
 
 
@@ -45,13 +49,14 @@ def lora_target_names(core: OpenVLAOFT, target_modules) -> list[str]:
     linears = [name for name, mod in core.named_modules()
                if isinstance(mod, nn.Linear)
                and not name.startswith(HEAD_MODULES) and not name.startswith(NON_ADAPTABLE)]
-    if target_modules == "all-linear":
-        prefixes = _forward_path_prefixes(core)
-        return [name for name in linears if name.startswith(prefixes)]
     if isinstance(target_modules, str):
         target_modules = (target_modules,)
     chosen, unmatched = [], []
     for target in target_modules:
+        if target == ALL_LINEAR:
+            prefixes = _forward_path_prefixes(core)
+            chosen.extend(name for name in linears if name.startswith(prefixes))
+            continue
         hits = [name for name in linears if name == target or name.endswith("." + target)]
         (chosen.extend(hits) if hits else unmatched.append(target))
     if unmatched:
@@ -75,3 +80,24 @@ def apply_lora(core: OpenVLAOFT, settings: LoraSettings):
     wrapped = peft.get_peft_model(core, config, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=on_meta)
     core.value_head.requires_grad_(VALUE_HEAD in settings.modules_to_save)
     return wrapped
+
+
+def peft_parameter_names(module: nn.Module) -> set[str]:
+    """Qualified names (within ``module``) of the parameters peft saves as an adapter: the LoRA
+    matrices of every tuner layer and the trainable copies of the modules to save."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    names = set()
+    for prefix, mod in module.named_modules():
+        if isinstance(mod, BaseTunerLayer):
+            held = mod.adapter_layer_names
+        elif isinstance(mod, ModulesToSaveWrapper):
+            held = ("modules_to_save",)
+        else:
+            continue
+        for attr in held:
+            container = getattr(mod, attr, None)
+            if isinstance(container, nn.Module):
+                names.update(f"{prefix}.{attr}.{name}" for name, _ in container.named_parameters())
+    return names

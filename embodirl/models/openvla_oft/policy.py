@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from embodirl.models.normalization import BoundsNormalizer, resolve_unnorm_key
 from embodirl.models.openvla_oft import checkpoint as ckpt
 from embodirl.models.openvla_oft.adapters import load_live_adapter
 from embodirl.models.openvla_oft.config import OFTConfig, build_config
-from embodirl.models.openvla_oft.lora import apply_lora
+from embodirl.models.openvla_oft.lora import ADAPTER_NAME, apply_lora, peft_parameter_names
 from embodirl.models.openvla_oft.modeling import OpenVLAOFT, build_model
 from embodirl.models.openvla_oft.weights import canonical_parameters
 from embodirl.models.openvla_oft.sampling import log_prob_and_entropy, sample
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 INSTRUCTION = "instruction"
 LOGPROB, ENTROPY = "logprob", "entropy"
+#: attribute holding the (peft-wrapped) network: prefix of the policy's parameter names
+VLA = "vla."
 
 
 class OpenVLAOFTPolicy(Policy):
@@ -193,6 +196,42 @@ class OpenVLAOFTPolicy(Policy):
             yield
 
     # --- checkpoints -------------------------------------------------------------------------------
+    def save_trainable(self, folder, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The trained weights of an RL run: the LoRA adapter in peft's layout (``adapter_config.json`` +
+        ``adapter_model.safetensors``, written by :meth:`peft.PeftModel.save_pretrained`, with the
+        modules-to-save copies) and the other trained tensors (value head; every weight in full
+        fine-tuning) in ``trainable.safetensors``. Without LoRA everything goes to the latter."""
+        tensors = dict(self.trainable_state_dict() if tensors is None else tensors)
+        adapter = peft_parameter_names(self)
+        if adapter:
+            # peft filters the adapter's tensors out of a state dict named as the PeftModel's own
+            self.vla.save_pretrained(str(folder), save_embedding_layers=False, selected_adapters=[ADAPTER_NAME],
+                                     state_dict={n[len(VLA):]: t for n, t in tensors.items() if n in adapter})
+        super().save_trainable(folder, {n: t for n, t in tensors.items() if n not in adapter})
+
+    def load_trainable(self, folder) -> None:
+        """Load what :meth:`save_trainable` wrote: the adapter through peft, the rest by name."""
+        folder = Path(folder)
+        adapter = peft_parameter_names(self)
+        if adapter:
+            from peft.utils import CONFIG_NAME
+
+            if not (folder / CONFIG_NAME).is_file():
+                raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist: the policy has a LoRA adapter but "
+                                        f"{folder} holds none (was it saved with model.lora.enabled=false?)")
+            try:
+                result = self.vla.load_adapter(str(folder), adapter_name=ADAPTER_NAME, is_trainable=True)
+            except RuntimeError as exc:  # torch's size-mismatch report: keep its first mismatch
+                detail = next((line.strip() for line in str(exc).splitlines() if "mismatch" in line), str(exc))
+                raise ValueError(f"the LoRA adapter in {folder} does not fit this model ({detail.rstrip('.')}); it "
+                                 "was written for another model.lora / model size") from None
+            if result.missing_keys or result.unexpected_keys:
+                wrong = (result.missing_keys or result.unexpected_keys)[0]
+                kind = "lacks" if result.missing_keys else "has the unknown tensor"
+                raise ValueError(f"the LoRA adapter in {folder} {kind} '{wrong}'; it was written for another "
+                                 "model.lora / model size")
+        self._load_trainable_file(folder, {n for n, p in self.named_parameters() if p.requires_grad} - adapter)
+
     def save_pretrained(self, directory, *, step: int = 0, max_shard_bytes: int = ckpt.DEFAULT_MAX_SHARD_BYTES):
         """Write the public OpenVLA-OFT layout plus the value head (see :mod:`.checkpoint`)."""
         return ckpt.save(self.core, self.cfg, directory, step=step, model_cfg=self.model_cfg,

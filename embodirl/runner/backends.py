@@ -1,0 +1,323 @@
+"""Where the runner's rollouts and evaluations run: in this process, or on Ray worker groups.
+
+Both collection back-ends (not to be confused with ``rollout.backend``, the inference engine inside a
+rollout worker) offer the runner one interface:
+
+=====================================  ========================================================================
+``spec``, ``num_slots``                the training (or, evaluation only, the evaluation) env's spec; N slots
+``policy``                             the driver's policy object: the learner trains it
+``collect(starts, seed, video_dir,``   one rollout of N slots -> trajectory ``[N, T]``; ``stats`` holds its
+``step)``                              :class:`~embodirl.rollout.collector.RolloutStats` (env / inference / wait)
+``load_weights(tensors, version)``     every trainable tensor: the start, a resumed run, a loaded checkpoint
+``sync_weights(tensors, version)``     the tensors one update changed
+``evaluate(step, out_dir, seed)``      the evaluation sweep -> ``eval_info`` dict (``eval_report`` shape),
+                                       videos under ``out_dir/videos``
+``close()`` (also as context manager)  every worker, simulator and (when started here) Ray is gone after it
+=====================================  ========================================================================
+
+* :class:`InProcessBackend` - env batches (simulators in sub-processes) and the learner's own policy
+  acting in this process; pipeline stages overlap through a background inference thread;
+  evaluation by an :class:`embodirl.runner.evaluation.Evaluator` (its simulators kept between evaluations).
+* :class:`RayBackend` - :class:`~embodirl.workers.groups.WorkerGroups` as Ray actors: env workers
+  with the shared-memory observation channel to rollout workers holding inference copies of the
+  policy. Evaluation runs the same sweep (:func:`~embodirl.runner.evaluation.eval_schedule`) on
+  evaluation env workers (kept between evaluations), ``env.eval.num_envs`` episodes per call.
+
+:func:`open_backend` picks one by :func:`embodirl.config.use_ray` (``cluster.use_ray``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from embodirl import data as D
+from embodirl.config import CRITIC_ADV_TYPES, decisions_per_episode, to_plain, use_ray
+from embodirl.envs.registry import make_env
+from embodirl.models.base import SamplingParams
+from embodirl.models.registry import make_policy
+from embodirl.rollout.collector import RolloutCollector, RolloutStats
+from embodirl.rollout.inference import PolicyInference
+from embodirl.rollout.starts import EpisodeStarts
+from embodirl.runner.eval_report import EpisodeResult, build_eval_info
+from embodirl.runner.evaluation import Evaluator, eval_schedule
+
+log = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 60.0          # a normal close: env workers shut their simulators down
+CLOSE_WAIT_ON_ERROR_S = 5.0  # after an exception or Ctrl-C the workers may be busy: kill them soon
+
+
+def open_backend(cfg: DictConfig, *, train: bool = True) -> InProcessBackend | RayBackend:
+    """The back-end ``cfg`` asks for; ``train=False``: evaluation only (no training envs)."""
+    return RayBackend(cfg, train=train) if use_ray(cfg) else InProcessBackend(cfg, train=train)
+
+
+def _returns_value(cfg: DictConfig) -> bool:
+    return cfg.algorithm.adv_type in CRITIC_ADV_TYPES
+
+
+def _train_env_cfg(cfg: DictConfig) -> dict:
+    """``env.train`` with the configured video envs selected when training videos are asked for
+    (they are rendered at every step only during a recorded rollout)."""
+    env_cfg = to_plain(cfg.env.train)
+    if int(cfg.runner.train_video_interval or 0) > 0:
+        env_cfg["video"] = {**(env_cfg.get("video") or {}), "enabled": True}
+    return env_cfg
+
+
+class _Closing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(CLOSE_WAIT_S if exc_type is None else CLOSE_WAIT_ON_ERROR_S)
+
+
+class InProcessBackend(_Closing):
+    """Zero remote workers (see module docstring)."""
+
+    def __init__(self, cfg: DictConfig, *, train: bool = True):
+        self.cfg = cfg
+        self.envs = []
+        self.inference: PolicyInference | None = None
+        self.collector: RolloutCollector | None = None
+        self.evaluator: Evaluator | None = None
+        self.stats = RolloutStats()
+        seed = int(cfg.runner.seed)
+        try:
+            if train:
+                env_cfg = self.env_cfg = _train_env_cfg(cfg)
+                S = int(cfg.rollout.pipeline_stage_num)
+                B = int(env_cfg["num_envs"]) // S
+                self.envs = [make_env(env_cfg, num_envs=B, seed=seed, env_offset=s * B) for s in range(S)]
+                self.spec = self.envs[0].spec
+                self._record_ids = [list(env.record_env_ids) for env in self.envs]
+                self._set_recording(False)
+            else:
+                probe = make_env(to_plain(cfg.env.eval), num_envs=1, seed=seed)
+                self.spec = probe.spec
+                probe.close()
+            self.policy = make_policy(cfg.model, self.spec)
+            if train:
+                sampling = SamplingParams(temperature=float(cfg.rollout.temperature), top_k=cfg.rollout.top_k,
+                                          top_p=cfg.rollout.top_p)
+                self.inference = PolicyInference(self.policy, self.spec.task_descriptions, sampling, background=S > 1)
+                self.collector = RolloutCollector(self.envs, self.inference, num_decisions=decisions_per_episode(cfg),
+                                                  auto_reset=bool(env_cfg["auto_reset"]),
+                                                  return_value=_returns_value(cfg),
+                                                  group_size=int(cfg.algorithm.group_size), seed=seed)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def num_slots(self) -> int:
+        return self.collector.num_slots
+
+    def collect(self, starts: EpisodeStarts, *, seed: int, video_dir: str | Path | None = None, step: int = 0):
+        self.policy.eval()
+        recorders = self._recorders(video_dir, step) if video_dir else None
+        try:
+            batch = self.collector.collect(starts, seed=seed, observers=recorders)
+        finally:
+            if recorders is not None:
+                self._set_recording(False)
+                for recorder in recorders:
+                    if recorder is not None:
+                        recorder.close()
+        self.stats = self.collector.stats
+        return batch
+
+    def _set_recording(self, on: bool) -> None:
+        for env, ids in zip(self.envs, self._record_ids):
+            if ids:
+                env.record_env_ids = ids if on else []
+
+    def _recorders(self, video_dir: str | Path, step: int) -> list:
+        from embodirl.envs.video import VideoRecorder
+
+        self._set_recording(True)
+        B = self.collector.B
+        return [VideoRecorder.for_env(env, video_dir, self.env_cfg["video"], env_offset=s * B, step=step)
+                if ids else None for s, (env, ids) in enumerate(zip(self.envs, self._record_ids))]
+
+    def load_weights(self, tensors: Mapping, version: int) -> None:
+        # the inference policy is the learner's module: only the version moves
+        if self.inference is not None:
+            self.inference.weight_version = int(version)
+
+    def sync_weights(self, tensors: Mapping, version: int) -> None:
+        self.load_weights(tensors, version)
+
+    def evaluate(self, *, step: int, out_dir: Path, seed: int) -> dict:
+        r = self.cfg.runner
+        if self.evaluator is None:
+            # its simulators are kept for later evaluations, seeded as this first one
+            self.evaluator = Evaluator(to_plain(self.cfg.env.eval), seed=seed,
+                                       episodes_per_task=r.eval_episodes_per_task, num_videos=int(r.eval_num_videos))
+        self.policy.eval()
+        return self.evaluator.run(self.policy, out_dir=out_dir, step=step, greedy=bool(r.eval_greedy),
+                                  temperature=float(self.cfg.rollout.temperature))
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        try:
+            if self.inference is not None:
+                self.inference.close()
+                self.inference = None
+        finally:
+            closing, self.envs = self.envs, []
+            if self.evaluator is not None:
+                closing.append(self.evaluator)
+                self.evaluator = None
+            for env in closing:
+                env.close()
+
+
+class RayBackend(_Closing):
+    """Ray env and rollout worker groups (see module docstring). Starts a local Ray unless one is
+    running or ``cluster.ray_address`` / ``RAY_ADDRESS`` names a cluster, and shuts down what it started."""
+
+    def __init__(self, cfg: DictConfig, *, train: bool = True):
+        import ray
+
+        from embodirl.workers.groups import WorkerGroups
+        from embodirl.workers.ray_cluster import init_ray, ray_address
+
+        self.cfg = cfg
+        self.stats = RolloutStats()
+        self.policy = None
+        self._transport_logged = False
+        self._owns_ray = not ray.is_initialized() and ray_address(cfg.cluster) is None
+        self._eval_cfg = self._eval_env_cfg(cfg)
+        init_ray(cfg.cluster)
+        try:
+            self.groups = WorkerGroups.from_config(self._worker_config(cfg), remote=True, policy_for=self._make_policy,
+                                                   train=train)
+        except BaseException:
+            self._shutdown_ray()
+            raise
+        self.spec = self.groups.env.spec if train else self.groups.eval_spec()
+
+    def _make_policy(self, spec):
+        """The driver's policy; a randomly initialised one also goes to the rollout workers, so that their
+        frozen weights equal the learner's (a checkpoint in ``model.path`` is loaded by every worker)."""
+        self.policy = make_policy(self.cfg.model, spec)
+        return None if self.cfg.model.get("path") else self.policy
+
+    @staticmethod
+    def _eval_env_cfg(cfg: DictConfig) -> dict:
+        """``env.eval`` as evaluation runs it: one episode per slot, the first ``runner.eval_num_videos``
+        slots recorded, ``runner.eval_episodes_per_task`` trials per task when set."""
+        env_cfg = to_plain(cfg.env.eval)
+        env_cfg["auto_reset"] = False
+        if cfg.runner.eval_episodes_per_task is not None:
+            env_cfg["num_trials_per_task"] = int(cfg.runner.eval_episodes_per_task)
+        num_videos = min(int(cfg.runner.eval_num_videos), int(env_cfg["num_envs"]))
+        env_cfg["video"] = {**(env_cfg.get("video") or {}), "enabled": num_videos > 0,
+                            "env_ids": list(range(num_videos))}
+        return env_cfg
+
+    def _worker_config(self, cfg: DictConfig) -> DictConfig:
+        worker_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        worker_cfg.env.train = _train_env_cfg(cfg)
+        worker_cfg.env.eval = self._eval_cfg
+        return worker_cfg
+
+    @property
+    def num_slots(self) -> int:
+        return self.groups.env.layout.num_slots
+
+    def collect(self, starts: EpisodeStarts, *, seed: int, video_dir: str | Path | None = None, step: int = 0):
+        video_dir = None if video_dir is None else str(Path(video_dir).resolve())   # workers' cwd may differ
+        batch = self.groups.collect(starts, seed=seed, video_dir=video_dir, step=step)
+        # env workers run in parallel: the slowest one's split is the rollout's
+        per_worker = self.groups.env.last_stats()
+        stats = copy.copy(max(per_worker, key=lambda s: s.total_s))
+        stats.decisions = sum(s.decisions for s in per_worker)
+        stats.restarts = sum(s.restarts for s in per_worker)
+        stats.recollected_rows = sum(s.recollected_rows for s in per_worker)
+        self.stats = stats
+        if not self._transport_logged:
+            self._transport_logged = True
+            shm = sum(bool(info.get("shm")) for info in self.groups.env.transport_infos())
+            log.info("rollout transport: %d of %d env workers stream observations through shared memory",
+                     shm, len(self.groups.env.workers))
+        return batch
+
+    def load_weights(self, tensors: Mapping, version: int) -> None:
+        self.groups.load_weights(tensors, version)
+
+    def sync_weights(self, tensors: Mapping, version: int) -> None:
+        self.groups.sync_weights(tensors, version)
+
+    def evaluate(self, *, step: int, out_dir: Path, seed: int) -> dict:
+        """The evaluation sweep in batches of ``env.eval.num_envs`` slots; the first batch's first
+        ``runner.eval_num_videos`` episodes are recorded."""
+        t_start = time.perf_counter()
+        out_dir = Path(out_dir).resolve()
+        spec = self.groups.eval_spec()
+        schedule = eval_schedule(self._eval_cfg, len(spec.task_descriptions))
+        N = int(self._eval_cfg["num_envs"])
+        num_videos = len(self._eval_cfg["video"]["env_ids"])
+        results: list[EpisodeResult] = []
+        for start in range(0, len(schedule), N):
+            part = schedule[start:start + N]
+            padded = part + [part[-1]] * (N - len(part))     # keep every slot busy; extra rows are dropped
+            starts = EpisodeStarts(np.asarray([t for t, _ in padded], np.int64),
+                                   np.asarray([k for _, k in padded], np.int64))
+            video_dir = str(out_dir / "videos") if start == 0 and num_videos else None
+            traj = self.groups.evaluate(starts, seed=seed + start, video_dir=video_dir, step=step)
+            lengths = self.groups.eval_env.episode_lengths()                                  # (N,)
+            videos = _videos_by_slot(self.groups.eval_env.videos if video_dir else [], num_videos, out_dir)
+            results += _episode_results(traj, part, spec, lengths, videos)
+            log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
+                     np.mean([r.success for r in results]))
+        return build_eval_info(results, eval_s=time.perf_counter() - t_start)
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        try:
+            groups = getattr(self, "groups", None)
+            if groups is not None:
+                groups.close(wait_s)
+                self.groups = None
+        finally:
+            self._shutdown_ray()
+
+    def _shutdown_ray(self) -> None:
+        if self._owns_ray:
+            from embodirl.workers.ray_cluster import shutdown_ray
+
+            shutdown_ray()
+            self._owns_ray = False
+
+
+def _videos_by_slot(paths: list[str], num_videos: int, out_dir: Path) -> dict[int, str]:
+    """Slot -> its episode's video, relative to ``out_dir`` (names hold ``_env<slot>_``)."""
+    videos: dict[int, str] = {}
+    for path in sorted(paths):
+        for i in range(num_videos):
+            if f"_env{i}_" in Path(path).name and i not in videos:
+                videos[i] = str(Path(path).relative_to(out_dir))
+    return videos
+
+
+def _episode_results(traj, part: list[tuple[int, int]], spec, lengths: np.ndarray,
+                     videos: Mapping[int, str]) -> list[EpisodeResult]:
+    """One :class:`EpisodeResult` per scheduled ``(task_id, init_state_id)`` from an evaluation
+    trajectory ``[N, T]`` (one episode per row; padding rows beyond ``part`` are dropped)."""
+    valid = traj.get(D.VALID)                                                    # (N, T)
+    reward = traj.get(D.REWARD)
+    reward = reward.sum(-1) if reward.dim() == 3 else reward                     # (N, T)
+    success = (traj.get(D.SUCCESS) & valid).any(-1)                              # (N,)
+    episode_return = (reward * valid).sum(-1)                                    # (N,)
+    return [EpisodeResult(suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id],
+                          init_state_id=init_id, success=bool(success[i]), episode_return=float(episode_return[i]),
+                          length=int(lengths[i]), video_path=videos.get(i))
+            for i, (task_id, init_id) in enumerate(part)]
