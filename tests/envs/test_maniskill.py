@@ -197,7 +197,8 @@ def test_build_reset_step_shapes(env_name, task, obs_mode):
 
 @pytest.fixture(scope="module")
 def push_env():
-    env = ManiSkillSimEnv(ms_cfg("maniskill_pushcube"), seed=0)
+    # the option trains with ignore_terminations=true (the default job); these tests check termination
+    env = ManiSkillSimEnv(ms_cfg("maniskill_pushcube", ignore_terminations=False), seed=0)
     yield env
     env.close()
 
@@ -384,7 +385,8 @@ def _compare_batches(gpu_out, ref_out):
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(auto_reset=True, use_rel_reward=True, reward_type="action_level", max_episode_steps=30,
+    dict(auto_reset=True, ignore_terminations=False, use_rel_reward=True, reward_type="action_level",
+         max_episode_steps=30,
          video=dict(enabled=True, env_ids=[0], fps=20, overlay=True)),
     dict(auto_reset=False, ignore_terminations=True, reward_coef=2.0, max_episode_steps=40),
 ])
