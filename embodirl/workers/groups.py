@@ -230,18 +230,23 @@ class RolloutWorkerGroup:
         self._call_all("onload")
 
     def close(self) -> None:
-        if self.remote:
-            import ray
-
-            for w in self.workers:
-                try:
-                    ray.kill(w, no_restart=True)
-                except Exception:  # noqa: BLE001
-                    pass
-        else:
-            for w in self.workers:
-                w.close()
+        _close_workers(self.workers, self.remote)
         self.workers = []
+
+
+def _close_workers(workers: list, remote: bool) -> None:
+    """Kill remote actors (a dead one is already gone) or close in-process workers."""
+    if not remote:
+        for w in workers:
+            w.close()
+        return
+    import ray
+
+    for w in workers:
+        try:
+            ray.kill(w, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
 
 
 class EnvWorkerGroup:
@@ -428,14 +433,7 @@ class EnvWorkerGroup:
                 ray.get([w.close.remote() for w in self.workers], timeout=wait_s)
             except Exception as exc:  # noqa: BLE001 - dead workers cannot close
                 log.debug("closing env workers: %s", exc)
-            for w in self.workers:
-                try:
-                    ray.kill(w, no_restart=True)
-                except Exception:  # noqa: BLE001
-                    pass
-        else:
-            for w in self.workers:
-                w.close()
+        _close_workers(self.workers, self.remote)
         self.workers = []
 
 
