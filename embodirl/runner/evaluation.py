@@ -136,12 +136,3 @@ class Evaluator:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def evaluate(policy: Policy, env_cfg: Mapping, *, out_dir: str | Path, step: int = 0, seed: int = 0,
-             greedy: bool = True, temperature: float = 1.0, episodes_per_task: int | None = None,
-             num_videos: int = 0, max_decisions: int | None = None) -> dict:
-    """One sweep on simulators built for it and closed after (see :class:`Evaluator`)."""
-    with Evaluator(env_cfg, seed=seed, episodes_per_task=episodes_per_task, num_videos=num_videos) as evaluator:
-        return evaluator.run(policy, out_dir=out_dir, step=step, greedy=greedy, temperature=temperature,
-                             max_decisions=max_decisions)

@@ -245,8 +245,8 @@ def _close_workers(workers: list, remote: bool) -> None:
     for w in workers:
         try:
             ray.kill(w, no_restart=True)
-        except Exception:  # noqa: BLE001 - already dead
-            pass
+        except Exception as exc:  # noqa: BLE001 - already dead
+            log.debug("killing worker: %s", exc)
 
 
 class EnvWorkerGroup:
