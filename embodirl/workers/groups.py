@@ -234,14 +234,19 @@ class RolloutWorkerGroup:
         self.workers = []
 
 
-def _close_workers(workers: list, remote: bool) -> None:
-    """Kill remote actors (a dead one is already gone) or close in-process workers."""
+def _close_workers(workers: list, remote: bool, wait_s: float = 10.0) -> None:
+    """Close workers: remote actors get ``wait_s`` to close (simulators, shared-memory rings they
+    created) and are then killed (a dead one is already gone); in-process workers just close."""
     if not remote:
         for w in workers:
             w.close()
         return
     import ray
 
+    try:
+        ray.get([w.close.remote() for w in workers], timeout=wait_s)
+    except Exception as exc:  # noqa: BLE001 - dead workers cannot close
+        log.debug("closing workers: %s", exc)
     for w in workers:
         try:
             ray.kill(w, no_restart=True)
@@ -426,14 +431,7 @@ class EnvWorkerGroup:
         self._call_all("onload")
 
     def close(self, wait_s: float = 60.0) -> None:
-        if self.remote:
-            import ray
-
-            try:
-                ray.get([w.close.remote() for w in self.workers], timeout=wait_s)
-            except Exception as exc:  # noqa: BLE001 - dead workers cannot close
-                log.debug("closing env workers: %s", exc)
-        _close_workers(self.workers, self.remote)
+        _close_workers(self.workers, self.remote, wait_s)
         self.workers = []
 
 
@@ -572,6 +570,8 @@ class WorkerGroups:
     def close(self, wait_s: float = 60.0) -> None:
         """Stop every worker (``wait_s``: how long env workers may take to close their simulators before
         they are killed) and release the placement groups."""
+        pids = [info.get("pid") for group in (self.eval_env, self.env, self.rollout) if group is not None
+                for info in (getattr(group, "infos", None) or [])]
         try:
             for group in (self.eval_env, self.env):
                 if group is not None:
@@ -579,6 +579,12 @@ class WorkerGroups:
             self.rollout.close()
         finally:
             self.eval_env = self.env = None
+            if self.remote:
+                # these workers are gone and can create no more entries: remove what one killed mid-way
+                # left behind (e.g. a response ring it opened while the run was interrupted)
+                for pid in pids:
+                    if pid:
+                        segments.sweep(segments.process_prefix(pid))
             if self._placement is not None:
                 from embodirl.workers.placement_groups import remove_placement_groups
 
