@@ -237,6 +237,16 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
         if not cfg.env.train.get("use_fixed_reset_state_ids", False):
             _fail("env.train.use_fixed_reset_state_ids", f"adv_type={adv_type} needs groups that share an init state: "
                                                           "set env.train.use_fixed_reset_state_ids=true")
+    if alg.filter_groups.enable:
+        lo, hi = float(alg.filter_groups.min_success), float(alg.filter_groups.max_success)
+        if G < 2:
+            _fail("algorithm.filter_groups.enable", "group filtering keeps groups whose success rate lies strictly "
+                                                   f"between {lo} and {hi}, and a group of 1 trajectory scores 0 or 1, so "
+                                                   "every row would be dropped; set algorithm.group_size >= 2 or "
+                                                   "algorithm.filter_groups.enable=false")
+        if not 0.0 <= lo < hi <= 1.0:
+            _fail("algorithm.filter_groups.min_success", f"the kept success range ({lo}, {hi}) must satisfy "
+                                                        "0 <= min_success < max_success <= 1")
     stages, workers = int(rollout.pipeline_stage_num), int(cfg.env_workers.num_workers)
     if num_envs % (stages * workers):
         _fail("env.train.num_envs", f"{num_envs} envs cannot be split over env_workers.num_workers x "
@@ -244,6 +254,12 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     if (num_envs // (stages * workers)) % G and G > 1:
         _fail("algorithm.group_size", f"each pipeline stage holds {num_envs // (stages * workers)} envs, which does not "
                                       f"hold whole groups of {G}; change env.train.num_envs or the stage/worker counts")
+
+    if not cfg.runner.only_eval:  # the learner's own rules (schedule, early stopping), before any worker starts
+        from embodirl.learner.config import LearnerConfig
+
+        LearnerConfig.from_config({"algorithm": OmegaConf.to_container(alg, resolve=True),
+                                   "actor": OmegaConf.to_container(actor, resolve=True)}).check(dp)
 
     # --- episode length vs chunk ------------------------------------------------------------------------
     H = int(cfg.model.action_chunk)

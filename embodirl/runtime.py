@@ -84,3 +84,30 @@ def set_torch_threads(setting) -> None:
     if n is not None and torch.get_num_threads() != n:
         torch.set_num_threads(n)
         log.info("torch intra-op threads: %d", n)
+
+
+def rng_state() -> dict:
+    """This process's python, numpy and torch RNG states (CPU; CUDA when present)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state` (the CUDA part only where CUDA is available)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -68,6 +68,14 @@ def test_options_hide_shared_bases():
     (["env.train.num_envs=0"], "env.train.num_envs", "positive integer"),
     (["actor.cpu_world_size=3"], "actor.global_batch_size", "data-parallel size = 8 x 3"),
     (["runner.torch_threads=0"], "runner.torch_threads", "positive integer"),
+    (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable", "every row would be dropped"),
+    (["algorithm=grpo", "env.train.use_fixed_reset_state_ids=true", "algorithm.filter_groups.enable=true",
+      "algorithm.filter_groups.min_success=0.9", "algorithm.filter_groups.max_success=0.1"],
+     "algorithm.filter_groups.min_success", "0 <= min_success < max_success <= 1"),
+    (["actor.optim.lr_schedule=step"], "actor.optim.lr_schedule", "unknown schedule"),
+    (["actor.optim.lr_schedule=linear", "runner.max_steps=null", "runner.max_epochs=3"],
+     "actor.optim.lr_decay_steps", "positive number of training steps"),
+    (["algorithm.target_kl=-1"], "algorithm.target_kl", "must be positive or null"),
 ])
 def test_malformed_configs_rejected_with_one_sentence(compose_cfg, overrides, key, fragment):
     cfg = compose_cfg(*overrides)
@@ -100,7 +108,7 @@ def test_every_env_option_composes_into_train_and_eval(option):
     # Each option file starts with "# @package env.train"; without it the keys land in `env` itself.
     cfg = compose([f"env={option}"])
     train, evaluation = (OmegaConf.to_container(cfg.env[k]) for k in ("train", "eval"))
-    # an env's recipe (config/recipe/<env>.yaml) may size the evaluation batch differently
+    # a recipe (config/recipe/<env>_<model>.yaml) may size the evaluation batch differently
     train.pop("num_envs"), evaluation.pop("num_envs")
     assert cfg.env.train.adapter and train == evaluation, option
     assert set(cfg.env.keys()) == {"train", "eval"}, option

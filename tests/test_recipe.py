@@ -39,6 +39,7 @@ RECIPE = {
     "actor.optim.weight_decay": 0.01,
     "actor.fsdp.gradient_checkpointing": True,
     "runner.max_steps": 1000,
+    "actor.optim.lr_decay_steps": 1000,  # follows runner.max_steps (used only by a decaying lr_schedule)
     "runner.save_interval": 25,
     "runner.val_before_train": True,
     "runner.val_check_interval": 25,

@@ -20,6 +20,7 @@ from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
 from embodirl.algorithms.losses import LossParams
 from embodirl.config import to_plain as plain
 from embodirl.errors import ConfigError
+from embodirl.learner.optim import LR_SCHEDULES
 
 
 
@@ -40,6 +41,7 @@ class LearnerConfig:
     algorithm: dict
     loss: LossParams
     update_epochs: int
+    target_kl: float | None
     micro_batch_size: int
     global_batch_size: int
     optim: dict
@@ -66,9 +68,10 @@ class LearnerConfig:
                     "clip_ratio_c", "value_clip", "huber_delta", "loss_agg_func", "entropy_bonus", "value_coef",
                     "kl_beta", "kl_penalty", "use_kl_loss", "kl_ctrl.type", "kl_ctrl.target_kl", "kl_ctrl.horizon",
                     "filter_groups.enable", "filter_groups.min_success", "filter_groups.max_success",
-                    "update_epochs"):
+                    "update_epochs", "target_kl"):
             _get(alg, key, "algorithm")
-        for key in ("lr", "value_lr", "weight_decay", "betas", "eps", "warmup_steps", "clip_grad"):
+        for key in ("lr", "value_lr", "weight_decay", "betas", "eps", "warmup_steps", "clip_grad", "lr_schedule",
+                    "min_lr_ratio"):
             _get(actor, f"optim.{key}", "actor")
         try:
             loss = LossParams.from_config(alg)
@@ -79,6 +82,7 @@ class LearnerConfig:
             raise ConfigError("actor.fsdp.enabled", f"must be auto, true or false, got {enabled!r}")
         out = cls(
             algorithm=alg, loss=loss, update_epochs=int(alg["update_epochs"]),
+            target_kl=None if alg["target_kl"] is None else float(alg["target_kl"]),
             micro_batch_size=int(_get(actor, "micro_batch_size", "actor")),
             global_batch_size=int(_get(actor, "global_batch_size", "actor")),
             optim=dict(actor["optim"]), fsdp_enabled=enabled,
@@ -102,6 +106,19 @@ class LearnerConfig:
                                                          f"over {world_size} learner ranks")
         if self.update_epochs < 1:
             raise ConfigError("algorithm.update_epochs", "must be at least 1")
+        if self.target_kl is not None and self.target_kl <= 0:
+            raise ConfigError("algorithm.target_kl", f"must be positive or null (no early stopping), got {self.target_kl}")
+        schedule = str(self.optim["lr_schedule"])
+        if schedule not in LR_SCHEDULES:
+            raise ConfigError("actor.optim.lr_schedule", f"unknown schedule {schedule!r}; choose one of "
+                                                         f"{', '.join(LR_SCHEDULES)}")
+        if schedule != "constant":
+            steps = self.optim.get("lr_decay_steps")
+            if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+                raise ConfigError("actor.optim.lr_decay_steps", f"the {schedule} schedule needs a positive number of "
+                                                                f"training steps (default runner.max_steps), got {steps!r}")
+        if not 0.0 <= float(self.optim["min_lr_ratio"]) <= 1.0:
+            raise ConfigError("actor.optim.min_lr_ratio", f"must lie in [0, 1], got {self.optim['min_lr_ratio']}")
         if self.full_finetune and self.kl_active:
             raise ConfigError("actor.fsdp.full_finetune", "the KL reference is the adapter-disabled base model, which "
                                                           "full fine-tuning changes; set algorithm.kl_beta=0")

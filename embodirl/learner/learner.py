@@ -12,7 +12,8 @@ One training step, as the runner drives it::
 path and tests.
 
 Inside :meth:`Learner.update`, for ``update_epochs`` epochs the rows are shuffled and cut into
-optimizer steps of ``global_batch_size / world_size`` rows per rank, each run as micro-batches of
+optimizer steps of ``global_batch_size / world_size`` rows per rank (the update stops early after an
+optimizer step whose approximate KL to the behaviour policy exceeds ``algorithm.target_kl``), each run as micro-batches of
 ``micro_batch_size`` rows with gradient accumulation. Only valid decisions go through the policy
 (their outputs are scattered back to ``[n, T, ...]``); the loss normalisers are counted on the whole
 optimizer step over all ranks before any forward pass, so the summed gradient equals the full-batch
@@ -38,7 +39,7 @@ from embodirl.algorithms.filtering import drop_filtered
 from embodirl.errors import ConfigError
 from embodirl.learner import fsdp
 from embodirl.learner.config import LearnerConfig, plain
-from embodirl.learner.optim import build_optimizer, clip_grad_norm, trainable_named_parameters, warmup_schedule
+from embodirl.learner.optim import build_optimizer, clip_grad_norm, lr_schedule, refresh_lr, trainable_named_parameters
 from embodirl.learner.replay_buffer import ReplayBuffer, row_versions
 from embodirl.models.base import Policy
 
@@ -115,12 +116,12 @@ class Learner:
                             "master weights; set actor.fsdp.enabled=true)", ", ".join(low))
         self.policy = policy
         self.optimizer = build_optimizer(policy, self.cfg.optim)
-        self.scheduler = warmup_schedule(self.optimizer, int(self.cfg.optim["warmup_steps"]))
+        self.version = 0          # policy version: +1 per update() call (the LR decay's clock)
+        self.scheduler = lr_schedule(self.optimizer, self.cfg.optim, lambda: self.version)
         self.kl_ctrl = kl_mod.KLController.from_config(self.cfg.algorithm)
         self.replay = ReplayBuffer.from_config(self.cfg.replay)
         self._trainable = trainable_named_parameters(policy)
         self._changed: set[str] = set()
-        self.version = 0          # policy version: +1 per update() call
         self.optimizer_steps = 0
 
     # --- public API ----------------------------------------------------------------------------------
@@ -177,9 +178,15 @@ class Learner:
         kl_coef = self.kl_coef if params.use_kl_loss else 0.0
 
         self.policy.train()
+        refresh_lr(self.scheduler)  # the decay follows the training step
         generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.version)
+        target_kl = self.cfg.target_kl
         step_metrics: list[dict[str, torch.Tensor]] = []
+        steps_per_epoch = math.ceil(N / rows_per_step)
+        stopped = False
         for _ in range(self.cfg.update_epochs):
+            if stopped:
+                break
             order = torch.randperm(N, generator=generator)
             for start in range(0, N, rows_per_step):
                 rows = order[start:start + rows_per_step]
@@ -198,9 +205,16 @@ class Learner:
                     for key, value in micro_metrics.items():
                         sums[key] = sums.get(key, 0.0) + value
                 step_metrics.append(self._optimizer_step(sums))
+                # KL early stopping (the global approx_kl, so every rank stops at the same step)
+                if target_kl is not None and float(step_metrics[-1]["actor/approx_kl"]) > target_kl:
+                    stopped = True
+                    break
         self.version += 1
         metrics = {key: torch.stack([m[key] for m in step_metrics]).mean() for key in step_metrics[0]}
-        metrics.update(self._batch_metrics(batch, L))
+        epochs_done = len(step_metrics) / steps_per_epoch
+        metrics.update(self._batch_metrics(batch, L, epochs_done))
+        metrics["learner/optimizer_steps"] = torch.tensor(float(len(step_metrics)))
+        metrics["learner/early_stopped"] = torch.tensor(float(stopped))
         self.kl_ctrl.update(self._measured_kl(metrics), N * self.world_size)
         metrics["actor/kl_coef"] = torch.tensor(self.kl_coef)
         metrics["learner/version"] = torch.tensor(float(self.version))
@@ -346,12 +360,12 @@ class Learner:
         metrics.update(lrs)  # the learning rates this step used
         return metrics
 
-    def _batch_metrics(self, batch: TensorDict, L: int) -> dict[str, torch.Tensor]:
+    def _batch_metrics(self, batch: TensorDict, L: int, epochs: float) -> dict[str, torch.Tensor]:
         """Whole-batch metrics over all ranks: valid decisions, explained variance of the critic,
         KL(behaviour || reference) when reference log-probs are present."""
         valid = batch.get(D.VALID)
         decisions = fsdp.all_reduce_(valid.sum().float().to(self.device)).cpu()
-        metrics = {"learner/decisions": decisions * self.cfg.update_epochs, "learner/trajectories":
+        metrics = {"learner/decisions": decisions * epochs, "learner/trajectories":
                    torch.tensor(float(batch.batch_size[0] * self.world_size))}
         if self.cfg.uses_critic:
             sums = fsdp.all_reduce_(losses.explained_variance_sums(

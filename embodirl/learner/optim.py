@@ -1,13 +1,15 @@
 """The learner's optimizer: AdamW with separate learning rates for the policy and the value head,
 linear warm-up, and global-norm gradient clipping that works on FSDP2 (DTensor) gradients.
 
-Reads ``actor.optim.{lr, value_lr, weight_decay, betas, eps, warmup_steps, clip_grad}``.
+Reads ``actor.optim.{lr, value_lr, weight_decay, betas, eps, warmup_steps, clip_grad, lr_schedule,
+lr_decay_steps, min_lr_ratio}``. Warm-up counts optimizer steps; the decay counts training steps
+(learner updates), so that early stopping on ``algorithm.target_kl`` does not stretch it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -42,15 +44,50 @@ def build_optimizer(policy: nn.Module, optim: Mapping) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, betas=betas, eps=float(optim["eps"]), weight_decay=float(optim["weight_decay"]))
 
 
-def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def decay_factor(kind: str, progress: float, min_ratio: float) -> float:
+    """The decay multiplier at ``progress`` (fraction of the decay steps done, clamped to [0, 1]):
+    1 for ``constant``; from 1 down to ``min_ratio`` linearly or along a half cosine."""
+    p = min(max(float(progress), 0.0), 1.0)
+    if kind == "constant":
+        return 1.0
+    if kind == "linear":
+        shape = 1.0 - p
+    elif kind == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * p))
+    else:
+        raise ValueError(f"unknown learning-rate schedule {kind!r}; choose one of {', '.join(LR_SCHEDULES)}")
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, optim: Mapping, training_step: Callable[[], int]
+                ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over the first ``warmup_steps`` optimizer
-    steps, constant afterwards."""
-    warmup_steps = int(warmup_steps)
+    steps, times the ``lr_schedule`` decay over ``lr_decay_steps`` training steps (read through
+    ``training_step()``, the learner's update count, which the learner's own state restores)."""
+    warmup_steps = int(optim.get("warmup_steps", 0))
+    kind = str(optim.get("lr_schedule", "constant"))
+    if kind not in LR_SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {kind!r}; choose one of {', '.join(LR_SCHEDULES)}")
+    decay_steps = optim.get("lr_decay_steps") if kind != "constant" else None
+    if kind != "constant" and (decay_steps is None or int(decay_steps) < 1):
+        raise ValueError(f"the {kind} schedule needs a positive number of decay steps, got {decay_steps!r}")
+    min_ratio = float(optim.get("min_lr_ratio", 0.0))
 
     def factor(step: int) -> float:
-        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+        warm = 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+        decay = 1.0 if kind == "constant" else decay_factor(kind, training_step() / int(decay_steps), min_ratio)
+        return warm * decay
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def refresh_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Re-apply the schedule's current factors without stepping it (the training step moved on)."""
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:

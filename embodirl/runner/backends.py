@@ -153,6 +153,13 @@ class InProcessBackend(_Closing):
         if self.inference is not None:
             self.inference.weight_version = int(version)
 
+    def rng_states(self) -> None:
+        """None: the policy acts with the driver's generators (saved with the driver's state)."""
+        return None
+
+    def set_rng_states(self, states) -> None:
+        pass
+
     def sync_weights(self, tensors: Mapping, version: int) -> None:
         self.load_weights(tensors, version)
 
@@ -253,6 +260,13 @@ class RayBackend(_Closing):
 
     def load_weights(self, tensors: Mapping, version: int) -> None:
         self.groups.load_weights(tensors, version)
+
+    def rng_states(self) -> list[dict] | None:
+        """The rollout workers' generator states (they sample actions in their own processes)."""
+        return self.groups.rollout.rng_states()
+
+    def set_rng_states(self, states: list[dict] | None) -> None:
+        self.groups.rollout.set_rng_states(states)
 
     def sync_weights(self, tensors: Mapping, version: int) -> None:
         self.groups.sync_weights(tensors, version)

@@ -13,7 +13,8 @@ Layout of one checkpoint (the part folders are what :class:`~embodirl.runner.loo
       learner/train_state.pt       optimizer moments, LR schedule, KL controller, replay-buffer rollouts,
                                      policy version and optimizer-step counters (torch.save, weights_only)
       runner/state.json            the step and the start-planning generator's state
-      runner/rng.pt                python / numpy / torch (and CUDA) RNG states
+      runner/rng.pt                python / numpy / torch (and CUDA) RNG states of the driver
+      runner/worker_rng.pt         the same for each remote rollout worker (Ray path), which samples actions
       config/config.yaml           the resolved config of the run
 
 Only the trained tensors are stored: the frozen base weights come from ``model.path`` (or the random
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -43,12 +43,14 @@ import psutil
 import torch
 
 from embodirl.errors import ConfigError
+from embodirl.runtime import rng_state, set_rng_state
 
 COMPLETE = "COMPLETE"
 CHECKPOINTS = "checkpoints"
 #: the parts the runner writes (sub-folders of a checkpoint)
 POLICY, LEARNER, RUNNER, CONFIG = "policy", "learner", "runner", "config"
 TRAIN_STATE = "train_state.pt"
+WORKER_RNG = "worker_rng.pt"
 #: ``runner.resume_dir`` / ``runner.resume_mode`` value that turns resuming off
 DISABLE = "disable"
 #: a model checkpoint (public OpenVLA-OFT layout) has this file: it is given as model.path, not resumed from
@@ -211,29 +213,29 @@ def checkpoint_step(path: str | Path) -> int:
     return int(_STEP_DIR.match(Path(path).name).group(1))
 
 
-def rng_state() -> dict:
-    """Python, numpy and torch RNG states (CPU; CUDA when present)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def save_rng(folder: Path) -> None:
     torch.save(rng_state(), folder / "rng.pt")
 
 
 def load_rng(folder: Path) -> None:
+    set_rng_state(load_rng_file(folder / "rng.pt"))
+
+
+def load_rng_file(path: Path):
     # RNG states hold numpy arrays and tuples: not loadable with weights_only=True.
-    set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+    return torch.load(path, weights_only=False)
+
+
+def save_worker_rng(folder: Path, states: list[dict] | None) -> None:
+    """The rollout workers' RNG states (remote workers sample in their own processes); None: nothing
+    to save (in-process workers use the driver's generators, saved in ``rng.pt``)."""
+    if states is not None:
+        torch.save(states, folder / WORKER_RNG)
+
+
+def load_worker_rng(folder: Path) -> list[dict] | None:
+    path = folder / WORKER_RNG
+    return load_rng_file(path) if path.exists() else None
 
 
 def save_train_state(folder: Path, learner_state: Mapping) -> None:

@@ -177,6 +177,7 @@ class Runner:
             env_steps = float(runner_state.get("env_steps", 0.0))
             self._elapsed_offset = float(runner_state.get("elapsed_min", 0.0))
             ckpt.load_rng(source / "runner")
+            backend.set_rng_states(ckpt.load_worker_rng(source / "runner"))
             log.info("resumed from %s (step %d)", source, start_step)
         # the acting policy starts from the learner's weights and version (restored ones after a resume)
         version, tensors = learner.publish_weights(full=True)
@@ -225,7 +226,7 @@ class Runner:
                 if r.val_check_interval and step % int(r.val_check_interval) == 0:
                     self._log_eval(logger, backend, step)
                 if r.save_interval and (step % int(r.save_interval) == 0 or step == max_steps):
-                    self._save(step, learner, starts_rng, env_steps)
+                    self._save(step, learner, starts_rng, env_steps, backend=backend)
         finally:
             if progress is not None:
                 progress.close()
@@ -265,9 +266,12 @@ class Runner:
         """Minutes of this run (across resumes) since the runner started."""
         return self._elapsed_offset + (time.perf_counter() - self._t_start) / 60.0
 
-    def _save(self, step: int, learner: Learner, starts_rng: np.random.Generator, env_steps: float = 0.0) -> Path:
-        """Checkpoint ``step_<step>`` in the layout of :mod:`embodirl.runner.checkpoint`."""
+    def _save(self, step: int, learner: Learner, starts_rng: np.random.Generator, env_steps: float = 0.0, *,
+              backend=None) -> Path:
+        """Checkpoint ``step_<step>`` in the layout of :mod:`embodirl.runner.checkpoint` (``backend``:
+        where remote rollout workers' RNG states come from)."""
         state = learner.state_dict()
+        worker_rng = None if backend is None else backend.rng_states()
 
         def write_policy(folder: Path) -> None:
             learner.policy.save_trainable(folder, state["trainable"])
@@ -279,6 +283,7 @@ class Runner:
             (folder / "state.json").write_text(json.dumps({"step": step, "starts_rng": starts_rng.bit_generator.state,
                                                            "env_steps": env_steps, "elapsed_min": self._elapsed_min()}))
             ckpt.save_rng(folder)
+            ckpt.save_worker_rng(folder, worker_rng)
 
         def write_config(folder: Path) -> None:
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))

@@ -199,6 +199,24 @@ class RolloutWorkerGroup:
     def weight_versions(self) -> list[int]:
         return self._call_all("weight_version")
 
+    def rng_states(self) -> list[dict] | None:
+        """Each remote worker's generator states (it samples actions in its own process); None
+        in-process, where the workers use the driver's generators."""
+        return self._call_all("rng_state") if self.remote else None
+
+    def set_rng_states(self, states: list[dict] | None) -> None:
+        """Restore :meth:`rng_states` (a resumed run); skipped with a warning when the number of
+        workers changed since they were saved."""
+        if not self.remote or states is None:
+            return
+        if len(states) != len(self.workers):
+            log.warning("the checkpoint holds RNG states of %d rollout workers, this run has %d: their action "
+                        "sampling is reseeded", len(states), len(self.workers))
+            return
+        import ray
+
+        ray.get([w.set_rng_state.remote(state) for w, state in zip(self.workers, states)])
+
     # --- faults and lifecycle ------------------------------------------------------------------------
     def restart(self, r: int, cause: str = "") -> None:
         """Replace worker ``r`` by a new one holding the last published weights."""

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from embodirl import runtime
 from embodirl.channel import ChannelInfo, ShmReader, ShmRef
 from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
@@ -154,6 +155,15 @@ class RolloutWorker:
 
     def ready(self) -> bool:
         return True
+
+    def rng_state(self) -> dict:
+        """This process's generator states (action sampling), for checkpoints."""
+        with self._lock:
+            return runtime.rng_state()
+
+    def set_rng_state(self, state: dict) -> None:
+        with self._lock:
+            runtime.set_rng_state(state)
 
     def close(self) -> None:
         self.server.close()

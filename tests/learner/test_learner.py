@@ -168,6 +168,53 @@ def test_value_lr_groups_and_warmup_schedule():
     assert learner.optimizer_steps == 8 and learner.version == 2
 
 
+@pytest.mark.parametrize("kind, expected", [("linear", [1.0, 0.8125, 0.625, 0.4375, 0.25]),
+                                              ("cosine", [1.0, 0.8535534, 0.5, 0.1464466, 0.0])])
+def test_lr_decays_over_training_steps_and_resumes(kind, expected):
+    """The decay counts learner updates (not optimizer steps) and is restored with the learner's
+    state: a learner loaded after two updates continues the same schedule."""
+    policy, batch = state_policy_and_batch()
+    over = {"global_batch_size": 4, "optim.lr": 1e-3, "optim.lr_schedule": kind, "optim.lr_decay_steps": 4,
+            "optim.min_lr_ratio": 0.25 if kind == "linear" else 0.0}
+    cfg = learner_cfg(ppo(update_epochs=2), over)
+    learner = Learner(policy, cfg, task_table=[])
+    seen = [learner.step(batch)["actor/lr_policy"].item() for _ in range(2)]
+    resumed = Learner(copy.deepcopy(policy), cfg, task_table=[])
+    resumed.load_state_dict(learner.state_dict())
+    seen += [resumed.step(batch)["actor/lr_policy"].item() for _ in range(3)]
+    # linear keeps its 0.25 floor past the decay steps; every optimizer step of an update uses one lr
+    assert seen == pytest.approx([1e-3 * f for f in expected], rel=1e-6)
+
+
+def test_target_kl_stops_the_update_early():
+    policy, batch = state_policy_and_batch()
+    base = {"global_batch_size": 2, "optim.lr": 0.05}
+    full = Learner(copy.deepcopy(policy), learner_cfg(ppo(update_epochs=6), base), task_table=[]).step(batch)
+    assert full["learner/optimizer_steps"].item() == 24  # 8 rows / 2 per step x 6 epochs and full["learner/early_stopped"].item() == 0
+    stopping = Learner(copy.deepcopy(policy), learner_cfg(ppo(update_epochs=6, target_kl=1e-4), base), task_table=[])
+    out = stopping.step(batch)
+    steps = out["learner/optimizer_steps"].item()
+    # the first step's KL is 0 (nothing changed yet), so at least two steps run; a large lr stops it soon
+    assert 2 <= steps < 24 and out["learner/early_stopped"].item() == 1
+    assert stopping.optimizer_steps == steps
+    assert out["learner/decisions"].item() == pytest.approx(batch.get(D.VALID).sum().item() * steps / 4)
+
+
+@pytest.mark.parametrize("over, key", [({"optim.lr_schedule": "step"}, "actor.optim.lr_schedule"),
+                                       ({"optim.lr_schedule": "linear", "optim.lr_decay_steps": None},
+                                        "actor.optim.lr_decay_steps"),
+                                       ({"optim.min_lr_ratio": 1.5}, "actor.optim.min_lr_ratio")])
+def test_bad_schedule_settings_name_their_key(over, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        Learner(StateMLPPolicy(state_dim=4, action_dim=2, action_chunk=1), learner_cfg(ppo(), over), task_table=[])
+
+
+def test_bad_target_kl_names_its_key():
+    with pytest.raises(ConfigError, match=r"algorithm\.target_kl"):
+        Learner(StateMLPPolicy(state_dim=4, action_dim=2, action_chunk=1), learner_cfg(ppo(target_kl=0.0)),
+                task_table=[])
+
+
 def test_reference_log_probs_and_kl_loss():
     policy = TinyTokenPolicy()
     batch = token_batch(policy=policy, seed=5)
