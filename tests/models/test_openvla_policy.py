@@ -238,3 +238,30 @@ def test_all_linear_in_a_list_adds_the_lm_head():
         lora_B.add_(0.5 * torch.randn_like(lora_B))
         after = both.evaluate(obs, tokens, return_value=False)["logprob"]
     assert (after - before.detach()).abs().max() > 1e-3
+
+
+def test_adapted_lm_head_computes_only_the_action_rows():
+    """With a LoRA adapter on the LM head, the action logits are computed from the action ids' rows
+    (base and adapter) only; they equal the whole head's logits at those ids, adapter on and off."""
+    policy = make(seed=7, lora={**tiny()["lora"], "target_modules": ["all-linear", "lm_head"]})
+    core = next(m for m in policy.modules() if hasattr(m, "action_logits"))
+    head = core.language_model.lm_head
+    tok = core.action_tokenizer
+    lora_B = next(p for n, p in policy.named_parameters() if "lm_head.lora_B" in n)
+    with torch.no_grad():
+        lora_B.add_(torch.randn_like(lora_B))
+    hidden = torch.randn(3, 5, head.in_features, dtype=head.weight.dtype)
+
+    def whole():
+        return head(hidden)[..., tok.first_id:tok.end_id].float()
+
+    calls = []
+    hook = head.register_forward_hook(lambda *args: calls.append(1))
+    with torch.no_grad():
+        torch.testing.assert_close(core.action_logits(hidden), whole())
+        assert len(calls) == 1  # only whole() ran the head
+        with policy.reference_mode():
+            torch.testing.assert_close(core.action_logits(hidden), whole())
+            torch.testing.assert_close(core.action_logits(hidden),
+                                       torch.nn.functional.linear(hidden, head.base_layer.weight[tok.first_id:tok.end_id]).float())
+    hook.remove()

@@ -168,12 +168,22 @@ class OpenVLAOFT(nn.Module):
         """``(..., D)`` -> float32 logits over the action ids ``(..., num_bins)``."""
         tok = self.action_tokenizer
         head = self.language_model.lm_head
+        ids = slice(tok.first_id, tok.end_id)
         if type(head) is nn.Linear:
-            logits = F.linear(hidden, head.weight[tok.first_id:tok.end_id],
-                              None if head.bias is None else head.bias[tok.first_id:tok.end_id])
-        else:  # adapted head (LoRA): run it whole, then keep the action ids
-            logits = head(hidden)[..., tok.first_id:tok.end_id]
-        return logits.float()
+            return _sliced_linear(hidden, head, ids).float()
+        if _plain_lora_linear(head):
+            # adapted head (peft LoRA): the base and each active adapter's B rows of the action ids only,
+            # instead of the whole vocabulary's logits (the same numbers; see test_modeling)
+            logits = _sliced_linear(hidden, head.base_layer, ids)
+            if not head.disable_adapters and not head.merged:
+                for name in head.active_adapters:
+                    if name not in head.lora_A:
+                        continue
+                    a, b = head.lora_A[name], head.lora_B[name]
+                    x = head.lora_dropout[name](hidden.to(a.weight.dtype))
+                    logits = logits + F.linear(a(x), b.weight[ids]).to(logits.dtype) * head.scaling[name]
+            return logits.float()
+        return head(hidden)[..., ids].float()  # any other wrapper: run it whole, then keep the action ids
 
     def forward(self, pixel_values: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                 proprio: torch.Tensor | None = None) -> OFTOutput:
@@ -195,6 +205,24 @@ class OpenVLAOFT(nn.Module):
         if self.action_head is None:
             raise RuntimeError("this model has no L1 regression head (model.use_l1_regression is false)")
         return self.action_head(action_hidden).float()
+
+
+def _sliced_linear(hidden: torch.Tensor, linear: nn.Linear, rows: slice) -> torch.Tensor:
+    return F.linear(hidden, linear.weight[rows], None if linear.bias is None else linear.bias[rows])
+
+
+def _plain_lora_linear(module: nn.Module) -> bool:
+    """A peft LoRA ``Linear`` over an ``nn.Linear`` without DoRA or bias adapters (rows of its output
+    can be computed on their own)."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    if type(module) is not LoraLinear or type(module.base_layer) is not nn.Linear:
+        return False
+    use_dora = getattr(module, "use_dora", {})
+    lora_bias = getattr(module, "lora_bias", {})
+    return not any(use_dora.get(n, False) or lora_bias.get(n, False) for n in module.active_adapters)
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
