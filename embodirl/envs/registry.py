@@ -11,42 +11,22 @@ is a class registered with :func:`register_adapter` that provides
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
-from typing import Any
 
 from embodirl.config import to_plain
-from embodirl.errors import ConfigError
+from embodirl.registry import LazyRegistry
 
-# adapter name -> module that registers it on import
-_ADAPTER_MODULES = {
+ADAPTERS = LazyRegistry("simulator adapter", "env.adapter", {
     "libero": "embodirl.envs.libero",
     "maniskill": "embodirl.envs.maniskill",
     "toy": "embodirl.envs.toy",
-}
-_ADAPTERS: dict[str, Any] = {}
-
-
-def register_adapter(name: str):
-    def wrap(cls):
-        _ADAPTERS[name] = cls
-        return cls
-
-    return wrap
-
-
-def available_adapters() -> list[str]:
-    return sorted(set(_ADAPTER_MODULES) | set(_ADAPTERS))
+})
+register_adapter = ADAPTERS.register
+available_adapters = ADAPTERS.available
 
 
 def get_adapter(name: str, key: str = "env.adapter"):
-    if name not in _ADAPTERS:
-        module = _ADAPTER_MODULES.get(name)
-        if module is None:
-            raise ConfigError(key, f"unknown simulator adapter '{name}'; available: {', '.join(available_adapters())}")
-        importlib.import_module(module)
-    return _ADAPTERS[name]
-
+    return ADAPTERS.get(name, key)
 
 
 def check_env_config(cfg: Mapping, key: str = "env") -> None:

@@ -7,38 +7,20 @@ attribute of the builder) runs cheap checks before any worker starts.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
-from typing import Any
 
-from embodirl.errors import ConfigError
+from embodirl.registry import LazyRegistry
 
-_POLICY_MODULES = {
+POLICIES = LazyRegistry("policy", "model.name", {
     "openvla_oft": "embodirl.models.openvla_oft",
     "state_mlp": "embodirl.models.state_policy",
-}
-_POLICIES: dict[str, Any] = {}
-
-
-def register_policy(name: str):
-    def wrap(fn):
-        _POLICIES[name] = fn
-        return fn
-
-    return wrap
-
-
-def available_policies() -> list[str]:
-    return sorted(set(_POLICY_MODULES) | set(_POLICIES))
+})
+register_policy = POLICIES.register
+available_policies = POLICIES.available
 
 
 def get_policy_builder(name: str, key: str = "model.name"):
-    if name not in _POLICIES:
-        module = _POLICY_MODULES.get(name)
-        if module is None:
-            raise ConfigError(key, f"unknown policy '{name}'; available: {', '.join(available_policies())}")
-        importlib.import_module(module)
-    return _POLICIES[name]
+    return POLICIES.get(name, key)
 
 
 def make_policy(model_cfg: Mapping, env_spec):

@@ -1,43 +1,25 @@
 """Rollout backends by name (``rollout.backend``), imported lazily.
 
 ``huggingface`` is built in. A later engine (vLLM: GPU only) registers itself with
-:func:`register_backend` in its own module and adds that module to ``_BACKEND_MODULES``; env workers,
+:func:`register_backend` in its own module and adds that module to ``BACKENDS``' built-in table; env workers,
 rollout workers and the runner stay unchanged (see :mod:`embodirl.workers.backends.base`).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 
-from embodirl.errors import ConfigError
+from embodirl.registry import LazyRegistry
 
-_BACKEND_MODULES = {
+BACKENDS = LazyRegistry("rollout backend", "rollout.backend", {
     "huggingface": "embodirl.workers.backends.huggingface",
-}
-_BACKENDS: dict[str, type] = {}
-
-
-def register_backend(name: str):
-    def wrap(cls):
-        _BACKENDS[name] = cls
-        return cls
-
-    return wrap
-
-
-def available_backends() -> list[str]:
-    return sorted(set(_BACKEND_MODULES) | set(_BACKENDS))
+})
+register_backend = BACKENDS.register
+available_backends = BACKENDS.available
 
 
 def get_backend(name: str, key: str = "rollout.backend") -> type:
-    if name not in _BACKENDS:
-        module = _BACKEND_MODULES.get(name)
-        if module is None:
-            raise ConfigError(key, f"rollout backend '{name}' is not available here; available: "
-                                   f"{', '.join(available_backends())}")
-        importlib.import_module(module)
-    return _BACKENDS[name]
+    return BACKENDS.get(name, key)
 
 
 def make_backend(name: str, model_cfg: Mapping, env_spec, **kwargs):
