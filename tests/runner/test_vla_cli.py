@@ -51,8 +51,11 @@ def cli(args: list[str], cwd, run_id: str, *, interrupt_when=None) -> str:
     and only the clean-up is checked."""
     env = {**os.environ, segments.RUN_ENV: run_id}
     env.pop("RAY_ADDRESS", None)
+    # a shell without job control starts background commands with SIGINT ignored, and that is inherited
+    # (e.g. `bash .ci/run &`): give the CLI the default disposition, as a terminal's Ctrl-C finds it
     proc = subprocess.Popen([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     leftovers: list[psutil.Process] = []
     try:
         if interrupt_when is not None:
