@@ -12,9 +12,9 @@ One training step, as the runner drives it::
 path and tests.
 
 Inside :meth:`Learner.update`, for ``update_epochs`` epochs the rows are shuffled and cut into
-optimizer steps of ``global_batch_size / world_size`` rows per rank (the update stops early after an
-optimizer step whose approximate KL to the behaviour policy exceeds ``algorithm.target_kl``), each run as micro-batches of
-``micro_batch_size`` rows with gradient accumulation. Only valid decisions go through the policy
+optimizer steps of ``global_batch_size / world_size`` rows per rank, each run as micro-batches of
+``micro_batch_size`` rows with gradient accumulation (the update stops early after an optimizer step
+whose approximate KL to the behaviour policy exceeds ``algorithm.target_kl``). Only valid decisions go through the policy
 (their outputs are scattered back to ``[n, T, ...]``); the loss normalisers are counted on the whole
 optimizer step over all ranks before any forward pass, so the summed gradient equals the full-batch
 gradient (:mod:`embodirl.algorithms.aggregation`). The learner works with or without

@@ -66,20 +66,17 @@ def lr_schedule(optimizer: torch.optim.Optimizer, optim: Mapping, training_step:
                 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over the first ``warmup_steps`` optimizer
     steps, times the ``lr_schedule`` decay over ``lr_decay_steps`` training steps (read through
-    ``training_step()``, the learner's update count, which the learner's own state restores)."""
+    ``training_step()``, the learner's update count, which the learner's own state restores). The
+    settings are those :class:`~embodirl.learner.config.LearnerConfig` checked."""
     warmup_steps = int(optim.get("warmup_steps", 0))
     kind = str(optim.get("lr_schedule", "constant"))
-    if kind not in LR_SCHEDULES:
-        raise ValueError(f"unknown learning-rate schedule {kind!r}; choose one of {', '.join(LR_SCHEDULES)}")
-    decay_steps = optim.get("lr_decay_steps") if kind != "constant" else None
-    if kind != "constant" and (decay_steps is None or int(decay_steps) < 1):
-        raise ValueError(f"the {kind} schedule needs a positive number of decay steps, got {decay_steps!r}")
     min_ratio = float(optim.get("min_lr_ratio", 0.0))
 
     def factor(step: int) -> float:
         warm = 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
-        decay = 1.0 if kind == "constant" else decay_factor(kind, training_step() / int(decay_steps), min_ratio)
-        return warm * decay
+        if kind == "constant":
+            return warm
+        return warm * decay_factor(kind, training_step() / int(optim["lr_decay_steps"]), min_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

@@ -158,7 +158,7 @@ class InProcessBackend(_Closing):
         return None
 
     def set_rng_states(self, states) -> None:
-        pass
+        """Nothing to restore here: the driver's generators come back with ``runner/rng.pt``."""
 
     def sync_weights(self, tensors: Mapping, version: int) -> None:
         self.load_weights(tensors, version)

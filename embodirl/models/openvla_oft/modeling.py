@@ -173,7 +173,7 @@ class OpenVLAOFT(nn.Module):
             return _sliced_linear(hidden, head, ids).float()
         if _plain_lora_linear(head):
             # adapted head (peft LoRA): the base and each active adapter's B rows of the action ids only,
-            # instead of the whole vocabulary's logits (the same numbers; see test_modeling)
+            # instead of the whole vocabulary's logits (the same numbers: tests/models/test_openvla_policy.py)
             logits = _sliced_linear(hidden, head.base_layer, ids)
             if not head.disable_adapters and not head.merged:
                 for name in head.active_adapters:
@@ -214,10 +214,8 @@ def _sliced_linear(hidden: torch.Tensor, linear: nn.Linear, rows: slice) -> torc
 def _plain_lora_linear(module: nn.Module) -> bool:
     """A peft LoRA ``Linear`` over an ``nn.Linear`` without DoRA or bias adapters (rows of its output
     can be computed on their own)."""
-    try:
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
+    from peft.tuners.lora import Linear as LoraLinear
+
     if type(module) is not LoraLinear or type(module.base_layer) is not nn.Linear:
         return False
     use_dora = getattr(module, "use_dora", {})
