@@ -2,7 +2,7 @@
 
 timm cannot be installed here, so the reference is a plain re-implementation of timm's
 VisionTransformer forward (fused qkv, LayerScale, DINOv2's ``no_embed_class`` position embedding and
-register tokens, SigLIP's tanh-GELU) stopped after the second-to-last block, with prefix tokens removed -
+register tokens, exact GELU in both towers) stopped after the second-to-last block, with prefix tokens removed -
 Prismatic's ``get_intermediate_layers(n={depth - 2})``.
 """
 
@@ -26,7 +26,9 @@ def timm_vit_features(sd, prefix, pixels, *, depth, heads, patch, dino):
     if dino:
         x = torch.cat([p("cls_token").expand(N, -1, -1), p("reg_token").expand(N, -1, -1), x], dim=1)
         n_prefix = 1 + p("reg_token").shape[1]
-    act = (lambda t: F.gelu(t)) if dino else (lambda t: F.gelu(t, approximate="tanh"))
+    # timm's VisionTransformer uses nn.GELU (exact) unless a model sets act_layer; neither OpenVLA tower does
+    # (vit_so400m_patch14_siglip_224's model args name no act_layer), so both run the erf GELU
+    act = F.gelu
     hd = D // heads
     for i in range(depth - 1):
         b = f"blocks.{i}."

@@ -39,6 +39,11 @@ DINO_REGISTER_TOKENS = 4
 #: LayerScale init of timm's DINOv2 (``init_values=1e-5``); only used for random initialisation
 DINO_LAYERSCALE_INIT = 1e-5
 VISION_LAYER_NORM_EPS = 1e-6
+#: exact (erf) GELU. OpenVLA's SigLIP tower is timm's ``vit_so400m_patch14_siglip_224``, whose model args set no
+#: ``act_layer``, so timm's VisionTransformer falls back to ``nn.GELU`` (exact); Prismatic's
+#: ``timm_override_act_layers`` is ``[None, None]``. transformers' SiglipVisionConfig defaults to the tanh
+#: approximation of Google's original SigLIP, which is not what OpenVLA was trained with.
+SIGLIP_HIDDEN_ACT = "gelu"
 PRESETS_GROUP = "model"
 
 
@@ -125,7 +130,7 @@ class OFTConfig:
             hidden_size=s.hidden_size, num_hidden_layers=s.num_hidden_layers,
             num_attention_heads=s.num_attention_heads, intermediate_size=s.intermediate_size,
             patch_size=s.patch_size, image_size=self.image_size, layer_norm_eps=VISION_LAYER_NORM_EPS,
-            hidden_act="gelu_pytorch_tanh", vision_use_head=True,
+            hidden_act=SIGLIP_HIDDEN_ACT, vision_use_head=True,
             attn_implementation=self.vision_attn_implementation)
 
     def llama_config(self):
