@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import logging
 import os
@@ -87,7 +88,9 @@ def set_torch_threads(setting) -> None:
 
 
 def rng_state() -> dict:
-    """This process's python, numpy and torch RNG states (CPU; CUDA when present)."""
+    """This process's python, numpy and torch RNG states (CPU; CUDA when present):
+    ``{"python": random.getstate(), "numpy": np.random.get_state(), "torch": uint8 tensor,
+    "cuda": [uint8 tensor per device]}``."""
     import random
 
     import numpy as np
@@ -111,3 +114,55 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rng_state_to_json(state: dict) -> dict:
+    """:func:`rng_state` as plain JSON values, so that a checkpoint holds no pickle (issue 11: a shared
+    checkpoint must not run code on the machine that resumes it). Exact: :func:`rng_state_from_json`
+    gives back states that draw the same numbers. Layout::
+
+        python  {"version": int, "internal": [625 ints], "gauss_next": float | None}
+        numpy   {"bit_generator": "MT19937", "keys": [624 uint32], "pos": int, "has_gauss": int,
+                 "cached_gaussian": float}
+        torch   base64 of the CPU generator's uint8 state bytes
+        cuda    [base64 per device] (only when the state has it)
+    """
+    import numpy as np
+
+    version, internal, gauss_next = state["python"]
+    bit_generator, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    out = {"python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss_next},
+           "numpy": {"bit_generator": str(bit_generator), "keys": np.asarray(keys, np.uint32).tolist(),
+                     "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+           "torch": _bytes_to_text(state["torch"])}
+    if "cuda" in state:
+        out["cuda"] = [_bytes_to_text(t) for t in state["cuda"]]
+    return out
+
+
+def rng_state_from_json(d: dict) -> dict:
+    """Inverse of :func:`rng_state_to_json`: a state :func:`set_rng_state` takes."""
+    import numpy as np
+
+    python, numpy_state = d["python"], d["numpy"]
+    gauss_next = python["gauss_next"]
+    state = {"python": (int(python["version"]), tuple(int(x) for x in python["internal"]),
+                        None if gauss_next is None else float(gauss_next)),
+             "numpy": (str(numpy_state["bit_generator"]), np.asarray(numpy_state["keys"], np.uint32),
+                       int(numpy_state["pos"]), int(numpy_state["has_gauss"]), float(numpy_state["cached_gaussian"])),
+             "torch": _bytes_from_text(d["torch"])}
+    if "cuda" in d:
+        state["cuda"] = [_bytes_from_text(t) for t in d["cuda"]]
+    return state
+
+
+def _bytes_to_text(tensor) -> str:
+    """A uint8 generator-state tensor as base64 text."""
+    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _bytes_from_text(text: str):
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.frombuffer(base64.b64decode(text), np.uint8).copy())   # (n,) uint8

@@ -13,8 +13,8 @@ Layout of one checkpoint (the part folders are what :class:`~embodirl.runner.loo
       learner/train_state.pt       optimizer moments, LR schedule, KL controller, replay-buffer rollouts,
                                      policy version and optimizer-step counters (torch.save, weights_only)
       runner/state.json            the step and the start-planning generator's state
-      runner/rng.pt                python / numpy / torch (and CUDA) RNG states of the driver
-      runner/worker_rng.pt         the same for each remote rollout worker (Ray path), which samples actions
+      runner/rng.json              python / numpy / torch (and CUDA) RNG states of the driver (JSON, no pickle)
+      runner/worker_rng.json       the same for each remote rollout worker (Ray path), which samples actions
       config/config.yaml           the resolved config of the run
 
 Only the trained tensors are stored: the frozen base weights come from ``model.path`` (or the random
@@ -32,6 +32,7 @@ dead processes are removed by the next save.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,14 +44,19 @@ import psutil
 import torch
 
 from embodirl.errors import ConfigError
-from embodirl.runtime import rng_state, set_rng_state
+from embodirl.runtime import rng_state, rng_state_from_json, rng_state_to_json, set_rng_state
+
+log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 CHECKPOINTS = "checkpoints"
 #: the parts the runner writes (sub-folders of a checkpoint)
 POLICY, LEARNER, RUNNER, CONFIG = "policy", "learner", "runner", "config"
 TRAIN_STATE = "train_state.pt"
-WORKER_RNG = "worker_rng.pt"
+#: RNG states: JSON, never a pickle (a shared checkpoint must not run code where it is resumed)
+RNG, WORKER_RNG = "rng.json", "worker_rng.json"
+#: the pickled RNG files of checkpoints written before the JSON ones (see ``_load_legacy_rng``)
+LEGACY_RNG, LEGACY_WORKER_RNG = "rng.pt", "worker_rng.pt"
 #: ``runner.resume_dir`` / ``runner.resume_mode`` value that turns resuming off
 DISABLE = "disable"
 #: a model checkpoint (public OpenVLA-OFT layout) has this file: it is given as model.path, not resumed from
@@ -214,28 +220,61 @@ def checkpoint_step(path: str | Path) -> int:
 
 
 def save_rng(folder: Path) -> None:
-    torch.save(rng_state(), folder / "rng.pt")
+    """The driver's generator states as JSON (``rng.json``, no pickle: see
+    :func:`~embodirl.runtime.rng_state_to_json`)."""
+    _write_json(folder / RNG, rng_state_to_json(rng_state()))
 
 
 def load_rng(folder: Path) -> None:
-    set_rng_state(load_rng_file(folder / "rng.pt"))
-
-
-def load_rng_file(path: Path):
-    # RNG states hold numpy arrays and tuples: not loadable with weights_only=True.
-    return torch.load(path, weights_only=False)
+    """Restore :func:`save_rng`. A checkpoint from before the JSON files has ``rng.pt`` instead: see
+    :func:`_load_legacy_rng`."""
+    if not (folder / RNG).exists() and (folder / LEGACY_RNG).exists():
+        state = _load_legacy_rng(folder / LEGACY_RNG)
+    else:
+        state = rng_state_from_json(json.loads((folder / RNG).read_text()))
+    if state is not None:
+        set_rng_state(state)
 
 
 def save_worker_rng(folder: Path, states: list[dict] | None) -> None:
-    """The rollout workers' RNG states (remote workers sample in their own processes); None: nothing
-    to save (in-process workers use the driver's generators, saved in ``rng.pt``)."""
+    """The rollout workers' RNG states (remote workers sample in their own processes) as JSON; None:
+    nothing to save (in-process workers use the driver's generators, saved in ``rng.json``)."""
     if states is not None:
-        torch.save(states, folder / WORKER_RNG)
+        _write_json(folder / WORKER_RNG, [rng_state_to_json(state) for state in states])
 
 
 def load_worker_rng(folder: Path) -> list[dict] | None:
-    path = folder / WORKER_RNG
-    return load_rng_file(path) if path.exists() else None
+    """:func:`save_worker_rng`'s states; None when there are none (or an old ``worker_rng.pt`` that
+    cannot be read safely)."""
+    if (folder / WORKER_RNG).exists():
+        return [rng_state_from_json(d) for d in json.loads((folder / WORKER_RNG).read_text())]
+    if (folder / LEGACY_WORKER_RNG).exists():
+        return _load_legacy_rng(folder / LEGACY_WORKER_RNG)
+    return None
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))
+
+
+def _load_legacy_rng(path: Path):
+    """An RNG file of a checkpoint written before ``rng.json`` (``torch.save`` of python/numpy/torch
+    states). Read with torch's restricted unpickler (``weights_only=True``), which builds only tensors,
+    containers and the allow-listed numpy types of the MT19937 key array, so it runs no code from the
+    file. None, with a warning, when that fails: the generators then keep this run's seeding."""
+    try:
+        from numpy._core.multiarray import _reconstruct   # numpy >= 2
+    except ImportError:
+        from numpy.core.multiarray import _reconstruct
+    numpy_types = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _reconstruct]
+    try:
+        with torch.serialization.safe_globals(numpy_types):
+            return torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - anything it refuses or cannot parse: not restored
+        log.warning("RNG state not restored from %s: an old pickled file that does not load with "
+                    "weights_only=True (%s); the generators keep this run's seeding", path, type(exc).__name__)
+        log.debug("loading %s failed: %s", path, exc)
+        return None
 
 
 def save_train_state(folder: Path, learner_state: Mapping) -> None:

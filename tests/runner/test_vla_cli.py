@@ -191,7 +191,7 @@ def test_ray_path_resumes_with_the_learners_weights(tmp_path):
     assert [r["rollout/weight_version"] for r in records] == [0.0, 1.0, 2.0]
     assert all(key in r for r in records for key in TIME_KEYS)
     # the rollout worker's sampler continues from the checkpoint: step 3 equals an uninterrupted run's
-    assert (tmp_path / "outputs" / "toy_ray" / "checkpoints" / "step_2" / "runner" / "worker_rng.pt").exists()
+    assert (tmp_path / "outputs" / "toy_ray" / "checkpoints" / "step_2" / "runner" / "worker_rng.json").exists()
     cli(["train", *TOY, "cluster.use_ray=true", "runner.experiment_name=toy_ray_straight", "runner.max_steps=3",
          "runner.save_interval=0"], tmp_path, f"c{run}")
     straight = read_metrics(tmp_path / "outputs" / "toy_ray_straight" / "metrics.jsonl")
