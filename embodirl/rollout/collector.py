@@ -62,7 +62,8 @@ class RecollectFailed(RuntimeError):
 
 @dataclass
 class RolloutStats:
-    """Wall-clock split of one :meth:`RolloutCollector.collect` (seconds) and fault counts."""
+    """Wall-clock split of one :meth:`RolloutCollector.collect` (seconds), fault counts, and how the
+    observation batches travelled (filled by the env worker from its client; zero in-process)."""
 
     env_s: float = 0.0           # inside env.reset/step
     wait_s: float = 0.0          # waiting for inference results (not hidden behind env steps)
@@ -71,6 +72,8 @@ class RolloutStats:
     decisions: int = 0
     restarts: int = 0            # sub-env restarts seen mid-episode
     recollected_rows: int = 0
+    shm_batches: int = 0         # observation batches sent through a shared-memory stream (same node)
+    object_store_batches: int = 0   # ... as Ray actor calls through the object store (other node, shm off)
 
 
 @dataclass

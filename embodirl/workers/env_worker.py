@@ -137,6 +137,7 @@ class EnvWorker:
         self._lengths = [EpisodeLengths(self.B) for _ in range(self.S)]
         observers = [FanOut(lengths, recorder) for lengths, recorder in zip(self._lengths, recorders)]
         self.videos = []
+        shm_before, ray_before = self._batches_sent()
         try:
             traj = self.collector.collect(starts, seed=seed, observers=observers)
         finally:
@@ -147,6 +148,9 @@ class EnvWorker:
                     if recorder is not None:
                         recorder.close()
         stats = self.collector.stats
+        # the client counts over its life (reconnects included): this collection's share
+        shm_after, ray_after = self._batches_sent()
+        stats.shm_batches, stats.object_store_batches = shm_after - shm_before, ray_after - ray_before
         log.debug("env worker slots %d..%d: %d decisions, env %.2fs, waiting %.2fs", self.slot_offset,
                   self.slot_offset + self.num_slots - 1, stats.decisions, stats.env_s, stats.wait_s)
         return pack_trajectory(traj) if packed else traj
@@ -178,7 +182,14 @@ class EnvWorker:
         info = getattr(self.client, "info", None)
         return info() if info is not None else {"shm": False, "segment": None, "local": True}
 
+    def _batches_sent(self) -> tuple[int, int]:
+        """Observation batches the client has sent so far: (shared memory, object store)."""
+        info = self.transport_info()
+        return int(info.get("shm_batches", 0)), int(info.get("ray_batches", 0))
+
     def last_stats(self):
+        """The last :meth:`collect`'s :class:`~embodirl.rollout.collector.RolloutStats`, with the
+        observation batches it sent through each transport (``shm_batches``, ``object_store_batches``)."""
         return self.collector.stats if self.collector is not None else None
 
     def offload(self) -> None:
