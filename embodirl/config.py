@@ -305,6 +305,8 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
             except AssetsMissing:
                 raise
         builder = get_policy_builder(cfg.model.name)
+        if getattr(builder, "check_run", None) is not None:  # rules between the checkpoint and the run
+            builder.check_run(to_plain(cfg), eval_model_path(cfg.runner) or cfg.model.get("path"))
         check = getattr(builder, "check_config", None)
         if check is not None:
             check(OmegaConf.to_container(cfg.model, resolve=True))

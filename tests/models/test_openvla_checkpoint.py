@@ -314,9 +314,9 @@ def test_missing_files_are_named(public, tmp_path):
     assert "config.json" in one_sentence(exc)
     broken = copy_of(path, tmp_path, "no_proprio")
     (broken / "proprio_projector--100_checkpoint.pt").unlink()
-    with pytest.raises(CheckpointFileMissing) as exc:
-        build_policy(tiny(path=str(broken)), SPEC)
-    assert "proprio_projector--<step>_checkpoint.pt" in one_sentence(exc)
+    with pytest.raises(ConfigError) as exc:  # asked for explicitly: the checkpoint was trained without it
+        build_policy(tiny(path=str(broken), use_proprio=True), SPEC)
+    assert exc.value.key == "model.use_proprio" and "proprio_projector--<step>_checkpoint.pt" in one_sentence(exc)
     broken = copy_of(path, tmp_path, "no_shard")
     (broken / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointFileMissing) as exc:
@@ -432,6 +432,6 @@ def test_public_l1_checkpoint_acts_through_its_action_head(public, tmp_path):
     torch.testing.assert_close(chunk, expected, atol=1e-5, rtol=1e-5)
 
     missing = copy_of(path, tmp_path, "no_head")
-    with pytest.raises(CheckpointFileMissing) as exc:
+    with pytest.raises(ConfigError) as exc:
         build_policy(tiny(path=str(missing), use_l1_regression=True), SPEC)
-    assert "action_head--<step>_checkpoint.pt" in one_sentence(exc)
+    assert exc.value.key == "model.use_l1_regression" and "action_head--<step>_checkpoint.pt" in one_sentence(exc)

@@ -3,6 +3,7 @@
 Registered as policy ``openvla_oft`` (``model.name``). Files, along the dataflow:
 
 * ``config.py``     - the model config group resolved against the env (sizes, LoRA, value head);
+* ``autoconfig.py`` - what a checkpoint directory holds (L1 head, proprio, image count) configures the model;
 * ``vision.py``     - fused DINOv2 + SigLIP backbone on transformers' ViTs;
 * ``projector.py``  - patch / proprio projectors, L1 regression head, value head;
 * ``modeling.py``   - the sequence layout and one bidirectional pass for a whole action chunk;
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from embodirl.errors import ConfigError
+from embodirl.models.openvla_oft.autoconfig import check_run
 from embodirl.models.openvla_oft.config import build_config
 from embodirl.models.openvla_oft.policy import OpenVLAOFTPolicy, build_policy
 from embodirl.models.openvla_oft.weights import HUB_ID
@@ -44,3 +46,4 @@ def _check_config(model_cfg: Mapping) -> None:
 
 
 build_openvla_oft.check_config = _check_config
+build_openvla_oft.check_run = check_run

@@ -287,7 +287,8 @@ def _write(core, cfg: OFTConfig, out: Path, final: Path, *, step, model_cfg, sta
     text = dict(config.get("text_config") or {})
     text.update({k: v for k, v in cfg.llm.items() if k != "rope_theta"},
                 model_type="llama", rope_theta=cfg.llm["rope_theta"], pad_token_id=PRISMATIC_CONFIG["pad_token_id"])
-    config.update(text_config=text, n_action_bins=cfg.num_bins, image_sizes=[cfg.image_size] * 2)
+    config.update(text_config=text, n_action_bins=cfg.num_bins, image_sizes=[cfg.image_size] * 2,
+                  num_images_in_input=cfg.num_images_in_input)  # read back by autoconfig.py
     if statistics:
         config["norm_stats"] = dict(statistics)
     config[MARKER] = {"format_version": FORMAT_VERSION, "step": int(step),

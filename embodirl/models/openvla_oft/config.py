@@ -3,7 +3,9 @@
 ``config/model/_openvla_oft_base.yaml`` holds every default of the network (``openvla_oft`` adds the GPU recipe,
 ``openvla_oft_tiny`` shrinks it); this module only reads, checks and derives.
 Architecture sizes come from the YAML (a checkpoint must match them: a mismatching parameter shape is
-reported by name when it loads). Keys left ``null`` take the environment's value:
+reported by name when it loads). With a checkpoint (``path``), the keys it determines - the L1 head, the
+proprio token, the image count - come from its files (:mod:`.autoconfig`). Keys still ``null`` take the
+environment's value:
 
 * ``action_dim`` -> ``env_spec.action_dim``;
 * ``num_images_in_input`` -> the number of cameras;
@@ -200,7 +202,11 @@ def _lora(raw: Mapping) -> LoraSettings:
 
 
 def build_config(cfg: Mapping, env_spec=None) -> OFTConfig:
-    """Resolve the model config group (a plain mapping) against ``env_spec`` (None: checks only)."""
+    """Resolve the model config group (a plain mapping) against ``env_spec`` (None: checks only). A checkpoint
+    in ``path`` first fills the keys it decides (:mod:`.autoconfig`)."""
+    from embodirl.models.openvla_oft.autoconfig import configure
+
+    cfg = configure(cfg)
     def need(key):
         if key not in cfg:
             raise ConfigError(f"model.{key}", "is missing from the model config")
@@ -236,7 +242,7 @@ def build_config(cfg: Mapping, env_spec=None) -> OFTConfig:
     action_dim = int(action_dim if action_dim is not None else 1)
     num_images = int(num_images if num_images is not None else 1)
     use_proprio = bool(use_proprio) if use_proprio is not None else False
-    proprio_dim = int(proprio_dim or 0)
+    proprio_dim = int(proprio_dim if proprio_dim is not None else int(use_proprio))
 
     value_type = str(need("value_type"))
     if value_type not in VALUE_TYPES:

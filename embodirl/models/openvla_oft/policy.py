@@ -28,6 +28,7 @@ from embodirl.models.base import Policy, SamplingParams
 from embodirl.models.normalization import BoundsNormalizer, resolve_unnorm_key
 from embodirl.models.openvla_oft import checkpoint as ckpt
 from embodirl.models.openvla_oft.adapters import load_live_adapter
+from embodirl.models.openvla_oft.autoconfig import configure
 from embodirl.models.openvla_oft.config import OFTConfig, build_config
 from embodirl.models.openvla_oft.lora import ADAPTER_NAME, apply_lora, peft_parameter_names
 from embodirl.models.openvla_oft.modeling import OpenVLAOFT, build_model
@@ -245,10 +246,16 @@ def build_policy(model_cfg: Mapping, env_spec=None, *, device: torch.device | st
 
     ``device`` (default: ``model_cfg['device']``, else CPU) is where the weights are created; ``"meta"``
     builds the structure without memory (random init only)."""
+    if model_cfg.get("path"):  # a hub id is downloaded here, then its files configure the model
+        model_cfg = configure(model_cfg, download=True)
     cfg = build_config(model_cfg, env_spec)
     device = device or model_cfg.get("device") or "cpu"
     if cfg.path is not None and torch.device(device).type == "meta":
         raise ConfigError("model.device", "a checkpoint cannot be loaded onto the meta device")
+    if cfg.path is not None:
+        log.info("checkpoint %s: %s, %s, %d image(s) per decision", cfg.path,
+                 "L1 regression head" if cfg.use_l1_regression else "action tokens",
+                 "proprio token" if cfg.use_proprio else "no proprio token", cfg.num_images_in_input)
     core = build_model(cfg, device, init_weights=cfg.path is None)
     loaded = ckpt.load_base(core, cfg, model_cfg.get("base_path")) if cfg.path is not None else None
     tasks = list(env_spec.task_descriptions) if env_spec is not None else None
