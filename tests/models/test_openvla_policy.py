@@ -72,6 +72,26 @@ def test_greedy_chunk_is_the_decoded_tokens(policy):
     assert torch.equal(a[D.ACTION_CHUNK], policy.action_normalizer.unnormalize(decoded))
 
 
+def test_greedy_decoding_is_ofts_argmax_over_the_whole_vocabulary(policy):
+    """openvla-oft's predict_action: argmax over all 32064 logits, bin = clip(32000 - id - 1, 0, 254), the bin
+    centre of numpy's linspace edges - written out here with numpy. A random model's winners are mostly
+    non-action ids, which that formula sends to the end bins (an argmax over the action ids alone would not)."""
+    import numpy as np
+
+    obs = observation()
+    out = policy.act(obs, SamplingParams(greedy=True))
+    with torch.no_grad():
+        hidden = policy.core(**policy.prepare_inputs(obs)).action_hidden               # (B, L, D)
+        ids = policy.core.language_model.lm_head(hidden).argmax(-1).numpy()           # (B, L) any vocab id
+    bins = np.linspace(-1, 1, 256)
+    centers = (bins[:-1] + bins[1:]) / 2.0
+    expected = centers[np.clip(32000 - ids - 1, 0, centers.shape[0] - 1)].reshape(3, 8, 7)
+    assert ((ids < 31744) | (ids >= 32000)).any()                                    # the case that differs
+    unnormalized = policy.action_normalizer.unnormalize(torch.from_numpy(expected).float())
+    assert torch.equal(out[D.ACTION_CHUNK], unnormalized)
+    assert bool(policy.action_tokenizer.is_action_id(out[D.ACTION_TOKENS]).all())
+
+
 def test_gradients_reach_only_the_trainable_tensors():
     policy = make(seed=1)
     obs = observation()

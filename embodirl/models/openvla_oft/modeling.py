@@ -185,6 +185,16 @@ class OpenVLAOFT(nn.Module):
             return logits.float()
         return head(hidden)[..., ids].float()  # any other wrapper: run it whole, then keep the action ids
 
+    def greedy_action_ids(self, action_hidden: torch.Tensor) -> torch.Tensor:
+        """OFT's greedy decoding (``_regression_or_discrete_prediction`` of openvla-oft's
+        ``modeling_prismatic.py``): the argmax over the *whole* vocabulary, not only the action ids, then
+        ``clip(32000 - id - 1, 0, num_bins - 2)`` as the bin. A non-action winner thus becomes the nearest
+        end bin; here it is clamped to the nearest action id, which decodes to that same bin and keeps the
+        returned tokens inside the action vocabulary. ``(B, L, D)`` -> int64 ids ``(B, L)``."""
+        tok = self.action_tokenizer
+        ids = self.language_model.lm_head(action_hidden).argmax(dim=-1)  # (B, L) over all vocabulary ids
+        return ids.clamp(tok.first_id, tok.end_id - 1)
+
     def forward(self, pixel_values: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                 proprio: torch.Tensor | None = None) -> OFTOutput:
         seq = self.build_sequence(pixel_values, prompt_ids, prompt_mask, proprio)

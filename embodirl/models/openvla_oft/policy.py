@@ -160,6 +160,11 @@ class OpenVLAOFTPolicy(Policy):
             tokens = tok.encode(normalized.reshape(B, L))                              # (B, L)
             temperature = 1.0 if sampling.greedy else sampling.temperature
             logprob, _ = log_prob_and_entropy(out.action_logits, tok.ids_to_index(tokens), temperature, False)
+        elif sampling.greedy:
+            # OFT's evaluation: argmax over the whole vocabulary, clipped into the action bins (modeling.py)
+            tokens = self.core.greedy_action_ids(out.action_hidden)                   # (B, L)
+            logprob, _ = log_prob_and_entropy(out.action_logits, tok.ids_to_index(tokens), 1.0, False)
+            normalized = tok.decode(tokens).reshape(B, H, A)                           # (B, H, A)
         else:
             index, logprob = sample(out.action_logits, sampling)                        # (B, L), (B, L)
             tokens = tok.index_to_ids(index)                                           # (B, L)
