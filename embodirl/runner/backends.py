@@ -281,6 +281,7 @@ class RayBackend(_Closing):
         N = int(self._eval_cfg["num_envs"])
         num_videos = len(self._eval_cfg["video"]["env_ids"])
         results: list[EpisodeResult] = []
+        reruns = 0
         for start in range(0, len(schedule), N):
             part = schedule[start:start + N]
             padded = part + [part[-1]] * (N - len(part))     # keep every slot busy; extra rows are dropped
@@ -288,12 +289,14 @@ class RayBackend(_Closing):
                                    np.asarray([k for _, k in padded], np.int64))
             video_dir = str(out_dir / "videos") if start == 0 and num_videos else None
             traj = self.groups.evaluate(starts, seed=seed + start, video_dir=video_dir, step=step)
+            # the collector runs an episode a simulator crash cut short again from its start: count them
+            reruns += sum(s.recollected_rows for s in self.groups.eval_env.last_stats())
             lengths = self.groups.eval_env.episode_lengths()                                  # (N,)
             videos = _videos_by_slot(self.groups.eval_env.videos if video_dir else [], num_videos, out_dir)
             results += _episode_results(traj, part, spec, lengths, videos)
             log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
                      np.mean([r.success for r in results]))
-        return build_eval_info(results, eval_s=time.perf_counter() - t_start)
+        return build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         try:

@@ -4,11 +4,12 @@
 
     {
       "per_episode": [{"episode_ix", "suite", "task_id", "task", "init_state_id", "success",
-                       "return", "length", "video_path"}, ...],
+                       "return", "length", "video_path", "crashed"}, ...],
       "per_task":    [{"suite", "task_id", "task", "n_episodes", "success_rate", "avg_return",
                        "avg_length", "video_paths"}, ...],
       "per_suite":   {"<suite>": {"n_episodes", "n_tasks", "success_rate", "avg_return", "avg_length"}},
-      "overall":     {"n_episodes", "success_rate", "avg_return", "avg_length", "eval_s", "video_paths"}
+      "overall":     {"n_episodes", "success_rate", "avg_return", "avg_length", "n_crashed",
+                      "n_rerun_after_crash", "eval_s", "video_paths"}
     }
 
 The suite success rate averages episodes (every task has the same number of trials in the standard
@@ -34,6 +35,7 @@ class EpisodeResult:
     episode_return: float
     length: int
     video_path: str | None = None
+    crashed: bool = False          # the simulator crashed mid-episode: counted as a failure
 
 
 def _summary(episodes: list[EpisodeResult]) -> dict:
@@ -46,7 +48,9 @@ def _summary(episodes: list[EpisodeResult]) -> dict:
     }
 
 
-def build_eval_info(episodes: Iterable[EpisodeResult], eval_s: float | None = None) -> dict:
+def build_eval_info(episodes: Iterable[EpisodeResult], eval_s: float | None = None, rerun_after_crash: int = 0) -> dict:
+    """``rerun_after_crash``: episodes a simulator crash interrupted that were collected again from their start
+    (the Ray collector's rule); crashed episodes that were not re-run count as failures (``n_crashed``)."""
     episodes = list(episodes)
     by_task: dict[tuple[str, int], list[EpisodeResult]] = defaultdict(list)
     by_suite: dict[str, list[EpisodeResult]] = defaultdict(list)
@@ -59,7 +63,9 @@ def build_eval_info(episodes: Iterable[EpisodeResult], eval_s: float | None = No
                          "video_paths": [e.video_path for e in eps if e.video_path]})
     per_suite = {suite: {**_summary(eps), "n_tasks": len({e.task_id for e in eps})}
                  for suite, eps in sorted(by_suite.items())}
-    overall = {**_summary(episodes), "video_paths": [e.video_path for e in episodes if e.video_path]}
+    overall = {**_summary(episodes), "n_crashed": sum(e.crashed for e in episodes),
+               "n_rerun_after_crash": int(rerun_after_crash),
+               "video_paths": [e.video_path for e in episodes if e.video_path]}
     if eval_s is not None:
         overall["eval_s"] = round(eval_s, 3)
     per_episode = []

@@ -4,7 +4,8 @@ The sweep is the adapter's ``eval_schedule(cfg)`` (LIBERO: trial k of every task
 state k, 50 trials per task in the standard protocol) or, for adapters without fixed init states,
 ``num_trials_per_task`` seeded episodes per task. Episodes run in batches of ``num_envs`` without
 auto-reset; each episode ends at termination or at the time limit. The first ``num_videos`` episodes
-are recorded (every low-level step, with the info overlay).
+are recorded (every low-level step, with the info overlay). An episode whose simulator crashed and was
+replaced (``info["restarted"]``) ends there as a failure and is counted in ``n_crashed``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class Evaluator:
             alive = np.ones(B, bool)
             written: list[Path] = []
             success = np.zeros(B, bool)
+            crashed = np.zeros(B, bool)
             ret = np.zeros(B, np.float64)
             length = np.zeros(B, np.int64)
             for _ in range(T):
@@ -100,6 +102,11 @@ class Evaluator:
                 chunk_reward = np.asarray(reward, np.float64).reshape(B, -1).sum(axis=1)
                 ret += np.where(alive, chunk_reward, 0.0)
                 length += np.where(alive, np.asarray(info["steps"]), 0)
+                # a simulator replaced mid-episode lost that episode: it ends as a failure, as OFT's
+                # run_libero_eval.py counts an episode whose simulator raised
+                lost = alive & np.asarray(info.get("restarted", np.zeros(B, bool)), bool)
+                crashed |= lost
+                alive &= ~lost
                 success |= alive & np.asarray(info["success"], bool)
                 if recorder is not None:
                     written += recorder.on_step(reward, terminated, truncated, info)
@@ -121,7 +128,7 @@ class Evaluator:
                 results.append(EpisodeResult(
                     suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id], init_state_id=init_id,
                     success=bool(success[i]), episode_return=float(ret[i]), length=int(length[i]),
-                    video_path=videos.get(i)))
+                    video_path=videos.get(i), crashed=bool(crashed[i])))
             log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
                      np.mean([r.success for r in results]))
         return build_eval_info(results, eval_s=time.perf_counter() - t_start)
