@@ -3,9 +3,12 @@
 Images follow OFT's LIBERO evaluation (``experiments/robot/openvla_utils.py`` of openvla-oft) and the
 Prismatic image processor of the checkpoint:
 
-1. resize to ``image_size`` when the camera renders another size, rounding back to uint8 levels
-   (OFT: JPEG round trip + TF ``lanczos3`` antialiased resize; torch has no Lanczos kernel, so the
-   antialiased bicubic resize is used - the one deliberate deviation);
+1. when the camera renders another size than ``image_size``: OFT's ``resize_image_for_policy``, the scheme of
+   its RLDS training data - a JPEG round trip at ``tf.image.encode_jpeg``'s default quality (Pillow's
+   libjpeg-turbo, the same codec TensorFlow bundles), then TF's antialiased ``lanczos3`` resize
+   (:func:`tf_lanczos3_resize`, TF's ``scale_and_translate`` kernel re-derived as two weight matrices), then
+   round-half-even and clip to uint8 levels. ``tests/models/test_image_pipeline.py`` holds this to
+   TensorFlow's own output (``scripts/make_image_goldens.py``) within one uint8 level;
 2. optionally the "90 % area" centre crop of models trained with random-crop augmentation: TF
    ``crop_and_resize`` (bilinear, box corners on pixel centres) of the central ``sqrt(0.9)`` square back to
    ``image_size``, then TF's float->uint8 conversion (``x * 255.5`` truncated);
@@ -22,6 +25,8 @@ Llama-2's tokenizer produces, which keeps the tiny preset's sequences realistic 
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 import re
 import zlib
@@ -54,6 +59,11 @@ UINT8_MAX = 255.0
 #: TF ``convert_image_dtype`` float -> uint8 scales by ``max + 0.5`` before truncating
 TF_FLOAT_TO_UINT8_SCALE = UINT8_MAX + 0.5
 PROMPT_CACHE_SIZE = 4096
+#: ``tf.image.encode_jpeg``'s default quality: OFT's resize_image_for_policy and its RLDS builder encode with it
+OFT_JPEG_QUALITY = 95
+LANCZOS3_RADIUS = 3.0
+#: the value of pi in TF's LanczosKernelFunc (a float literal rounded to float32)
+TF_PI = 3.14159265359
 
 
 def _as_uint8_tensor(images) -> torch.Tensor:
@@ -64,11 +74,84 @@ def _as_uint8_tensor(images) -> torch.Tensor:
     return images
 
 
-def resize_uint8_levels(images: torch.Tensor, size: int) -> torch.Tensor:
-    """Antialiased bicubic resize of float images in [0, 255] ``(N, C, h, w)`` -> ``(N, C, size, size)``,
-    rounded and clipped to uint8 levels (kept as float)."""
-    out = F.interpolate(images, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
-    return out.round().clamp(0.0, UINT8_MAX)
+def jpeg_round_trip(images: torch.Tensor, quality: int = OFT_JPEG_QUALITY) -> torch.Tensor:
+    """Encode and decode each uint8 image ``(N, 3, h, w)`` as TensorFlow does; returns uint8 ``(N, 3, h, w)``
+    on the input's device. Runs on the CPU, image by image.
+
+    ``tf.image.encode_jpeg`` writes baseline JPEG with 4:2:0 chroma and the accurate integer DCT, which is
+    what Pillow's encoder writes (same libjpeg-turbo coefficients); ``tf.io.decode_image`` decodes with
+    libjpeg's *fast* integer IDCT (its ``dct_method`` default) and fancy upsampling, which Pillow cannot
+    select, so simplejpeg (libjpeg-turbo with ``fastdct``) decodes. Each choice was checked against TF."""
+    import simplejpeg
+    from PIL import Image
+
+    frames = images.permute(0, 2, 3, 1).contiguous().cpu().numpy()  # (N, h, w, 3)
+    out = np.empty_like(frames)
+    for i, frame in enumerate(frames):
+        buffer = io.BytesIO()
+        Image.fromarray(frame).save(buffer, format="JPEG", quality=quality, subsampling="4:2:0")
+        out[i] = simplejpeg.decode_jpeg(buffer.getvalue(), colorspace="RGB", fastdct=True, fastupsample=False)
+    return torch.from_numpy(out).permute(0, 3, 1, 2).to(images.device)
+
+
+def _lanczos(x: np.ndarray, radius: float) -> np.ndarray:
+    """TF's ``LanczosKernelFunc`` (sampling_kernels.h) in float32, including its ``x <= 1e-3 -> 1`` limit."""
+    x = np.abs(x).astype(np.float32)
+    pi = np.float32(TF_PI)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = (np.float32(radius) * np.sin(pi * x) * np.sin(pi * x / np.float32(radius))
+                 / (pi * pi * x * x)).astype(np.float32)
+    return np.where(x <= 1e-3, np.float32(1.0), np.where(x > radius, np.float32(0.0), value))
+
+
+@functools.lru_cache(maxsize=16)
+def lanczos3_spans(in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TF's antialiased ``lanczos3`` resampling along one axis (``ComputeSpansCore`` of
+    tensorflow/core/kernels/image/scale_and_translate_op.cc), as ``index`` int64 ``(out_size, K)`` and
+    ``weight`` float32 ``(out_size, K)``: output pixel ``x`` is ``sum_k weight[x, k] * input[index[x, k]]``.
+    Output pixel ``x`` samples the input at ``(x + 0.5) / scale``; when shrinking the kernel is stretched by
+    ``1 / scale``; taps are clamped to the image and the weights normalised to sum 1 (padding taps: weight 0)."""
+    scale = np.float32(out_size) / np.float32(in_size)
+    inv_scale = np.float32(1.0) / scale
+    kernel_scale = max(inv_scale, np.float32(1.0))
+    reach = np.float32(LANCZOS3_RADIUS) * kernel_scale
+    K = min(2 * int(np.ceil(reach)) + 1, in_size)
+    index = np.zeros((out_size, K), np.int64)
+    weight = np.zeros((out_size, K), np.float32)
+    for x in range(out_size):
+        sample = (np.float32(x) + np.float32(0.5)) * inv_scale
+        start = min(max(int(np.ceil(sample - reach - np.float32(0.5))), 0), in_size - 1)
+        end = min(max(int(np.floor(sample + reach - np.float32(0.5))), 0), in_size - 1) + 1
+        taps = np.arange(start, end, dtype=np.float32)
+        w = _lanczos((taps + np.float32(0.5) - sample) / kernel_scale, LANCZOS3_RADIUS)
+        index[x, : end - start] = np.arange(start, end)
+        weight[x, : end - start] = w * (np.float32(1.0) / w.sum(dtype=np.float32))
+    return torch.from_numpy(index), torch.from_numpy(weight)
+
+
+@functools.lru_cache(maxsize=16)
+def lanczos3_matrix(in_size: int, out_size: int) -> torch.Tensor:
+    """:func:`lanczos3_spans` as a dense float32 ``(out_size, in_size)`` matrix: at these sizes one BLAS
+    matmul beats gathering the few taps per pixel."""
+    index, weight = lanczos3_spans(in_size, out_size)
+    return torch.zeros(out_size, in_size).scatter_add_(1, index, weight)
+
+
+def tf_lanczos3_resize(images: torch.Tensor, size: int) -> torch.Tensor:
+    """``tf.image.resize(method="lanczos3", antialias=True)`` of float images ``(N, C, h, w)`` ->
+    ``(N, C, size, size)`` (float32, unrounded): rows first, then columns, as TF's kernel does."""
+    _, _, h, w = images.shape
+    rows = lanczos3_matrix(h, size).to(images.device)  # (size, h)
+    cols = lanczos3_matrix(w, size).to(images.device)  # (size, w)
+    x = torch.matmul(rows, images.float())              # (N, C, size, w)
+    return torch.matmul(x, cols.T)                      # (N, C, size, size)
+
+
+def oft_resize(images: torch.Tensor, size: int) -> torch.Tensor:
+    """OFT's ``resize_image_for_policy`` on uint8 ``(N, 3, h, w)``: JPEG round trip, lanczos3 resize,
+    round-half-even, clip. Returns float32 uint8 levels ``(N, 3, size, size)``."""
+    decoded = jpeg_round_trip(images)
+    return torch.round(tf_lanczos3_resize(decoded.float(), size)).clamp(0.0, UINT8_MAX)
 
 
 def tf_center_crop_and_resize(images: torch.Tensor, area: float, size: int) -> torch.Tensor:
@@ -109,20 +192,29 @@ class ImageProcessor:
 
     def __call__(self, images) -> torch.Tensor:
         images = _as_uint8_tensor(images)
+        B, V = images.shape[:2]
+        S = self.image_size
+        x = self.uint8_levels(images) / UINT8_MAX  # (B*V, 3, S, S) in [0, 1]
+        stacked = x.repeat(1, TOWERS, 1, 1)  # (B*V, 6, S, S): DINOv2 channels then SigLIP channels
+        stacked = (stacked - self.means.to(x.device)) / self.stds.to(x.device)
+        return stacked.reshape(B, V * CHANNELS_PER_IMAGE, S, S)
+
+    def uint8_levels(self, images) -> torch.Tensor:
+        """Steps 1-2 of the module docstring: uint8 ``[B, V, 3, h, w]`` -> float32 uint8 levels
+        ``[B*V, 3, S, S]``, the image OFT hands to the Prismatic processor."""
+        images = _as_uint8_tensor(images)
         if images.ndim != 5 or images.shape[2] != RGB_CHANNELS:
             raise ValueError(f"images must be [B, V, 3, h, w] uint8, got shape {tuple(images.shape)}")
         B, V, C, h, w = images.shape
         S = self.image_size
-        x = images.reshape(B * V, C, h, w).to(torch.float32)  # (B*V, 3, h, w) in [0, 255]
         if (h, w) != (S, S):
-            x = resize_uint8_levels(x, S)  # (B*V, 3, S, S)
+            x = oft_resize(images.reshape(B * V, C, h, w), S)   # (B*V, 3, S, S) uint8 levels
+        else:
+            x = images.reshape(B * V, C, h, w).to(torch.float32)  # (B*V, 3, S, S) in [0, 255]
         if self.center_crop:
             x = tf_center_crop_and_resize(x / UINT8_MAX, self.crop_area, S).clamp(0.0, 1.0)
             x = torch.trunc(x * TF_FLOAT_TO_UINT8_SCALE).clamp(0.0, UINT8_MAX)  # (B*V, 3, S, S) uint8 levels
-        x = x / UINT8_MAX
-        stacked = x.repeat(1, TOWERS, 1, 1)  # (B*V, 6, S, S): DINOv2 channels then SigLIP channels
-        stacked = (stacked - self.means.to(x.device)) / self.stds.to(x.device)
-        return stacked.reshape(B, V * CHANNELS_PER_IMAGE, S, S)
+        return x
 
     def to_config(self) -> dict:
         """Prismatic ``preprocessor_config.json`` fields describing this processor."""
