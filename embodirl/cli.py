@@ -23,6 +23,7 @@ COMMANDS = ("train", "eval")
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--experimental-rerun"}
 EXIT_BAD_CONFIG = 2
+EXIT_RUN_FAILED = 1
 
 
 def _split(args: list[str]) -> tuple[list[str], bool]:
@@ -105,10 +106,15 @@ def _run(cfg) -> None:
 
     runtime.set_torch_threads(cfg.runner.torch_threads)
 
+    from embodirl.errors import RunFailed
+
     try:
         run(cfg)
     except (ConfigError, AssetsMissing) as exc:
         _fail(str(exc))
+    except RunFailed as exc:
+        print(f"embodirl: {exc}", file=sys.stderr)
+        sys.exit(EXIT_RUN_FAILED)
     except KeyboardInterrupt:
         # workers are closed by the runner's context managers; checkpoints written so far are kept
         print(f"embodirl: interrupted; completed checkpoints are in {cfg.runner.output_dir}/checkpoints "

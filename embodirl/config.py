@@ -139,7 +139,7 @@ def use_ray(cfg: DictConfig) -> bool:
         return bool(choice)
     return (str(cfg.model.name).startswith(RAY_MODELS) or int(cfg.env_workers.num_workers) > 1
             or int(cfg.rollout.num_workers) > 1 or int(cfg.cluster.num_nodes) > 1
-            or bool(cfg.cluster.get("ray_address")))
+            or int(cfg.actor.get("cpu_world_size", 1) or 1) > 1 or bool(cfg.cluster.get("ray_address")))
 
 
 def data_parallel_size(cfg: DictConfig, placement=None) -> int:
@@ -147,6 +147,10 @@ def data_parallel_size(cfg: DictConfig, placement=None) -> int:
     if placement is not None and placement.accelerator == "gpu":
         return len(placement.devices["actor"])
     return int(cfg.actor.get("cpu_world_size", 1) or 1)
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return ",".join(map(str, ids))
 
 
 def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | None = None,
@@ -203,8 +207,12 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     ray_choice = cfg.cluster.get("use_ray", "auto")
     if not (isinstance(ray_choice, bool) or ray_choice == "auto"):
         _fail("cluster.use_ray", f"{ray_choice!r} is not one of auto, true, false")
+    _positive(cfg, "actor.cpu_world_size")
+    restarts = cfg.runner.get("max_restarts", 0)
+    if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+        _fail("runner.max_restarts", f"must be a non-negative integer, got {restarts!r}")
     if ray_choice is False:
-        for key in ("env_workers.num_workers", "rollout.num_workers", "cluster.num_nodes"):
+        for key in ("env_workers.num_workers", "rollout.num_workers", "cluster.num_nodes", "actor.cpu_world_size"):
             if int(OmegaConf.select(cfg, key)) > 1:
                 _fail("cluster.use_ray", f"false runs every worker in this process, but {key} = "
                                          f"{OmegaConf.select(cfg, key)} needs Ray; set cluster.use_ray=auto or {key}=1")
@@ -216,12 +224,25 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
     placement = parse_placement(spec, num_devices, accelerator or "cpu")
     dp = data_parallel_size(cfg, placement)
+    if placement.accelerator == "cpu" and dp > len(placement.devices["actor"]):
+        _fail("actor.cpu_world_size", f"{dp} learner ranks need {dp} CPU slots but cluster.component_placement gives "
+                                      f"actor {len(placement.devices['actor'])} ({_ids(placement.devices['actor'])}); "
+                                      f"lower actor.cpu_world_size or give actor more slots")
+    if placement.accelerator == "gpu" and int(cfg.actor.get("cpu_world_size", 1) or 1) > 1:
+        _fail("actor.cpu_world_size", f"on GPUs the learner has one rank per device placement gives actor "
+                                      f"({dp}); leave actor.cpu_world_size=1 and set cluster.component_placement")
 
     # --- batch arithmetic -------------------------------------------------------------------------------
     micro, global_bs = int(actor.micro_batch_size), int(actor.global_batch_size)
-    if global_bs % (micro * dp):
-        _fail("actor.global_batch_size", f"{global_bs} is not divisible by actor.micro_batch_size x data-parallel "
-                                         f"size = {micro} x {dp} = {micro * dp}; make it a multiple of {micro * dp}")
+    # each rank takes global/dp rows per optimizer step, in micro-batches of at most micro rows
+    if global_bs % dp:
+        _fail("actor.global_batch_size", f"{global_bs} trajectories do not split evenly over the data-parallel size "
+                                         f"{dp} (learner ranks); make it a multiple of {dp}")
+    per_rank = global_bs // dp
+    if micro < per_rank and per_rank % micro:
+        _fail("actor.global_batch_size", f"the {per_rank} rows each of the {dp} learner rank(s) takes per optimizer "
+                                         f"step are not divisible by actor.micro_batch_size = {micro}; make "
+                                         f"global_batch_size a multiple of {micro * dp}")
     num_envs = int(cfg.env.train.num_envs)
     rollout_batch = num_envs * int(rollout.rollout_epoch)
     G = int(alg.group_size)

@@ -11,3 +11,8 @@ class ConfigError(ValueError):
 
 class AssetsMissing(FileNotFoundError):
     """Data a simulator task needs is not on disk; the message names it and the command that fetches it."""
+
+
+class RunFailed(RuntimeError):
+    """A run cannot go on (a learner rank died and no restart is left); the message is one sentence and
+    says where the last complete checkpoint is. The CLI prints it and exits with status 1."""

@@ -96,9 +96,16 @@ class Learner:
         if self.cfg.full_finetune:
             policy.requires_grad_(True)
         policy.to(self.device)
-        self.use_fsdp = self.cfg.fsdp_enabled is True or (self.cfg.fsdp_enabled == "auto" and self.world_size > 1)
+        low_precision = fsdp.model_dtype(policy) != torch.float32
+        # auto: FSDP2 for several ranks, and for a low-precision model whenever a process group exists
+        # (its mixed-precision policy keeps fp32 master weights and computes in the model's dtype)
+        self.use_fsdp = self.cfg.fsdp_enabled is True or (
+            self.cfg.fsdp_enabled == "auto" and (self.world_size > 1 or (low_precision and fsdp.is_distributed())))
         if self.world_size > 1 and not self.use_fsdp:
             raise ConfigError("actor.fsdp.enabled", f"{self.world_size} learner ranks need FSDP2; set it to auto or true")
+        if self.use_fsdp and not fsdp.is_distributed():
+            raise ConfigError("actor.fsdp.enabled", "FSDP2 needs the actor group's process group; run the learner "
+                                                    "through the actor group or set actor.fsdp.enabled=auto")
         if self.cfg.gradient_checkpointing:
             units = fsdp.shard_units(policy)
             if not fsdp.enable_gradient_checkpointing(units):
@@ -110,10 +117,9 @@ class Learner:
         else:
             if self.cfg.param_dtype is not None or self.cfg.cpu_offload:
                 log.info("single-process learner without FSDP: actor.fsdp.param_dtype/cpu_offload do not apply")
-            low = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad and p.dtype != torch.float32})
-            if low:
-                log.warning("trainable parameters in %s: AdamW updates them in that precision (FSDP keeps fp32 "
-                            "master weights; set actor.fsdp.enabled=true)", ", ".join(low))
+            # fp32 master weights here too: the trainable modules (peft LoRA layers, the value head)
+            # cast their inputs to their own dtype, the frozen base keeps computing in its dtype
+            fsdp.upcast_trainable_(policy)
         self.policy = policy
         self.optimizer = build_optimizer(policy, self.cfg.optim)
         self.version = 0          # policy version: +1 per update() call (the LR decay's clock)
@@ -156,9 +162,15 @@ class Learner:
     def step(self, batch: TensorDict) -> dict[str, torch.Tensor]:
         """prepare -> replay buffer -> update, in one process (the plain in-process path)."""
         prepared, metrics = self.prepare(batch)
+        metrics.update(self.train(prepared))
+        return metrics
+
+    def train(self, prepared: TensorDict) -> dict[str, torch.Tensor]:
+        """This rank's prepared rows -> replay buffer -> update (what an actor rank runs each step)."""
         self.replay.add(prepared, version=self.version)
-        metrics.update(self.update(self.replay.sample(self.version)))
+        metrics = self.update(self.replay.sample(self.version))
         metrics.update(self.replay.stats())
+        metrics["learner/world_size"] = torch.tensor(float(self.world_size))
         return metrics
 
     def update(self, batch: TensorDict) -> dict[str, torch.Tensor]:
@@ -229,6 +241,10 @@ class Learner:
                 state[name] = fsdp.full_tensor(param).to("cpu", copy=True)
         self._changed.clear()
         return self.version, state
+
+    def gather_trainable(self) -> dict[str, torch.Tensor]:
+        """Every trainable tensor, un-sharded, on CPU (collective under FSDP; publication unaffected)."""
+        return {name: fsdp.full_tensor(p).to("cpu", copy=True) for name, p in self._trainable}
 
     def state_dict(self) -> dict:
         """Resumable learner state with full (un-sharded) CPU tensors: ``trainable`` (by parameter
@@ -365,8 +381,9 @@ class Learner:
         KL(behaviour || reference) when reference log-probs are present."""
         valid = batch.get(D.VALID)
         decisions = fsdp.all_reduce_(valid.sum().float().to(self.device)).cpu()
-        metrics = {"learner/decisions": decisions * epochs, "learner/trajectories":
-                   torch.tensor(float(batch.batch_size[0] * self.world_size))}
+        # rows with a valid decision (padding rows that even out the ranks' shards have none)
+        rows = fsdp.all_reduce_(valid.any(-1).sum().float().to(self.device)).cpu()
+        metrics = {"learner/decisions": decisions * epochs, "learner/trajectories": rows}
         if self.cfg.uses_critic:
             sums = fsdp.all_reduce_(losses.explained_variance_sums(
                 batch.get(D.VALUE), batch.get(D.RETURNS), valid).to(self.device)).cpu()

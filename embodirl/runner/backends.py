@@ -86,6 +86,7 @@ class InProcessBackend(_Closing):
     def __init__(self, cfg: DictConfig, *, train: bool = True):
         self.cfg = cfg
         self.envs = []
+        self.actors = None
         self.inference: PolicyInference | None = None
         self.collector: RolloutCollector | None = None
         self.evaluator: Evaluator | None = None
@@ -120,6 +121,21 @@ class InProcessBackend(_Closing):
     @property
     def num_slots(self) -> int:
         return self.collector.num_slots
+
+    def make_actors(self):
+        """The learner: one rank in this process whose module the inference above also uses (no copy,
+        no transfer: a publication only moves the version)."""
+        from embodirl.workers.actor_group import ActorGroup
+
+        self.actors = ActorGroup.local(self.cfg, self.spec, policy=self.policy)
+        return self.actors
+
+    def consumer_nodes(self) -> list:
+        return []
+
+    def receive_weights(self, handle) -> dict[str, float]:
+        self.load_weights({}, int(handle))
+        return {}
 
     def collect(self, starts: EpisodeStarts, *, seed: int, video_dir: str | Path | None = None, step: int = 0):
         self.policy.eval()
@@ -175,6 +191,9 @@ class InProcessBackend(_Closing):
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         try:
+            if self.actors is not None:
+                self.actors.close()
+                self.actors = None
             if self.inference is not None:
                 self.inference.close()
                 self.inference = None
@@ -198,25 +217,54 @@ class RayBackend(_Closing):
         from embodirl.workers.ray_cluster import init_ray, ray_address
 
         self.cfg = cfg
+        self.train = train
         self.stats = RolloutStats()
         self.policy = None
+        self.actors = None
         self._transport_logged = False
         self._owns_ray = not ray.is_initialized() and ray_address(cfg.cluster) is None
         self._eval_cfg = self._eval_env_cfg(cfg)
         init_ray(cfg.cluster)
         try:
             self.groups = WorkerGroups.from_config(self._worker_config(cfg), remote=True, policy_for=self._make_policy,
-                                                   train=train)
+                                                   train=train, weight_source=self._full_weights if train else None)
         except BaseException:
             self._shutdown_ray()
             raise
         self.spec = self.groups.env.spec if train else self.groups.eval_spec()
 
     def _make_policy(self, spec):
-        """The driver's policy; a randomly initialised one also goes to the rollout workers, so that their
-        frozen weights equal the learner's (a checkpoint in ``model.path`` is loaded by every worker)."""
+        """Training: None - the driver holds no weights; rollout workers and actor ranks build the policy
+        with the same seeded initialisation (a checkpoint in ``model.path`` is loaded by each).
+        Evaluation: the driver's policy, which loads a run checkpoint's trained weights and hands them
+        to the rollout workers (a random initialisation goes to them whole)."""
+        if self.train:
+            return None
         self.policy = make_policy(self.cfg.model, spec)
         return None if self.cfg.model.get("path") else self.policy
+
+    def make_actors(self):
+        """The learner's ranks as Ray actors on the placement's ``actor`` devices."""
+        from embodirl.workers.actor_group import ActorGroup
+
+        self.actors = ActorGroup.remote_group(self.cfg, self.spec, placement=self.groups._placement,
+                                              process_vars=self.groups._process_vars)
+        return self.actors
+
+    def consumer_nodes(self) -> list:
+        return self.groups.rollout.consumer_nodes()
+
+    def _full_weights(self):
+        """A restarted rollout worker's weights: a full publication of the actor group's rank 0."""
+        return self.actors.full_update(consumer_nodes=self.consumer_nodes())
+
+    def receive_weights(self, handle) -> dict[str, float]:
+        """Every rollout worker applies rank 0's publication; metrics say how it travelled."""
+        self.groups.receive_weights(handle)
+        paths = self.groups.rollout.sync_paths
+        return {"sync/shm_workers": float(paths.get("shm", 0)),
+                "sync/object_store_workers": float(paths.get("object_store", 0)),
+                "sync/cuda_ipc_workers": float(paths.get("cuda_ipc", 0)), "sync/bytes": float(handle.nbytes)}
 
     @staticmethod
     def _eval_env_cfg(cfg: DictConfig) -> dict:
@@ -250,6 +298,8 @@ class RayBackend(_Closing):
         stats.decisions = sum(s.decisions for s in per_worker)
         stats.restarts = sum(s.restarts for s in per_worker)
         stats.recollected_rows = sum(s.recollected_rows for s in per_worker)
+        stats.shm_batches = sum(s.shm_batches for s in per_worker)
+        stats.object_store_batches = sum(s.object_store_batches for s in per_worker)
         self.stats = stats
         if not self._transport_logged:
             self._transport_logged = True
@@ -300,6 +350,9 @@ class RayBackend(_Closing):
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         try:
+            if self.actors is not None:
+                self.actors.close(kill=wait_s < CLOSE_WAIT_S)
+                self.actors = None
             groups = getattr(self, "groups", None)
             if groups is not None:
                 groups.close(wait_s)

@@ -34,7 +34,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from embodirl import data as D
-from embodirl.learner.learner import Learner
+from embodirl.algorithms.kl import KLController
+from embodirl.errors import ConfigError, RunFailed
+from embodirl.learner.learner import prepare_batch
 from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import plan_starts
 from embodirl.runner import checkpoint as ckpt
@@ -89,6 +91,7 @@ class Runner:
         self._t_start = time.perf_counter()
         self._elapsed_offset = 0.0
         self._curve: list[tuple[int, float, float]] = []
+        self._restart_source: Path | None = None
 
     # --- shared pieces -------------------------------------------------------------------------------
     def _write_config(self) -> None:
@@ -130,9 +133,24 @@ class Runner:
     # --- training -------------------------------------------------------------------------------------------
     def _resume_source(self) -> Path | None:
         """The checkpoint this run starts from, by ``runner.resume_dir`` / ``runner.resume_mode``
-        (:func:`~embodirl.runner.checkpoint.resume_source`)."""
+        (:func:`~embodirl.runner.checkpoint.resume_source`), or after a restart the latest one."""
+        if self._restart_source is not None:
+            return self._restart_source
         r = self.cfg.runner
         return ckpt.resume_source(r.resume_dir, r.resume_mode, self.out)
+
+    def _write_placement(self, backend, actors) -> None:
+        """``placement.json``: where every worker landed (component, rank, pid, Ray node)."""
+        groups = getattr(backend, "groups", None)
+        where = {"actor": [{k: info.get(k) for k in ("rank", "pid", "node_id", "device", "fsdp")}
+                           for info in actors.infos]}
+        if groups is not None:
+            where["rollout"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id")}
+                                for i, info in enumerate(groups.rollout.infos)]
+            if groups.env is not None:
+                where["env"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id")}
+                                for i, info in enumerate(groups.env.infos)]
+        (self.out / "placement.json").write_text(json.dumps(where, indent=1))
 
     @staticmethod
     def _load_policy_weights(policy, source: Path) -> None:
@@ -147,43 +165,69 @@ class Runner:
                     f"run's model options, see {written})" if written.is_file() else "")
             raise ConfigError("runner.resume_dir", f"{str(exc).rstrip('.')}{hint}") from None
 
-    @classmethod
-    def _load_learner_state(cls, learner: Learner, source: Path) -> None:
-        """Restore the learner from checkpoint ``source``: trained weights, then optimizer, schedule,
-        replay buffer and counters."""
-        cls._load_policy_weights(learner.policy, source)
-        state = ckpt.load_train_state(source / ckpt.LEARNER)
-        learner.load_state_dict({**state, "trainable": learner.policy.trainable_state_dict()})
+    @staticmethod
+    def _load_actor_state(actors, source: Path) -> None:
+        """Restore every learner rank from checkpoint ``source`` (trained weights, optimizer, schedule,
+        replay buffer, counters); a checkpoint of another model is one sentence naming it."""
+        try:
+            actors.load(source.resolve())
+        except Exception as exc:  # noqa: BLE001 - remote errors arrive wrapped; the first line says what
+            written = source / ckpt.CONFIG / "config.yaml"
+            hint = (f" (the checkpoint was written with model.name={OmegaConf.load(written).model.name}; use that "
+                    f"run's model options, see {written})" if written.is_file() else "")
+            message = _last_line(exc)
+            raise ConfigError("runner.resume_dir", f"cannot resume from {source}: {message}{hint}") from None
 
     def run_train(self) -> None:
+        """Train; with ``runner.max_restarts > 0`` a learner rank that dies rebuilds every worker group
+        and the run goes on from its last complete checkpoint."""
+        from embodirl.workers.actor_group import ActorRankDied
+
         self._write_config()
-        seed_everything(self.seed)
-        with open_backend(self.cfg) as backend:
-            self._train(backend)
+        restarts = int(self.cfg.runner.get("max_restarts", 0) or 0)
+        for attempt in range(restarts + 1):
+            seed_everything(self.seed)
+            try:
+                with open_backend(self.cfg) as backend:
+                    self._train(backend)
+                return
+            except ActorRankDied as exc:
+                latest = ckpt.latest_checkpoint(self.out)
+                where = (f"the last complete checkpoint is {latest}" if latest is not None
+                         else "no checkpoint was written yet")
+                if attempt == restarts:
+                    hint = "" if restarts else "; set runner.max_restarts=1 to rebuild the workers and go on from it"
+                    raise RunFailed(f"{exc}; {where}{hint}") from None
+                print(f"embodirl: {exc}; restarting ({attempt + 1} of {restarts}) from "
+                      f"{latest if latest is not None else 'the start'}", flush=True)
+                self._restart_source = latest if latest is not None else self._resume_source()
 
     def _train(self, backend) -> None:
         cfg, r = self.cfg, self.cfg.runner
-        spec, policy = backend.spec, backend.policy
-        learner = Learner(policy, {"algorithm": cfg.algorithm, "actor": cfg.actor}, task_table=spec.task_descriptions,
-                          temperature=float(cfg.rollout.temperature))
+        spec = backend.spec
+        actors = backend.make_actors()
         starts_rng = np.random.default_rng(self.seed)
         start_step, env_steps = 0, 0.0
+        kl_coef = KLController.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True)).value
         source = self._resume_source()
         if source is not None:
             start_step = ckpt.checkpoint_step(source)
-            self._load_learner_state(learner, source)
+            self._load_actor_state(actors, source)
             runner_state = json.loads((source / "runner" / "state.json").read_text())
             starts_rng.bit_generator.state = runner_state["starts_rng"]
             env_steps = float(runner_state.get("env_steps", 0.0))
             self._elapsed_offset = float(runner_state.get("elapsed_min", 0.0))
+            kl_coef = float(runner_state.get("kl_coef", kl_coef))
             ckpt.load_rng(source / "runner")
             backend.set_rng_states(ckpt.load_worker_rng(source / "runner"))
             log.info("resumed from %s (step %d)", source, start_step)
         # the acting policy starts from the learner's weights and version (restored ones after a resume)
-        version, tensors = learner.publish_weights(full=True)
-        backend.load_weights(tensors, version)
+        backend.receive_weights(actors.publish(full=True, consumer_nodes=backend.consumer_nodes()))
+        self._write_placement(backend, actors)
         logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
-        H = policy.action_chunk
+        H = int(cfg.model.action_chunk)
+        kl_active = float(cfg.algorithm.kl_beta) > 0
+        offload = bool(cfg.actor.get("enable_offload", False))
         max_steps = int(r.max_steps)
         if r.max_epochs is not None:
             max_steps = min(max_steps, int(r.max_epochs))
@@ -205,17 +249,27 @@ class Runner:
                 timings["time/channel_wait"] = stats.wait_s
                 metrics = rollout_metrics(batch, H, timings["time/collect"])
                 metrics["train/dropped_episodes"] = float(stats.recollected_rows)
-                # advantages + update
+                metrics["transport/shm_batches"] = float(stats.shm_batches)
+                metrics["transport/object_store_batches"] = float(stats.object_store_batches)
+                # advantages (driver side, on the whole batch) + update (every rank on its shard)
                 t1 = time.perf_counter()
-                update_metrics = learner.step(batch)
+                if kl_active and D.LOGPROB_REF not in batch.keys():
+                    batch = actors.with_ref_logprob(batch)
+                prepared, prepare_metrics = prepare_batch(batch, cfg.algorithm, kl_coef=kl_coef)
+                timings["time/advantages"] = time.perf_counter() - t1
+                update_metrics = actors.train(prepared)
+                kl_coef = float(update_metrics.get("actor/kl_coef", kl_coef))
                 timings["time/update"] = time.perf_counter() - t1
-                # sync weights: the tensors this update changed go to the acting policy
+                # sync weights: the tensors this update changed go from rank 0 to the acting policy
                 t2 = time.perf_counter()
-                version, tensors = learner.publish_weights()
-                backend.sync_weights(tensors, version)
+                sync_metrics = backend.receive_weights(actors.publish(consumer_nodes=backend.consumer_nodes()))
+                if offload:   # collocated: the actor's state waits in host memory while the rollout runs
+                    actors.offload()
                 timings["time/sync_weights"] = time.perf_counter() - t2
                 timings["time/step"] = time.perf_counter() - t0
-                metrics.update({k: float(v) for k, v in update_metrics.items()})
+                metrics.update({k: float(v) for k, v in prepare_metrics.items()})
+                metrics.update(update_metrics)
+                metrics.update(sync_metrics)
                 metrics.update(timings)
                 env_steps += metrics["train/episode_length"] * metrics["train/episodes"]
                 metrics["env/total_steps"] = env_steps
@@ -226,7 +280,7 @@ class Runner:
                 if r.val_check_interval and step % int(r.val_check_interval) == 0:
                     self._log_eval(logger, backend, step)
                 if r.save_interval and (step % int(r.save_interval) == 0 or step == max_steps):
-                    self._save(step, learner, starts_rng, env_steps, backend=backend)
+                    self._save(step, actors, starts_rng, env_steps, backend=backend, kl_coef=kl_coef)
         finally:
             if progress is not None:
                 progress.close()
@@ -244,7 +298,7 @@ class Runner:
             starts = plan_starts(env_cfg, backend.spec, backend.num_slots, int(cfg.algorithm.group_size), starts_rng)
             batches.append(backend.collect(starts, seed=self.seed + 1_000_003 * step + 7_919 * epoch,
                                            video_dir=video_dir if epoch == 0 else None, step=step))
-            for key in ("env_s", "infer_s", "wait_s", "recollected_rows"):
+            for key in ("env_s", "infer_s", "wait_s", "recollected_rows", "shm_batches", "object_store_batches"):
                 setattr(stats, key, getattr(stats, key) + getattr(backend.stats, key))
         return (D.concat(batches) if len(batches) > 1 else batches[0]), stats
 
@@ -266,22 +320,23 @@ class Runner:
         """Minutes of this run (across resumes) since the runner started."""
         return self._elapsed_offset + (time.perf_counter() - self._t_start) / 60.0
 
-    def _save(self, step: int, learner: Learner, starts_rng: np.random.Generator, env_steps: float = 0.0, *,
-              backend=None) -> Path:
-        """Checkpoint ``step_<step>`` in the layout of :mod:`embodirl.runner.checkpoint` (``backend``:
-        where remote rollout workers' RNG states come from)."""
-        state = learner.state_dict()
+    def _save(self, step: int, actors, starts_rng: np.random.Generator, env_steps: float = 0.0, *,
+              backend=None, kl_coef: float = 0.0) -> Path:
+        """Checkpoint ``step_<step>`` in the layout of :mod:`embodirl.runner.checkpoint`: the learner
+        ranks write their shards and rank 0 the policy export (``backend``: where remote rollout workers'
+        RNG states come from)."""
         worker_rng = None if backend is None else backend.rng_states()
 
         def write_policy(folder: Path) -> None:
-            learner.policy.save_trainable(folder, state["trainable"])
+            """Written with the learner state below (one call to the ranks)."""
 
         def write_learner(folder: Path) -> None:
-            ckpt.save_train_state(folder, state)
+            actors.save(folder.resolve(), (folder.parent / ckpt.POLICY).resolve())
 
         def write_runner(folder: Path) -> None:
             (folder / "state.json").write_text(json.dumps({"step": step, "starts_rng": starts_rng.bit_generator.state,
-                                                           "env_steps": env_steps, "elapsed_min": self._elapsed_min()}))
+                                                           "env_steps": env_steps, "elapsed_min": self._elapsed_min(),
+                                                           "kl_coef": kl_coef}))
             ckpt.save_rng(folder)
             ckpt.save_worker_rng(folder, worker_rng)
 
@@ -292,6 +347,12 @@ class Runner:
                                                      ckpt.RUNNER: write_runner, ckpt.CONFIG: write_config})
         log.info("checkpoint: %s", path)
         return path
+
+
+def _last_line(exc: BaseException) -> str:
+    """The message of an exception, also when Ray wrapped it (its last non-empty line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__).rstrip(".")
 
 
 def run(cfg: DictConfig):

@@ -112,7 +112,7 @@ class RolloutWorkerGroup:
 
     def __init__(self, model_cfg: Mapping, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
                  remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
-                 seed: int | None = None):
+                 seed: int | None = None, init_seed: int | None = None, weight_source=None):
         self.model_cfg = to_plain(model_cfg)
         self.env_spec = env_spec
         self.backend = backend
@@ -122,15 +122,20 @@ class RolloutWorkerGroup:
         self.process_vars = dict(process_vars or {})
         self._policy = policy            # an existing policy object instead of building one (pickled to actors)
         self.seed = seed                 # remote workers: worker r (restart g) samples from seed + r + R*g
+        self.init_seed = init_seed       # seeded policy initialisation (the actor ranks use the same)
         self.publisher: WeightPublisher | None = None
+        #: where a restarted worker's weights come from when an actor group publishes: a callable
+        #: returning a full WeightHandle (None: the driver-side publisher below)
+        self.weight_source = weight_source
+        self.sync_paths: dict[str, int] = {}   # how the last publication reached the workers
         self.generation = [0] * num_workers   # bumped at every restart of worker r
         self.workers = []
         try:
             for r in range(num_workers):
                 self.workers.append(self._create(r, weights=None))
             self.infos = self._call_all("info")       # remote: also waits until every worker is built
-            # what a restarted worker loads when nothing was published yet: worker 0's start weights
-            self.publisher = WeightPublisher(self._call(0, "trainable_state_dict"))
+            if weight_source is None:
+                self._driver_publisher()
         except BaseException:
             self.close()
             raise
@@ -138,9 +143,15 @@ class RolloutWorkerGroup:
     def __len__(self) -> int:
         return len(self.workers)
 
+    def _driver_publisher(self) -> WeightPublisher:
+        if self.publisher is None:
+            # what a restarted worker loads when nothing was published yet: worker 0's start weights
+            self.publisher = WeightPublisher(self._call(0, "trainable_state_dict"))
+        return self.publisher
+
     def _create(self, r: int, weights):
         kwargs = dict(backend=self.backend, sampling=self.sampling, weights=weights, process_vars=self.process_vars,
-                      policy=self._policy)
+                      policy=self._policy, init_seed=self.init_seed)
         if not self.remote:
             return RolloutWorker(self.model_cfg, self.env_spec, **kwargs)
         if self.seed is not None:
@@ -173,12 +184,28 @@ class RolloutWorkerGroup:
     # --- weights -----------------------------------------------------------------------------------
     def sync_weights(self, tensors: Mapping, version: int | None = None) -> int:
         """Publish the learner's changed trainable tensors; every worker holds them on return."""
-        return self._send(self.publisher.publish(tensors, version))
+        return self._send(self._driver_publisher().publish(tensors, version))
 
     def load_weights(self, tensors: Mapping, version: int) -> int:
         """Replace every trainable tensor by ``tensors`` at ``version`` (a full update): the learner's
         start or resumed weights, or a checkpoint's for evaluation."""
-        return self._send(self.publisher.reset(tensors, version))
+        return self._send(self._driver_publisher().reset(tensors, version))
+
+    def receive_weights(self, handle) -> int:
+        """Every worker applies the actor group's publication ``handle`` (it reads the tensors itself:
+        shared memory on rank 0's node, the object store elsewhere); returns the version."""
+        answers = self._call_all("receive_weights", handle)
+        versions = [v for v, _ in answers]
+        if any(v != handle.version for v in versions):
+            raise RuntimeError(f"rollout workers hold weight versions {versions} after publishing v{handle.version}")
+        self.sync_paths = {}
+        for _, path in answers:
+            self.sync_paths[path] = self.sync_paths.get(path, 0) + 1
+        self._version = handle.version
+        return handle.version
+
+    def consumer_nodes(self) -> list:
+        return sorted({info.get("node_id") for info in self.infos}, key=str)
 
     def _send(self, update) -> int:
         if self.remote:
@@ -194,7 +221,9 @@ class RolloutWorkerGroup:
 
     @property
     def version(self) -> int:
-        return self.publisher.version
+        if self.weight_source is not None:
+            return getattr(self, "_version", 0)
+        return self._driver_publisher().version
 
     def weight_versions(self) -> list[int]:
         return self._call_all("weight_version")
@@ -229,14 +258,17 @@ class RolloutWorkerGroup:
             except Exception:  # noqa: BLE001 - already dead
                 pass
         log.warning("rollout worker %d died%s; restarting it with weights v%d", r, f" ({cause})" if cause else "",
-                    self.publisher.version)
+                    self.version)
         self.generation[r] += 1
-        self.workers[r] = self._create(r, weights=self.publisher.full_update())
+        from_actors = self.weight_source is not None
+        self.workers[r] = self._create(r, weights=None if from_actors else self._driver_publisher().full_update())
         if self.remote:
             import ray
 
             ray.get(self.workers[r].ready.remote())
         self.infos[r] = self._call(r, "info")
+        if from_actors:
+            self._call(r, "receive_weights", self.weight_source())
 
     def forget_channels(self, prefix: str) -> None:
         self._call_all("forget_channels", prefix)
@@ -473,13 +505,16 @@ class WorkerGroups:
 
     @classmethod
     def from_config(cls, cfg: DictConfig, *, remote: bool = True, policy=None, policy_for=None,
-                    use_placement_groups: bool = True, train: bool = True) -> WorkerGroups:
+                    use_placement_groups: bool = True, train: bool = True, weight_source=None) -> WorkerGroups:
         """Build the training env workers and the rollout workers from a composed config (placement:
         ``cluster.component_placement``; Ray: :func:`~embodirl.workers.ray_cluster.init_ray`).
         ``remote=False`` runs every worker in this process. The rollout workers build their policy from
         ``model`` unless given one: ``policy`` (an existing policy object), or ``policy_for(env_spec)``
         called once the env spec is known (returning a policy object, or None to build from ``model``).
-        ``train=False`` builds the evaluation env workers instead of the training ones (evaluation only)."""
+        ``train=False`` builds the evaluation env workers instead of the training ones (evaluation only).
+        ``weight_source``: a callable giving the actor group's full publication (a
+        :class:`~embodirl.workers.weight_transfer.WeightHandle`) for restarted rollout workers; the
+        driver then keeps no copy of the weights."""
         layout = layout_from_config(cfg, "env.train")
         eval_layout = layout_from_config(cfg, "env.eval")
         placement = process_vars = None
@@ -511,7 +546,8 @@ class WorkerGroups:
                                                sampling=sampling_from_config(rollout_cfg, cfg.runner.eval_greedy),
                                                remote=remote,
                                                placement=placement, process_vars=process_vars, policy=policy,
-                                               seed=int(cfg.runner.seed))
+                                               seed=int(cfg.runner.seed), init_seed=int(cfg.runner.seed),
+                                               weight_source=weight_source)
             for group in (env_group, eval_group):
                 if group is not None:
                     group.attach(rollout_group)
@@ -570,6 +606,10 @@ class WorkerGroups:
     def sync_weights(self, tensors: Mapping, version: int | None = None) -> int:
         """Publish the learner's changed trainable tensors to every rollout worker; returns the version."""
         return self.rollout.sync_weights(tensors, version)
+
+    def receive_weights(self, handle) -> int:
+        """Every rollout worker applies the actor group's publication ``handle``."""
+        return self.rollout.receive_weights(handle)
 
     def load_weights(self, tensors: Mapping, version: int) -> int:
         """Give every rollout worker all trainable tensors at ``version`` (start, resume, evaluation of

@@ -68,13 +68,20 @@ class RolloutWorker:
             as is (the backend puts it in eval mode on its device), through Ray it arrives as a copy.
         seed: seeds this process's generators (action sampling) when given; leave it None in-process,
             where the generators are the driver's.
+        init_seed: build the policy with this seeded initialisation (as the actor ranks do) when no
+            ``policy`` is given.
     """
 
     def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, backend: str = "huggingface",
                  sampling: Mapping[str, SamplingParams] | None = None, weights: WeightUpdate | None = None,
                  device: str | None = None, process_vars: Mapping[str, str] | None = None, policy=None,
-                 seed: int | None = None):
+                 seed: int | None = None, init_seed: int | None = None):
         process_env.adopt(process_vars)
+        if policy is None and init_seed is not None:
+            # the actor ranks build the same seeded initialisation: a random frozen base needs no transfer
+            from embodirl.workers.actor_worker import build_policy
+
+            policy = build_policy(model_cfg, env_spec, init_seed)
         if seed is not None:
             import torch
 
@@ -125,6 +132,16 @@ class RolloutWorker:
         if applied:
             log.debug("rollout worker %d now holds weights v%d", os.getpid(), self.receiver.version)
         return self.receiver.version
+
+    def receive_weights(self, handle) -> tuple[int, str]:
+        """Apply a publication of the actor group (:class:`~embodirl.workers.weight_transfer.WeightHandle`),
+        read through shared memory on rank 0's node, Ray's object store elsewhere, or CUDA IPC on rank
+        0's GPU; returns the version now held and the path taken."""
+        from embodirl.workers.weight_transfer import receive
+
+        device = getattr(getattr(self.backend, "device", None), "type", None) and self.backend.device
+        update, path = receive(handle, node_id=process_env.describe()["node_id"], device=device)
+        return self.update_weights(update), path
 
     def weight_version(self) -> int:
         return self.receiver.version

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
-from embodirl.learner.learner import Learner
+from embodirl.workers.actor_group import ActorGroup
 from embodirl.models.registry import make_policy
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.loop import Runner
@@ -94,10 +94,10 @@ def oft_cfg(tmp_path_factory):
                     "actor.micro_batch_size=2", f"runner.output_dir={out}"])
 
 
-def oft_learner(cfg, seed):
+def oft_actors(cfg, seed):
+    """One in-process learner rank (what the runner checkpoints) with a policy of its own random init."""
     torch.manual_seed(seed)
-    policy = make_policy(cfg.model, SPEC)
-    return Learner(policy, {"algorithm": cfg.algorithm, "actor": cfg.actor}, task_table=SPEC.task_descriptions)
+    return ActorGroup.local(cfg, SPEC, policy=make_policy(cfg.model, SPEC))
 
 
 def take_optimizer_steps(learner, steps=2):
@@ -118,9 +118,10 @@ def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_learner(oft_cfg, tmp
     from embodirl.models.openvla_oft.lora import peft_parameter_names
     from embodirl.models.openvla_oft.modeling import build_model
 
-    trained = oft_learner(oft_cfg, seed=0)
+    trained_actors = oft_actors(oft_cfg, seed=0)
+    trained = trained_actors.workers[0].learner
     take_optimizer_steps(trained)
-    path = Runner(oft_cfg)._save(3, trained, np.random.default_rng(0))
+    path = Runner(oft_cfg)._save(3, trained_actors, np.random.default_rng(0))
     folder = path / ckpt.POLICY
     assert {"adapter_config.json", "adapter_model.safetensors", "trainable.safetensors"} <= {
         p.name for p in folder.iterdir()}
@@ -150,10 +151,11 @@ def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_learner(oft_cfg, tmp
     assert_same(policy.trainable_state_dict(), live)
 
     # a resumed learner: weights, optimizer moments, schedule, counters
-    fresh = oft_learner(oft_cfg, seed=1)
+    fresh_actors = oft_actors(oft_cfg, seed=1)
+    fresh = fresh_actors.workers[0].learner
     first = min(adapter_names)
     assert not torch.equal(fresh.policy.trainable_state_dict()[first], live[first])
-    Runner._load_learner_state(fresh, path)
+    Runner._load_actor_state(fresh_actors, path)
     assert_same(fresh.policy.trainable_state_dict(), live)
     a, b = trained.state_dict(), fresh.state_dict()
     assert (a["version"], a["optimizer_steps"], a["scheduler"]) == (b["version"], b["optimizer_steps"], b["scheduler"])
@@ -173,10 +175,10 @@ def test_state_policy_checkpoint_is_safetensors_and_a_mismatch_is_one_sentence(t
     spec = EnvSpec(action_dim=7, max_episode_steps=24, task_descriptions=["reach"], camera_names=[],
                    image_size=(64, 64), state_dim=4, name="toy_reach")
     torch.manual_seed(0)
-    learner = Learner(make_policy(cfg.model, spec), {"algorithm": cfg.algorithm, "actor": cfg.actor},
-                      task_table=spec.task_descriptions)
+    actors = ActorGroup.local(cfg, spec, policy=make_policy(cfg.model, spec))
+    learner = actors.workers[0].learner
     take_optimizer_steps(learner, steps=1)
-    path = Runner(cfg)._save(1, learner, np.random.default_rng(0))
+    path = Runner(cfg)._save(1, actors, np.random.default_rng(0))
     assert sorted(p.name for p in (path / ckpt.POLICY).iterdir()) == ["trainable.safetensors"]
     assert_same(load_file(str(path / ckpt.POLICY / "trainable.safetensors")), learner.policy.trainable_state_dict())
     torch.manual_seed(1)

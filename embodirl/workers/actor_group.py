@@ -1,0 +1,202 @@
+"""The learner as a group of N ranks: one :class:`~embodirl.workers.actor_worker.ActorWorker` each.
+
+::
+
+    actors = ActorGroup.from_config(cfg, spec, remote=True, placement=(plan, groups), process_vars=...)
+    version = actors.load(checkpoint)                         # resume (any number of ranks wrote it)
+    handle = actors.publish(full=True, consumers=...)         # rank 0 posts; the driver forwards the handle
+    prepared = prepare_batch(actors.with_ref_logprob(batch))  # driver side: pure math on the whole batch
+    metrics = actors.train(prepared)                          # each rank its shard of whole groups
+    actors.save(learner_dir, policy_dir)                      # sharded learner state + public export
+
+``remote=False`` holds one rank in this process (the default CPU job: no Ray, and the driver's
+inference shares the rank's module). ``remote=True`` starts N Ray actors - N = the accelerators
+``cluster.component_placement`` gives ``actor``, or ``actor.cpu_world_size`` on a machine without
+GPUs - pinned to their placement-group bundles; rank 0 finds an address and a free port on its node
+and every rank joins the process group there (gloo on CPU, NCCL on GPU).
+
+Faults: every call waits on all ranks; a rank that dies ends the call with :class:`ActorRankDied`
+(one sentence naming the rank, its process and node) after the surviving ranks, which would wait in a
+collective for the dead one, are killed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+from omegaconf import DictConfig
+
+from embodirl import data as D
+from embodirl.config import data_parallel_size, to_plain
+from embodirl.learner import sharding
+from embodirl.workers.actor_worker import ActorWorker
+from embodirl.workers.transport import pack_trajectory
+
+log = logging.getLogger(__name__)
+
+
+class ActorRankDied(RuntimeError):
+    """A learner rank's process died during a call (the message is one sentence)."""
+
+
+class ActorGroup:
+    def __init__(self, workers: list, *, remote: bool, infos: list[dict]):
+        self.workers = workers
+        self.remote = remote
+        self.infos = infos
+        self.world_size = len(workers)
+
+    # --- construction -------------------------------------------------------------------------------
+    @classmethod
+    def local(cls, cfg: DictConfig | Mapping, spec, *, policy=None) -> ActorGroup:
+        """One rank in this process (no process group); ``policy``: a module shared with inference."""
+        worker = ActorWorker(to_plain(cfg), spec, policy=policy)
+        info = worker.setup()
+        return cls([worker], remote=False, infos=[info])
+
+    @classmethod
+    def remote_group(cls, cfg: DictConfig, spec, *, placement=None, process_vars: Mapping[str, str] | None = None
+                     ) -> ActorGroup:
+        """N Ray actors (see module docstring)."""
+        import ray
+
+        plain = to_plain(cfg)
+        N = data_parallel_size(cfg, _placement(cfg))
+        workers = []
+        for r in range(N):
+            options = {"max_restarts": 0, "max_concurrency": 1}
+            if placement is not None:
+                from embodirl.workers.placement_groups import actor_options
+
+                plan, groups = placement
+                options.update(actor_options(plan, groups, "actor", r))
+            workers.append(ray.remote(ActorWorker).options(**options).remote(
+                plain, spec, rank=r, world_size=N, process_vars=dict(process_vars or {})))
+        group = cls(workers, remote=True, infos=[{} for _ in workers])
+        try:
+            address, port = group._gather([workers[0].rendezvous.remote()], "rendezvous")[0]
+            group.infos = group._gather([w.setup.remote(address, port) for w in workers], "setup")
+        except BaseException:
+            group.close()
+            raise
+        log.info("actor group: %d rank(s), process group at %s:%d, fsdp=%s", N, address, port, group.infos[0]["fsdp"])
+        return group
+
+    # --- calls ---------------------------------------------------------------------------------------
+    def _call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
+        args = per_rank_args or [()] * self.world_size
+        if not self.remote:
+            return [getattr(w, method)(*a, **kwargs) for w, a in zip(self.workers, args)]
+        return self._gather([getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, args)], method)
+
+    def _gather(self, refs: list, what: str) -> list:
+        """Results of one call per rank; a dead rank ends it with :class:`ActorRankDied`."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        pending = {ref: r for r, ref in enumerate(refs)}
+        results: list = [None] * len(refs)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            r = pending.pop(ready[0])
+            try:
+                results[r] = ray.get(ready[0])
+            except RayActorError as exc:
+                info = self.infos[r] if r < len(self.infos) else {}
+                where = f" (pid {info['pid']} on node {str(info.get('node_id'))[:12]})" if info.get("pid") else ""
+                self.close(kill=True)
+                raise ActorRankDied(f"actor rank {r}{where} died during {what}: "
+                                    f"{str(exc).splitlines()[0][:160]}") from None
+        return results
+
+    def _shards(self, batch) -> tuple[list, list[torch.Tensor]]:
+        shards, indices = sharding.shard(batch, self.world_size)
+        if self.remote:
+            import ray
+
+            shards = [ray.put(pack_trajectory(s)) for s in shards]   # one object per rank, not via the call
+        return shards, indices
+
+    # --- a training step -----------------------------------------------------------------------------
+    def with_ref_logprob(self, batch):
+        """``batch`` with ``logprob_ref`` computed by the ranks (reference policy: adapter disabled)."""
+        shards, indices = self._shards(batch)
+        parts = self._call_all("ref_logprob", [(s,) for s in shards])
+        out = batch.copy()
+        out.set(D.LOGPROB_REF, sharding.unshard([torch.as_tensor(p) for p in parts], indices, batch.batch_size[0]))
+        return out
+
+    def train(self, prepared) -> dict[str, float]:
+        """Update on the prepared batch, each rank on its shard; the metrics (already reduced over
+        ranks inside the learner) of rank 0."""
+        shards, _ = self._shards(prepared)
+        return self._call_all("train", [(s,) for s in shards])[0]
+
+    def publish(self, *, full: bool = False, consumer_nodes=(), consumer_gpus=()):
+        """Gather the changed trainable tensors and post them from rank 0: its handle. In-process the
+        rollout side shares the module, so only the version moves (an int)."""
+        if not self.remote:
+            version, _ = self.workers[0].learner.publish_weights(full=full)
+            return version
+        return self._call_all("publish", full=full, consumer_nodes=list(consumer_nodes),
+                              consumer_gpus=list(consumer_gpus))[0]
+
+    def full_update(self, *, consumer_nodes=(), consumer_gpus=()):
+        """Every trainable tensor at the current version, posted by rank 0 (restarted rollout workers)."""
+        return self._gather([self.workers[0].full_update.remote(consumer_nodes=list(consumer_nodes),
+                                                                consumer_gpus=list(consumer_gpus))], "full_update")[0]
+
+    # --- state --------------------------------------------------------------------------------------
+    def save(self, learner_dir, policy_dir) -> None:
+        self._call_all("save", [(str(learner_dir), str(policy_dir))] * self.world_size)
+
+    def load(self, checkpoint_dir) -> int:
+        return self._call_all("load", [(str(checkpoint_dir),)] * self.world_size)[0]
+
+    def offload(self) -> None:
+        self._call_all("offload")
+
+    def onload(self) -> None:
+        self._call_all("onload")
+
+    def memory(self) -> list[dict]:
+        return self._call_all("memory")
+
+    @property
+    def policy(self):
+        """The in-process rank's policy (``remote=False`` only)."""
+        if self.remote:
+            raise RuntimeError("the policy of a remote actor group lives in its ranks")
+        return self.workers[0].policy
+
+    def close(self, *, kill: bool = False) -> None:
+        workers, self.workers = self.workers, []
+        if not self.remote:
+            for w in workers:
+                w.close()
+            return
+        import ray
+
+        if not kill:
+            try:
+                ray.get([w.close.remote() for w in workers], timeout=30)
+            except Exception as exc:  # noqa: BLE001 - dead ranks cannot close
+                log.debug("closing actor ranks: %s", exc)
+        for w in workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - already dead
+                log.debug("killing actor rank: %s", exc)
+
+
+def _placement(cfg: DictConfig):
+    from omegaconf import OmegaConf
+
+    from embodirl.placement import detect_devices, parse_placement
+
+    num_devices, accelerator = detect_devices(int(cfg.cluster.num_nodes), cfg.cluster.get("num_gpus_per_node"))
+    spec = cfg.cluster.component_placement
+    spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
+    return parse_placement(spec, num_devices, accelerator)

@@ -1,0 +1,238 @@
+"""One learner rank: the trainable policy under FSDP2, its optimizer, and weight publication.
+
+A plain class (driven in-process by the CPU default job and tests) that
+:class:`~embodirl.workers.actor_group.ActorGroup` wraps with ``ray.remote`` for every rank of a
+distributed learner. Ranks join one torch.distributed group (gloo on CPU, NCCL on GPU) through
+:meth:`rendezvous` / :meth:`setup`; each builds the policy from the ``model`` config with the same
+seed (so a randomly initialised frozen base is identical on every rank and rollout worker), wraps it
+with FSDP2 (:class:`~embodirl.learner.learner.Learner`) and then, each step, trains on its shard of the
+prepared batch. Rank 0 turns what an update changed into one packed publication for the rollout
+workers (:mod:`embodirl.workers.weight_transfer`), keeping the snapshot that brings a new or
+restarted rollout worker up to date.
+
+Checkpoints: :meth:`save` writes the learner state with ``torch.distributed.checkpoint`` (every rank
+its shards, :mod:`embodirl.learner.sharded_state`) and rank 0 the policy export in the public
+peft/OpenVLA-OFT layout. Collocated placement: :meth:`offload` moves parameters, gradients and
+optimizer state to host memory while the rollout phase runs; :meth:`onload` brings them back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from embodirl.learner import fsdp
+from embodirl.learner.learner import Learner
+from embodirl.workers import process_env
+from embodirl.workers.weight_sync import WeightPublisher
+from embodirl.workers.weight_transfer import WeightOutbox
+
+log = logging.getLogger(__name__)
+
+
+def build_policy(model_cfg: Mapping, env_spec, seed: int):
+    """The policy from ``model`` with a seeded initialisation: every process that builds it (actor ranks,
+    rollout workers) gets identical weights, so a random frozen base needs no transfer."""
+    from embodirl.models.registry import make_policy
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return make_policy(model_cfg, env_spec)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+class ActorWorker:
+    """Args:
+        cfg: the whole composed config as plain dicts (``algorithm``, ``actor``, ``model``, ``rollout``,
+            ``runner``).
+        env_spec: the training env's spec (task table, action bounds).
+        rank / world_size: this rank and the group's size.
+        process_vars: the driver's environment variables (Ray workers; see :mod:`.process_env`).
+        policy: an existing policy object (in-process: the one the driver's inference also uses).
+    """
+
+    def __init__(self, cfg: Mapping, env_spec, *, rank: int = 0, world_size: int = 1,
+                 process_vars: Mapping[str, str] | None = None, policy=None):
+        if process_vars is not None:
+            process_env.adopt(process_vars)
+            from embodirl import runtime
+
+            runtime.set_torch_threads(cfg["runner"].get("torch_threads", "auto"))
+        self.cfg = dict(cfg)
+        self.spec = env_spec
+        self.rank, self.world_size = int(rank), int(world_size)
+        self._policy = policy
+        self.learner: Learner | None = None
+        self.publisher: WeightPublisher | None = None
+        self.outbox: WeightOutbox | None = None
+        self.offloaded = False
+
+    # --- start --------------------------------------------------------------------------------------
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the address and a free port the group's process group meets at (found here, on the
+        node rank 0 runs on; nothing is set by hand)."""
+        try:
+            import ray
+
+            address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        except Exception:  # noqa: BLE001 - not under Ray
+            address = "127.0.0.1"
+        return address, free_port()
+
+    def setup(self, master_addr: str | None = None, master_port: int | None = None) -> dict:
+        """Join the process group (when given an address), build the policy and the learner."""
+        device = fsdp.default_device()
+        if master_addr is not None:
+            fsdp.init_process_group(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
+                                    master_port=int(master_port), device=device)
+        cfg = self.cfg
+        policy = self._policy
+        if policy is None:
+            policy = build_policy(cfg["model"], self.spec, int(cfg["runner"]["seed"]))
+        self.learner = Learner(policy, {"algorithm": cfg["algorithm"], "actor": cfg["actor"]},
+                               task_table=self.spec.task_descriptions,
+                               temperature=float(cfg["rollout"].get("temperature") or 1.0), device=device)
+        if self.rank == 0:
+            self.outbox = WeightOutbox(process_env.describe()["node_id"])
+        return self.info()
+
+    @property
+    def policy(self):
+        return self.learner.policy
+
+    def info(self) -> dict:
+        info = process_env.describe()
+        info.update(rank=self.rank, world_size=self.world_size,
+                    device=str(self.learner.device) if self.learner is not None else None,
+                    fsdp=bool(self.learner.use_fsdp) if self.learner is not None else None)
+        if torch.cuda.is_available():
+            info["gpu_uuid"] = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        return info
+
+    def ready(self) -> bool:
+        return True
+
+    # --- a training step ----------------------------------------------------------------------------
+    def ref_logprob(self, shard):
+        """``logprob_ref`` ``(n, T, L)`` of this rank's rows under the reference policy (collective)."""
+        from embodirl import data as D
+
+        shard = _unpacked(shard)
+        self.onload()
+        return self.learner.compute_ref_logprob(shard).get(D.LOGPROB_REF).numpy()
+
+    def train(self, shard) -> dict[str, float]:
+        """Replay buffer + update epochs on this rank's prepared rows; metrics are global over ranks."""
+        shard = _unpacked(shard)
+        self.onload()
+        metrics = self.learner.train(shard)
+        return {k: float(v) for k, v in metrics.items()}
+
+    def publish(self, *, full: bool = False, consumer_nodes=(), consumer_gpus=(), inline: bool = False):
+        """Gather what the last update changed (every tensor with ``full``; collective) and, on rank 0,
+        post it for the rollout workers: returns the :class:`~.weight_transfer.WeightHandle` (other
+        ranks: None)."""
+        version, tensors = self.learner.publish_weights(full=full)
+        if self.rank != 0:
+            return None
+        if self.publisher is None or full:
+            self.publisher = WeightPublisher()
+            update = self.publisher.reset(tensors, version)
+        else:
+            update = self.publisher.publish(tensors, version)
+        return self.outbox.post(update, set(consumer_nodes), inline=inline, consumer_gpus=set(consumer_gpus))
+
+    def full_update(self, *, consumer_nodes=(), consumer_gpus=(), inline: bool = False):
+        """Rank 0: every trainable tensor at the current version (a new or restarted rollout worker)."""
+        return self.outbox.post(self.publisher.full_update(), set(consumer_nodes), inline=inline,
+                                consumer_gpus=set(consumer_gpus))
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def save(self, learner_dir: str, policy_dir: str | None = None) -> None:
+        """Learner state, sharded (every rank); the policy export in its public layout (rank 0)."""
+        from embodirl.learner.sharded_state import save_learner
+
+        self.onload()
+        save_learner(self.learner, learner_dir)
+        if policy_dir is not None:
+            tensors = self.learner.gather_trainable()     # collective
+            if self.rank == 0:
+                self.policy.save_trainable(Path(policy_dir), tensors)
+
+    def load(self, checkpoint_dir: str) -> int:
+        """Restore from a run checkpoint ``step_<n>``; returns the restored weight version."""
+        from embodirl.learner.sharded_state import is_sharded_state, load_learner
+        from embodirl.runner import checkpoint as ckpt
+
+        source = Path(checkpoint_dir)
+        learner_dir = source / ckpt.LEARNER
+        if is_sharded_state(learner_dir):
+            load_learner(self.learner, learner_dir)
+        else:   # a checkpoint written before the learner state was sharded
+            self.policy.load_trainable(source / ckpt.POLICY)
+            state = ckpt.load_train_state(learner_dir)
+            self.learner.load_state_dict({**state, "trainable": self.policy.trainable_state_dict()})
+        return self.learner.version
+
+    # --- collocated placement -----------------------------------------------------------------------
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to host memory (GPU ranks; a no-op on CPU)."""
+        if self.offloaded or self.learner is None:
+            return
+        self._move("cpu")
+        self.offloaded = True
+
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        self._move(self.learner.device)
+        self.offloaded = False
+
+    def _move(self, device) -> None:
+        self.learner.policy.to(device)
+        for state in self.learner.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            if str(device) == "cpu":
+                torch.cuda.empty_cache()
+
+    def memory(self) -> dict[str, float]:
+        """Peak memory of this rank (GPU bytes on CUDA; resident set of the process otherwise)."""
+        import psutil
+
+        out = {"rss_bytes": float(psutil.Process(os.getpid()).memory_info().rss)}
+        if torch.cuda.is_available():
+            out["gpu_peak_bytes"] = float(torch.cuda.max_memory_allocated())
+        return out
+
+    def close(self) -> None:
+        if self.outbox is not None:
+            self.outbox.close()
+        if fsdp.is_distributed():
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 - a peer already gone
+                log.debug("destroying the process group: %s", exc)
+
+
+def _unpacked(shard):
+    if isinstance(shard, dict) and "fields" in shard:
+        from embodirl.workers.transport import unpack_trajectory
+
+        return unpack_trajectory(shard)
+    return shard
