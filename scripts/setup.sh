@@ -2,8 +2,8 @@
 # One idempotent set-up for embodirl on a fresh Debian bookworm machine (root or sudo):
 #   - system libraries: EGL/OSMesa for MuJoCo, the Vulkan loader and Mesa 25 lavapipe (from
 #     bookworm-backports, unpacked into .deps/vulkan so the system Mesa stays untouched) for SAPIEN;
-#   - a virtual environment .venv with the pinned Python dependencies (torch CPU 2.13.0 first,
-#     libero without its robomimic/torchvision dependencies);
+#   - a virtual environment .venv with the locked Python dependencies (constraints.txt: the tested versions of
+#     every package; torch CPU 2.13.0 first, libero without its robomimic/torchvision dependencies);
 #   - the LIBERO config file, written non-interactively (see embodirl/envs/libero_paths.py).
 # A second run compares a stamp and returns in well under a second when nothing changed.
 # Environment: EMBODIRL_VENV (default .venv), EMBODIRL_LIBERO_ASSETS (LIBERO asset folder),
@@ -19,7 +19,7 @@ PY="${PYTHON:-python3}"
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 stamp_value() {
-  cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1
+  cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$ROOT/constraints.txt" | sha256sum | cut -d' ' -f1
 }
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_value)" && -f "$DEPS/vulkan/icd.json" ]]; then
@@ -71,6 +71,8 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip >/dev/null
+# every install below goes through the lock: a fresh machine gets exactly the tested versions
+PIP+=(-c "$ROOT/constraints.txt")
 # torch first and exactly: every later requirement that names torch is then already satisfied.
 "${PIP[@]}" torch==2.13.0
 # libero 0.1.1 declares robomimic (-> torchvision, CUDA-only here); its real runtime deps are ours.
