@@ -8,8 +8,9 @@ device set is ``all``, a single id (``3``), a range (``0-3``) or a list of those
     rollout: 4-7
     actor: 0-7
 
-On the command line, where keys cannot hold commas, the same is written as a string:
-``cluster.component_placement='env: 0-3; rollout: 4-7; actor: 0-7'``.
+On the command line, where keys cannot hold commas, the same is written as a quoted string (the
+inner quotes are Hydra's, the outer ones the shell's):
+``'cluster.component_placement="env: 0-3; rollout: 4-7; actor: 0-7"'``.
 
 Device ids are global accelerator ids (node-major: node k holds ids k*G .. k*G+G-1 for G
 accelerators per node). On a machine without accelerators the ids name CPU slots (one per core),

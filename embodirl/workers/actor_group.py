@@ -103,13 +103,37 @@ class ActorGroup:
             r = pending.pop(ready[0])
             try:
                 results[r] = ray.get(ready[0])
-            except RayActorError as exc:
-                info = self.infos[r] if r < len(self.infos) else {}
-                where = f" (pid {info['pid']} on node {str(info.get('node_id'))[:12]})" if info.get("pid") else ""
-                self.close(kill=True)
-                raise ActorRankDied(f"actor rank {r}{where} died during {what}: "
-                                    f"{str(exc).splitlines()[0][:160]}") from None
+            except RayActorError:
+                self._rank_died(r, what)
+            except Exception:
+                # a collective that failed because a peer died: report the dead rank, not the symptom
+                dead = self._dead_ranks()
+                if dead:
+                    self._rank_died(dead[0], what)
+                raise
         return results
+
+    def _dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        import ray
+        from ray.exceptions import RayActorError
+
+        probes = [w.ready.remote() for w in self.workers]
+        ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
+        dead = []
+        for r, probe in enumerate(probes):
+            try:
+                ray.get(probe, timeout=0.1)
+            except RayActorError:
+                dead.append(r)
+            except Exception:  # noqa: BLE001 - busy or unknown: not known dead
+                pass
+        return dead
+
+    def _rank_died(self, r: int, what: str):
+        info = self.infos[r] if r < len(self.infos) else {}
+        where = f" (pid {info['pid']}, node {str(info.get('node_id'))[:12]})" if info.get("pid") else ""
+        self.close(kill=True)
+        raise ActorRankDied(f"actor rank {r}{where} died during {what}") from None
 
     def _shards(self, batch) -> tuple[list, list[torch.Tensor]]:
         shards, indices = sharding.shard(batch, self.world_size)

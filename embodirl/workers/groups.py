@@ -677,7 +677,9 @@ def plan_from_config(cfg: DictConfig, layout: RolloutLayout, eval_layout: Rollou
 
     num_nodes = int(cfg.cluster.num_nodes)
     num_devices, accelerator = detect_devices(num_nodes, cfg.cluster.get("num_gpus_per_node"))
-    placement = parse_placement(OmegaConf.to_container(cfg.cluster.component_placement), num_devices, accelerator)
+    spec = cfg.cluster.component_placement        # a mapping, or its one-line string form
+    spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
+    placement = parse_placement(spec, num_devices, accelerator)
     num_env = layout.num_env_workers + (eval_layout.num_env_workers if eval_layout is not None else 0)
     workers = {"env": num_env, "rollout": layout.num_rollout_workers,
                "actor": data_parallel_size(cfg, placement)}

@@ -96,13 +96,48 @@ def plan_placement(placement: Placement, num_workers: dict[str, int], *, num_nod
     return plan
 
 
-def create_placement_groups(plan: PlacementPlan, *, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> dict:
-    """One ``STRICT_PACK`` placement group per node of the plan, reserved before returning."""
+def cluster_nodes() -> list[dict]:
+    """Alive Ray nodes, the driver's first, then the others by node id: the plan's node 0, 1, ..."""
     import ray
-    from ray.util.placement_group import placement_group
 
-    groups = {node: placement_group(bundles, strategy="STRICT_PACK", name=f"embodirl-node{node}")
-              for node, bundles in sorted(plan.bundles.items())}
+    here = ray.get_runtime_context().get_node_id()
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return sorted(alive, key=lambda n: (n["NodeID"] != here, n["NodeID"]))
+
+
+def check_cluster(plan: PlacementPlan, nodes: list[dict]) -> None:
+    """Refuse, in one sentence and before any worker starts, a plan the cluster cannot hold."""
+    from embodirl.errors import ConfigError
+
+    used = sorted(plan.bundles)
+    if used and used[-1] >= len(nodes):
+        raise ConfigError("cluster.num_nodes", f"the placement puts workers on {used[-1] + 1} node(s) but the Ray "
+                                               f"cluster has {len(nodes)} alive; start more nodes (ray start "
+                                               "--address=...) or change cluster.component_placement")
+    for node in used:
+        have = nodes[node].get("Resources", {})
+        for key, need in _total(plan.bundles[node]).items():
+            if have.get(key, 0.0) + 1e-9 < need:
+                raise ConfigError("cluster.component_placement",
+                                  f"node {node} ({nodes[node]['NodeID'][:12]}) has {key}={have.get(key, 0.0):g} but "
+                                  f"the placement needs {need:g} there; change the placement or the node's resources")
+
+
+def create_placement_groups(plan: PlacementPlan, *, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> dict:
+    """One ``STRICT_PACK`` placement group per node of the plan, reserved before returning. On a
+    cluster the plan's node k is pinned to the k-th alive node (the driver's node first), so that
+    placement decides which components share a node (and thus shared memory)."""
+    import ray
+    from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
+
+    nodes = cluster_nodes()
+    check_cluster(plan, nodes)
+    pin = len(plan.bundles) > 1 or max(plan.bundles, default=0) > 0
+    groups = {}
+    for node, bundles in sorted(plan.bundles.items()):
+        selector = [{NODE_ID_LABEL_KEY: nodes[node]["NodeID"]}] * len(bundles) if pin else None
+        groups[node] = placement_group(bundles, strategy="STRICT_PACK", name=f"embodirl-node{node}",
+                                       bundle_label_selector=selector)
     try:
         ray.get([pg.ready() for pg in groups.values()], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

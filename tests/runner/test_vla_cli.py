@@ -129,8 +129,12 @@ def train_and_eval(tmp_path, name: str, options: list[str], *, n_episodes: int, 
 
 @pytest.mark.slow
 def test_libero_grpo_with_tiny_openvla_through_ray_then_eval(tmp_path):
+    # the learner as two gloo FSDP2 ranks (Ray actors)
     train_and_eval(tmp_path, "libero", ["env=libero_10", "env.train.task_ids=[0]", "env.eval.task_ids=[0,1]",
-                                        "runner.eval_episodes_per_task=1"], n_episodes=2, n_tasks=2)
+                                        "runner.eval_episodes_per_task=1", "actor.cpu_world_size=2"],
+                   n_episodes=2, n_tasks=2)
+    records = [r for r in read_metrics(tmp_path / "outputs" / "libero" / "metrics.jsonl") if "train/return" in r]
+    assert [r["learner/world_size"] for r in records] == [2.0, 2.0]
 
 
 @pytest.mark.slow
