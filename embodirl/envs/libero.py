@@ -49,6 +49,11 @@ drives a stock ``OffScreenRenderEnv`` the OFT way next to the adapter and compar
   randomness from ``env.seed(0)`` and the reset order. Here numpy's global RNG is seeded from
   ``(task_id, init_state_id)`` before each reset, so an init state id names one whole scene: GRPO
   groups that share it see the same scene, and evaluation is reproducible in any order.
+  ``scene_seeding: oft`` (what ``runner.eval_protocol: oft`` sets for evaluation) reproduces OFT's
+  episodes instead: each task has its own numpy RNG state, seeded 0 the way ``get_libero_env``'s
+  ``env.seed(0)`` seeds it, and trial k's reset draws from it after trials 0..k-1 have drawn. A
+  simulator asked for trial k of a task whose trials it has not all run replays the missing resets
+  first, so OFT's order holds in every simulator whatever the batch it serves.
 
 Faults: a simulator that goes unstable (non-finite ``qpos``/``qvel`` or MuJoCo's bad-state warnings,
 after which MuJoCo silently resets the data) raises :class:`SimulationUnstable` from ``step_chunk``; the
@@ -97,6 +102,10 @@ LIBERO_GRIPPER_CLOSE = 1.0
 SETTLE_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, LIBERO_GRIPPER_OPEN])   # OFT's dummy action
 SUCCESS_REWARD = 1.0
 SCENE_SEED = 20_231_031         # numpy's global RNG is seeded from (SCENE_SEED, task, init state)
+#: scene_seeding: per_start (the seed above) | oft (OFT's get_libero_env: env.seed(0), i.e. np.random.seed(0),
+#: once per task, then the trials' resets in init-state order)
+SCENE_SEEDINGS = ("per_start", "oft")
+OFT_TASK_SEED = 0
 REWARD_TYPES = ("chunk_level", "action_level")
 # robosuite observables the adapter reads; the others (object poses) are switched off to save time
 EEF_POS, EEF_QUAT, GRIPPER_QPOS = "robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos"
@@ -382,6 +391,9 @@ class LiberoSimEnv(SimEnv):
         self.stop_on_success = not bool(cfg["ignore_terminations"])
         self.max_cached_tasks = int(cfg["max_cached_tasks"])
         self.fixed_starts = bool(cfg["use_fixed_reset_state_ids"])
+        self.scene_seeding = cfg.get("scene_seeding", SCENE_SEEDINGS[0])
+        #: scene_seeding oft: task -> (trials whose resets have drawn, numpy RNG state after them)
+        self._oft_rng: dict[int, tuple[int, tuple]] = {}
         self._init_pool = cfg.get("init_state_ids")
         self.spec = EnvSpec(
             action_dim=ACTION_DIM, max_episode_steps=self.max_episode_steps,
@@ -465,8 +477,11 @@ class LiberoSimEnv(SimEnv):
         if gate is not None:
             gate.open = False                           # the reset's own forced render is wasted
             gate.keep_snapshot = False
-        with _global_numpy_seed(scene_seed(task_id, init_state_id)):   # fixture placement (module docstring)
-            env.reset()
+        if self.scene_seeding == "oft":
+            self._oft_reset(env, task_id, init_state_id)
+        else:
+            with _global_numpy_seed(scene_seed(task_id, init_state_id)):   # fixture placement (module docstring)
+                env.reset()
         for robot in env.env.robots:                # a hard reset would re-create the gripper model
             robot.gripper.current_action = np.zeros(robot.gripper.dof)
         scene.attach_controllers()
@@ -483,6 +498,22 @@ class LiberoSimEnv(SimEnv):
         self.elapsed = 0
         self._obs = self._observation(raw)
         return self._obs
+
+    def _oft_reset(self, env, task_id: int, trial: int) -> None:
+        """``env.reset()`` drawing fixture placements as OFT's trial ``trial`` of ``task_id`` does (module
+        docstring): from the task's RNG state, after replaying the resets of earlier trials not run here."""
+        done, state = self._oft_rng.get(task_id, (0, None))
+        if state is None or trial < done:
+            done, state = 0, np.random.RandomState(OFT_TASK_SEED).get_state()   # = np.random.seed(0)
+        caller = np.random.get_state()
+        np.random.set_state(state)
+        try:
+            for _ in range(trial - done):
+                env.reset()
+            env.reset()
+            self._oft_rng[task_id] = (trial + 1, np.random.get_state())
+        finally:
+            np.random.set_state(caller)
 
     def step_chunk(self, actions: np.ndarray, render_all: bool = False) -> ChunkResult:
         """Execute ``actions`` ``[H, 7]`` (policy convention, see module docstring). Stops after the step
@@ -614,6 +645,9 @@ class LiberoAdapter:
             value = cfg.get(key)
             if not isinstance(value, int) or value < low:
                 raise ConfigError(key, f"must be an integer >= {low}, got {value!r}")
+        if cfg.get("scene_seeding", SCENE_SEEDINGS[0]) not in SCENE_SEEDINGS:
+            raise ConfigError("scene_seeding", f"must be one of {', '.join(SCENE_SEEDINGS)}, got "
+                                               f"{cfg.get('scene_seeding')!r}")
         if cfg.get("reward_type") not in REWARD_TYPES:
             raise ConfigError("reward_type", f"must be one of {', '.join(REWARD_TYPES)}, got {cfg.get('reward_type')!r}")
         info = suite_info(cfg)                      # AssetsMissing when the asset folder is absent

@@ -46,7 +46,7 @@ from embodirl.rollout.collector import RolloutCollector, RolloutStats
 from embodirl.rollout.inference import PolicyInference
 from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
-from embodirl.runner.evaluation import Evaluator, eval_schedule
+from embodirl.runner.evaluation import Evaluator, eval_schedule, protocol_env_cfg
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class InProcessBackend(_Closing):
         r = self.cfg.runner
         if self.evaluator is None:
             # its simulators are kept for later evaluations, seeded as this first one
-            self.evaluator = Evaluator(to_plain(self.cfg.env.eval), seed=seed,
+            self.evaluator = Evaluator(protocol_env_cfg(to_plain(self.cfg.env.eval), r.get("eval_protocol")), seed=seed,
                                        episodes_per_task=r.eval_episodes_per_task, num_videos=int(r.eval_num_videos))
         self.policy.eval()
         return self.evaluator.run(self.policy, out_dir=out_dir, step=step, greedy=bool(r.eval_greedy),
@@ -270,7 +270,7 @@ class RayBackend(_Closing):
     def _eval_env_cfg(cfg: DictConfig) -> dict:
         """``env.eval`` as evaluation runs it: one episode per slot, the first ``runner.eval_num_videos``
         slots recorded, ``runner.eval_episodes_per_task`` trials per task when set."""
-        env_cfg = to_plain(cfg.env.eval)
+        env_cfg = protocol_env_cfg(to_plain(cfg.env.eval), cfg.runner.get("eval_protocol"))
         env_cfg["auto_reset"] = False
         if cfg.runner.eval_episodes_per_task is not None:
             env_cfg["num_trials_per_task"] = int(cfg.runner.eval_episodes_per_task)

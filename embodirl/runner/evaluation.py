@@ -20,11 +20,37 @@ import numpy as np
 
 from embodirl.envs.registry import get_adapter, make_env
 from embodirl.envs.video import VideoRecorder
+from embodirl.errors import ConfigError
 from embodirl.models.base import Policy, SamplingParams
 from embodirl.rollout.inference import act
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
 
 log = logging.getLogger(__name__)
+
+
+#: runner.eval_protocol: parallel (the adapters' own deterministic seeding) | oft (OpenVLA-OFT's LIBERO seeding)
+EVAL_PROTOCOLS = ("parallel", "oft")
+#: adapters that can reproduce OFT's seeding, and the env key that selects it
+OFT_SEEDING = {"libero": ("scene_seeding", "oft")}
+
+
+def check_eval_protocol(runner_cfg: Mapping, eval_env_cfg: Mapping) -> None:
+    """``runner.eval_protocol`` names a protocol the evaluation env supports (one ConfigError sentence)."""
+    protocol = runner_cfg.get("eval_protocol", EVAL_PROTOCOLS[0])
+    if protocol not in EVAL_PROTOCOLS:
+        raise ConfigError("runner.eval_protocol", f"'{protocol}' is not one of {', '.join(EVAL_PROTOCOLS)}")
+    if protocol == "oft" and eval_env_cfg.get("adapter") not in OFT_SEEDING:
+        raise ConfigError("runner.eval_protocol", f"oft reproduces OpenVLA-OFT's LIBERO evaluation; env.eval uses "
+                                                  f"the '{eval_env_cfg.get('adapter')}' adapter, so use parallel")
+
+
+def protocol_env_cfg(env_cfg: Mapping, protocol: str | None) -> dict:
+    """``env_cfg`` as ``runner.eval_protocol`` runs it (``oft``: the adapter's OFT seeding switched on)."""
+    out = dict(env_cfg)
+    if protocol == "oft":
+        key, value = OFT_SEEDING[out["adapter"]]
+        out[key] = value
+    return out
 
 
 def eval_schedule(env_cfg: Mapping, num_tasks: int) -> list[tuple[int, int]]:

@@ -83,7 +83,7 @@ def test_contradicting_setting_is_one_sentence_before_workers(l1_checkpoint, set
     _, path, _ = l1_checkpoint
     cfg = compose([*TINY_LIBERO, f"model.path={path}", f"model.{setting}", "runner.only_eval=true"])
     with pytest.raises(ConfigError) as exc:
-        validate(cfg, num_devices=0, accelerator="cpu")
+        validate(cfg, num_devices=2, accelerator="cpu")
     assert exc.value.key == key and fragment in one_sentence(exc), str(exc.value)
 
 
@@ -91,7 +91,7 @@ def test_unknown_suite_statistics_are_named(l1_checkpoint, tmp_path):
     _, path, _ = l1_checkpoint
     cfg = compose(["env=libero_spatial", "model=openvla_oft_tiny", f"model.path={path}", "runner.only_eval=true"])
     with pytest.raises(ConfigError) as exc:
-        validate(cfg, num_devices=0, accelerator="cpu")
+        validate(cfg, num_devices=2, accelerator="cpu")
     message = one_sentence(exc)
     assert exc.value.key == "model.unnorm_key" and "libero_spatial" in message
     assert all(key in message for key in STATS)
@@ -104,12 +104,12 @@ def test_token_rl_from_an_l1_checkpoint_is_refused(l1_checkpoint, override):
                    "env.train.use_fixed_reset_state_ids=true", "algorithm.group_size=2", "env.train.num_envs=2",
                    "actor.global_batch_size=2"])
     with pytest.raises(ConfigError) as exc:
-        validate(cfg, num_devices=0, accelerator="cpu")
+        validate(cfg, num_devices=2, accelerator="cpu")
     message = one_sentence(exc)
     assert "action tokens were never trained" in message and "embodirl eval" in message, message
     assert exc.value.key == ("model.use_l1_regression" if override else "model.path")
     # evaluation of the same directory passes the checks
-    validate(compose([*TINY_LIBERO, f"model.path={path}", "runner.only_eval=true"]), num_devices=0, accelerator="cpu")
+    validate(compose([*TINY_LIBERO, f"model.path={path}", "runner.only_eval=true"]), num_devices=2, accelerator="cpu")
 
 
 def test_refusal_through_the_cli_writes_nothing(l1_checkpoint, tmp_path):

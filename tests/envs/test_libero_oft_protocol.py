@@ -1,0 +1,143 @@
+"""Whole episodes of the stock LIBERO env driven exactly as OpenVLA-OFT's evaluation drives it, next to the
+adapter with ``scene_seeding: oft`` fed the same actions: images and robot states bit-identical at every
+decision, across consecutive trials of a task (OFT's seeding: ``env.seed(0)`` once per task, trials in
+init-state order, so trial 1's fixture placement depends on trial 0's reset).
+
+The stock side follows moojink/openvla-oft ``experiments/robot/libero/run_libero_eval.py`` (``run_task`` /
+``run_episode``) and ``libero_utils.py`` (``get_libero_env``, ``get_libero_image``): an ``OffScreenRenderEnv``
+at 256 px seeded 0, per trial ``reset`` + ``set_init_state``, 10 dummy steps, then one env step per action
+with the gripper normalised and inverted, stopping at ``done``; a decision sees the 180-degree-rotated
+images and the 8-D state (eef position, axis-angle, finger positions).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from embodirl.envs.libero import LiberoSimEnv, quat_to_axis_angle
+from tests.envs.test_libero import CHUNK, libero_cfg
+
+SIZE = 256
+SETTLE_STEPS = 10
+DUMMY_ACTION = [0, 0, 0, 0, 0, 0, -1]
+
+
+def small_chunks(seed: int, num_chunks: int) -> np.ndarray:
+    """Policy-convention chunks ``[num_chunks, H, 7]`` gentle enough for a whole episode of random motion."""
+    rng = np.random.default_rng(seed)
+    chunks = rng.uniform(-0.3, 0.3, size=(num_chunks, CHUNK, 7))
+    chunks[..., -1] = rng.choice([0.2, 0.8], size=(num_chunks, CHUNK))
+    return chunks
+
+
+def oft_decision(raw) -> tuple[np.ndarray, np.ndarray]:
+    """What OFT's policy sees: both cameras rotated 180 degrees ([V, 3, h, w]) and the 8-D proprio."""
+    images = np.stack([raw[k][::-1, ::-1].transpose(2, 0, 1) for k in ("agentview_image", "robot0_eye_in_hand_image")])
+    state = np.concatenate([raw["robot0_eef_pos"], quat_to_axis_angle(raw["robot0_eef_quat"]), raw["robot0_gripper_qpos"]])
+    return images, state.astype(np.float32)
+
+
+def stock_oft_episodes(bddl_file, init_states, trials: dict[int, np.ndarray]) -> dict[int, list]:
+    """``trials``: init-state index -> chunks, in run order. Returns the decisions of each trial."""
+    from libero.libero.envs import OffScreenRenderEnv
+
+    env = OffScreenRenderEnv(bddl_file_name=str(bddl_file), camera_heights=SIZE, camera_widths=SIZE)
+    env.seed(0)
+    out = {}
+    try:
+        for k, chunks in trials.items():
+            env.reset()
+            raw = env.set_init_state(init_states[k])
+            for _ in range(SETTLE_STEPS):
+                raw, _, _, _ = env.step(DUMMY_ACTION)
+            decisions, done = [oft_decision(raw)], False
+            for chunk in chunks:
+                for action in chunk:
+                    action = np.array(action)
+                    action[-1] = -np.sign(2.0 * action[-1] - 1.0)   # normalize_gripper_action + invert
+                    raw, _, done, _ = env.step(action.tolist())
+                    if done:
+                        break
+                decisions.append(oft_decision(raw))
+                if done:
+                    break
+            out[k] = decisions
+    finally:
+        env.close()
+    return out
+
+
+def adapter_episodes(env: LiberoSimEnv, task: int, trials: dict[int, np.ndarray]) -> dict[int, list]:
+    out = {}
+    for k, chunks in trials.items():
+        obs = env.reset(task, k)
+        decisions = [(obs["images"], obs["state"])]
+        for chunk in chunks:
+            result = env.step_chunk(chunk)
+            decisions.append((result.obs["images"], result.obs["state"]))
+            if result.terminated or result.truncated:
+                break
+        out[k] = decisions
+    return out
+
+
+def check_same_episodes(suite: str, task: int, trials: dict[int, np.ndarray], *, warm_up_trial: int | None = None):
+    env = LiberoSimEnv(libero_cfg(suite, image_size=[SIZE, SIZE], scene_seeding="oft",
+                                  max_episode_steps=sum(len(c) for c in trials.values()) * CHUNK), seed=0)
+    try:
+        if warm_up_trial is not None:   # another task's or a later trial's episode first: order must not leak
+            env.reset(task, warm_up_trial)
+        ours = adapter_episodes(env, task, trials)
+        reference = stock_oft_episodes(env.suite.bddl_files[task], env.suite.init_states(task), trials)
+    finally:
+        env.close()
+    for k in trials:
+        assert len(ours[k]) == len(reference[k])
+        for t, ((images, state), (ref_images, ref_state)) in enumerate(zip(ours[k], reference[k])):
+            assert np.array_equal(images, ref_images), f"{suite} task {task} trial {k}: images differ at decision {t}"
+            assert np.array_equal(state, ref_state), f"{suite} task {task} trial {k}: state differs at decision {t}"
+
+
+def test_oft_seeding_reproduces_consecutive_trials():
+    """The CI variant: libero_goal task 0 (fixtures on the table: placement matters), trials 0 and 1 for
+    three decisions each, after the simulator has already run trial 2 (its catch-up replays trials 0-1)."""
+    check_same_episodes("libero_goal", 0, {0: small_chunks(0, 3), 1: small_chunks(1, 3)}, warm_up_trial=2)
+
+
+@pytest.mark.slow
+def test_per_start_seeding_differs_from_ofts_order():
+    """Without OFT's seeding the same trial starts from another fixture placement (the test above would fail)."""
+    env = LiberoSimEnv(libero_cfg("libero_goal", image_size=[SIZE, SIZE]), seed=0)
+    try:
+        ours = adapter_episodes(env, 0, {1: small_chunks(1, 0)})
+        reference = stock_oft_episodes(env.suite.bddl_files[0], env.suite.init_states(0),
+                                       {0: small_chunks(0, 0), 1: small_chunks(1, 0)})
+    finally:
+        env.close()
+    assert not np.array_equal(ours[1][0][0], reference[1][0][0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite, steps", [("libero_spatial", 220), ("libero_object", 280), ("libero_goal", 300),
+                                          ("libero_10", 520)])
+def test_whole_episode_equals_ofts_evaluation(suite, steps):
+    """One task per suite: trial 0 for a whole episode (the suite's max steps), then trial 1 for a few decisions."""
+    check_same_episodes(suite, 0, {0: small_chunks(10, steps // CHUNK), 1: small_chunks(11, 2)})
+
+
+def test_eval_protocol_oft_switches_the_evaluation_env_only():
+    from embodirl.config import compose, validate
+    from embodirl.errors import ConfigError
+    from embodirl.runner.backends import RayBackend
+
+    cfg = compose(["env=libero_goal", "runner.eval_protocol=oft"])
+    validate(cfg, check_envs=False, num_devices=2, accelerator="cpu")
+    assert RayBackend._eval_env_cfg(cfg)["scene_seeding"] == "oft"
+    assert cfg.env.train.scene_seeding == cfg.env.eval.scene_seeding == "per_start"
+    assert RayBackend._eval_env_cfg(compose(["env=libero_goal"]))["scene_seeding"] == "per_start"
+    with pytest.raises(ConfigError, match="runner.eval_protocol: oft reproduces OpenVLA-OFT's LIBERO"):
+        validate(compose(["runner.eval_protocol=oft"]), check_envs=False, num_devices=2, accelerator="cpu")
+    with pytest.raises(ConfigError, match="runner.eval_protocol: 'fast' is not one of parallel, oft"):
+        validate(compose(["env=libero_goal", "runner.eval_protocol=fast"]), check_envs=False, num_devices=0,
+                 accelerator="cpu")
