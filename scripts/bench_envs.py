@@ -51,6 +51,30 @@ def random_chunk(rng: np.random.Generator, chunk_len: int, spec) -> np.ndarray:
     return chunk
 
 
+class RenderProof:
+    """Evidence that a mode rendered: images seen, how many differ from the one before, how many are blank.
+    A mode whose images never change did not render (a gated or stale camera returns the same buffer)."""
+
+    def __init__(self):
+        self.images = 0
+        self.changed = 0
+        self.blank = 0
+        self._last: np.ndarray | None = None
+
+    def see(self, image: np.ndarray) -> None:
+        image = np.asarray(image)
+        self.images += 1
+        self.blank += int(image.std() < 1.0)
+        self.changed += int(self._last is not None and not np.array_equal(image, self._last))
+        self._last = image.copy()
+
+    def check(self, mode: str) -> str:
+        if self.images < 2 or self.changed < self.images - 1 - self.images // 10 or self.blank:
+            raise RuntimeError(f"render benchmark: mode '{mode}' did not render: {self.images} images, "
+                               f"{self.changed} changed from the previous one, {self.blank} blank")
+        return f"{self.images} images, {self.changed} changed"
+
+
 class Timer:
     """Accumulates wall seconds, this process's CPU seconds (all threads: llvmpipe renders with
     several) and steps of one mode."""
@@ -95,21 +119,28 @@ def bench_render(args, rows: list) -> None:
     stock.env.ignore_done = True                     # robosuite's 1000-step horizon would raise
     rng = np.random.default_rng(0)
     modes = {"decisions": Timer(), "every_step": Timer(), "stock": Timer()}
+    proofs = {name: RenderProof() for name in modes}
     try:
         env.reset(args.task, 0)
         stock.reset()
         stock.set_init_state(env.suite.init_states(args.task)[0])
 
         def ours(render_all: bool) -> Callable[[], int]:
+            proof = proofs["every_step" if render_all else "decisions"]
+
             def run() -> int:
                 if env.elapsed + args.chunk_len > env.max_episode_steps:
                     env.reset(args.task, 0)
-                return env.step_chunk(chunk, render_all=render_all).steps
+                result = env.step_chunk(chunk, render_all=render_all)
+                for frame in (result.frames if render_all else [result.obs["images"]]):   # (V, C, h, w) each
+                    proof.see(frame)
+                return result.steps
             return run
 
         def stock_chunk() -> int:
             for action in chunk:
-                stock.step(to_libero_action(action))
+                raw, _, _, _ = stock.step(to_libero_action(action))
+                proofs["stock"].see(np.stack([raw["agentview_image"], raw["robot0_eye_in_hand_image"]]))
             return len(chunk)
 
         for _ in range(args.chunks):
@@ -120,14 +151,15 @@ def bench_render(args, rows: list) -> None:
     finally:
         stock.close()
         env.close()
+    evidence = {name: proofs[name].check(name) for name in modes}   # raises when a mode did not render
     fast, fast_cpu = modes["decisions"].rate, modes["decisions"].cpu_rate
     label = f"LIBERO-10 task {args.task}, 2 cams {args.image_size}px, chunk {args.chunk_len}"
     rows.append((f"{label}: render at decisions", f"{fast:8.1f} steps/s", f"{fast / args.chunk_len:6.2f} decisions/s",
-                 f"({fast_cpu:.1f} steps per CPU-s)"))
+                 f"({fast_cpu:.1f} steps per CPU-s; {evidence['decisions']})"))
     for name, title in (("every_step", "render every step (render_all)"), ("stock", "stock LIBERO loop (OFT)")):
         rate, cpu_rate = modes[name].rate, modes[name].cpu_rate
         rows.append((f"{label}: {title}", f"{rate:8.1f} steps/s", f"{rate / args.chunk_len:6.2f} decisions/s",
-                     f"x{fast / rate:.2f} (target >= 5); per CPU-s x{fast_cpu / cpu_rate:.2f}"))
+                     f"x{fast / rate:.2f} (target >= 5); per CPU-s x{fast_cpu / cpu_rate:.2f}; {evidence[name]}"))
 
 
 def bench_reset(args, rows: list) -> None:

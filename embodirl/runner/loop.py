@@ -142,14 +142,20 @@ class Runner:
     def _write_placement(self, backend, actors) -> None:
         """``placement.json``: where every worker landed (component, rank, pid, Ray node)."""
         groups = getattr(backend, "groups", None)
-        where = {"actor": [{k: info.get(k) for k in ("rank", "pid", "node_id", "device", "fsdp")}
-                           for info in actors.infos]}
+        plan = groups._placement[0] if groups is not None and groups._placement is not None else None
+
+        def slot(component: str, rank: int):
+            """The device (accelerator or CPU slot) id placement gave this worker."""
+            return plan.slot(component, rank).device if plan is not None else None
+
+        where = {"actor": [{**{k: info.get(k) for k in ("rank", "pid", "node_id", "device", "fsdp")},
+                            "slot": slot("actor", i)} for i, info in enumerate(actors.infos)]}
         if groups is not None:
-            where["rollout"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id")}
-                                for i, info in enumerate(groups.rollout.infos)]
+            where["rollout"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
+                                 "slot": slot("rollout", i)} for i, info in enumerate(groups.rollout.infos)]
             if groups.env is not None:
-                where["env"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id")}
-                                for i, info in enumerate(groups.env.infos)]
+                where["env"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
+                                 "slot": slot("env", i)} for i, info in enumerate(groups.env.infos)]
         (self.out / "placement.json").write_text(json.dumps(where, indent=1))
 
     @staticmethod

@@ -134,9 +134,11 @@ class ActorWorker:
     def train(self, shard) -> dict[str, float]:
         """Replay buffer + update epochs on this rank's prepared rows; metrics are global over ranks."""
         shard = _unpacked(shard)
+        was_offloaded = self.offloaded
         self.onload()
-        metrics = self.learner.train(shard)
-        return {k: float(v) for k, v in metrics.items()}
+        metrics = {k: float(v) for k, v in self.learner.train(shard).items()}
+        metrics["learner/onloaded"] = float(was_offloaded)   # collocated: the state came back for this update
+        return metrics
 
     def publish(self, *, full: bool = False, consumer_nodes=(), consumer_gpus=(), inline: bool = False):
         """Gather what the last update changed (every tensor with ``full``; collective) and, on rank 0,

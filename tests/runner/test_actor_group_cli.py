@@ -133,7 +133,32 @@ def test_a_killed_actor_rank_restarts_the_run_or_ends_it_in_one_sentence(tmp_pat
         assert "resumed from" in resumed
 
 
-@pytest.fixture
+def _placed(out: Path) -> dict[str, list[int]]:
+    placement = json.loads((out / "placement.json").read_text())
+    return {component: [w["slot"] for w in workers] for component, workers in placement.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, options, slots", [
+    # collocated: phases take turns on the same slots; the actor's state waits in host memory during rollouts
+    ("collocated", ["cluster.component_placement=all", "actor.enable_offload=true", "rollout.enable_offload=true"],
+     {"env": [0], "rollout": [0], "actor": [0, 1]}),
+    # hybrid: env and rollout pipelined on their own slots, the actor on all
+    ("hybrid", ['cluster.component_placement="env: 0; rollout: 1; actor: 0-1"', "rollout.pipeline_stage_num=2"],
+     {"env": [0], "rollout": [1], "actor": [0, 1]}),
+])
+def test_placement_modes_run_where_they_say(tmp_path, mode, options, slots):
+    cli(["train", *TOY, "actor.cpu_world_size=2", "runner.max_steps=2", *options, f"runner.experiment_name={mode}"],
+        tmp_path, f"p{mode[:3]}{os.urandom(3).hex()}")
+    out = tmp_path / "outputs" / mode
+    assert _placed(out) == slots
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "train/return" in r]
+    assert [r["learner/world_size"] for r in records] == [2.0, 2.0]
+    # with offload, step 2's update found the actor's state put away after step 1's publication
+    assert [r["learner/onloaded"] for r in records] == ([0.0, 1.0] if mode == "collocated" else [0.0, 0.0])
+
+
+@pytest.fixture(scope="module")
 def two_node_cluster():
     """A local Ray cluster of two nodes (2 CPU slots each), as `ray start` would make on two machines."""
     from ray.cluster_utils import Cluster
@@ -183,3 +208,27 @@ def test_cli_on_a_two_node_cluster_places_components_and_uses_both_transports(tm
         assert record["sync/object_store_workers"] == 1.0 and record["sync/shm_workers"] == 0.0
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
     shutil.rmtree(out / "checkpoints")
+
+
+@pytest.mark.slow
+def test_disaggregated_placement_on_two_nodes(tmp_path, two_node_cluster):
+    """Every component on its own slots: env worker on slot 0, rollout worker on 1 (node 0), actor ranks
+    on 2-3 (node 1); an impossible placement for this cluster is one sentence before any worker starts."""
+    run = f"d{os.urandom(3).hex()}"
+    common = [*TOY, "cluster.num_nodes=2", "actor.cpu_world_size=2", "runner.max_steps=2"]
+    proc = _start(["train", *common, 'cluster.component_placement="env: 0; rollout: 1; actor: 2-3"',
+                   "runner.experiment_name=disagg"], tmp_path, run, {"RAY_ADDRESS": two_node_cluster.address})
+    output = _finish(proc, run)
+    assert proc.returncode == 0, output[-4000:]
+    out = tmp_path / "outputs" / "disagg"
+    assert _placed(out) == {"env": [0], "rollout": [1], "actor": [2, 3]}
+    placement = json.loads((out / "placement.json").read_text())
+    assert placement["env"][0]["node_id"] == placement["rollout"][0]["node_id"] != placement["actor"][0]["node_id"]
+    # three nodes asked of a two-node cluster: refused before any worker starts
+    proc = _start(["train", *TOY, "cluster.num_nodes=3", 'cluster.component_placement="env: 0; rollout: 1; actor: 4"',
+                   "runner.experiment_name=three"], tmp_path, run, {"RAY_ADDRESS": two_node_cluster.address})
+    output = _finish(proc, run)
+    assert proc.returncode == 2, output[-3000:]
+    assert "embodirl: cluster.num_nodes: the placement puts workers on 3 node(s) but the Ray cluster has 2 alive" \
+        in output and "Traceback" not in output
+    assert not (tmp_path / "outputs" / "three" / "metrics.jsonl").exists()
