@@ -6,6 +6,8 @@ Parts (``--parts``, comma-separated; default: all):
 * ``render``    LIBERO-10 task, two cameras (128x128), chunks of 8 random actions: the adapter rendering
                 at decisions only vs the adapter rendering every step (``render_all``) vs the stock LIBERO
                 env stepped the way OpenVLA-OFT's evaluation does (cameras every step). Target >= 5x.
+                Every mode must prove it rendered: its images change from one to the next and none is
+                blank, else the part stops with an error (a stale GL context renders nothing, fast).
 * ``reset``     LIBERO episode start: OFT's hard reset (rebuilds the MuJoCo model and renderer) +
                 ``set_init_state`` + 10 settle steps with cameras, vs the adapter's cheap reset (soft
                 reset, same init state, settle steps rendering once).
@@ -121,9 +123,13 @@ def bench_render(args, rows: list) -> None:
     modes = {"decisions": Timer(), "every_step": Timer(), "stock": Timer()}
     proofs = {name: RenderProof() for name in modes}
     try:
-        env.reset(args.task, 0)
+        # the stock env's hard reset frees the GL context it was built with, and freeing an EGL context
+        # breaks the other contexts of the process (robosuite 1.4): reset it before the adapter builds its
+        # scene, and make its context current before each of its steps (robosuite only does so at creation)
         stock.reset()
         stock.set_init_state(env.suite.init_states(args.task)[0])
+        env.reset(args.task, 0)
+        stock_context = stock.env.sim._render_context_offscreen.gl_ctx
 
         def ours(render_all: bool) -> Callable[[], int]:
             proof = proofs["every_step" if render_all else "decisions"]
@@ -138,6 +144,7 @@ def bench_render(args, rows: list) -> None:
             return run
 
         def stock_chunk() -> int:
+            stock_context.make_current()
             for action in chunk:
                 raw, _, _, _ = stock.step(to_libero_action(action))
                 proofs["stock"].see(np.stack([raw["agentview_image"], raw["robot0_eye_in_hand_image"]]))
