@@ -2,24 +2,29 @@
 evaluation, checkpoints and logging around it.
 
 Rollouts come from a collection back-end (:mod:`embodirl.runner.backends`, chosen by
-``cluster.use_ray``): in this process (env batches in simulator sub-processes, the learner's policy
-acting; pipeline stages overlap through a background inference thread), or Ray env and rollout worker
-groups with the shared-memory observation channel. The loop is the same for both.
+``cluster.use_ray``): in this process (env batches in simulator sub-processes; pipeline stages overlap
+through a background inference thread), or Ray env and rollout worker groups with the shared-memory
+observation channel. The learner is an :class:`~embodirl.workers.actor_group.ActorGroup` the back-end
+makes: one rank in this process (the default job), or N FSDP2 ranks as Ray actors. The loop is the
+same for both.
 
 One step::
 
-    batch   = collect()                  # rollout.rollout_epoch rollouts of env.train.num_envs slots -> [N, T]
-    metrics = learner.step(batch)        # advantages (driver side) -> replay buffer -> update epochs
-    sync_weights()                       # publish changed trainable tensors to the acting policy
+    batch    = collect()                        # rollout.rollout_epoch rollouts of env.train.num_envs slots -> [N, T]
+    batch    = actors.with_ref_logprob(batch)   # only with a KL term (reference forward on the ranks)
+    prepared = prepare_batch(batch)             # driver: KL penalty, group filter, advantages (whole batch)
+    metrics  = actors.train(prepared)           # every rank its shard of whole groups: replay + update epochs
+    backend.receive_weights(actors.publish())   # rank 0 posts the changed tensors; rollout workers read them
 
 Every ``runner.train_video_interval`` steps the first rollout of the step is recorded to
 ``videos/train/step_<n>/`` (the envs of ``env.train.video.env_ids``).
 
 Resuming: ``runner.resume_mode=auto`` continues from the latest complete checkpoint of
-``runner.output_dir`` (or ``runner.resume_dir``); learner state, RNG states and the start-planning
-generator are restored, and the acting policy starts from the restored weights and version. On the
-in-process path the next steps reproduce the uninterrupted run on CPU; Ray rollout workers sample
-with their own generators, which are not checkpointed.
+``runner.output_dir`` (or ``runner.resume_dir``); the learner ranks restore their state (from any number
+of ranks that wrote it), RNG states (the rollout workers' too) and the start-planning generator are
+restored, and the acting policy starts from the restored weights and version. A learner rank that dies
+ends the run with one sentence, or with ``runner.max_restarts`` rebuilds the workers from the last
+complete checkpoint.
 """
 
 from __future__ import annotations

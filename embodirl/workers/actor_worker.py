@@ -19,7 +19,6 @@ optimizer state to host memory while the rollout phase runs; :meth:`onload` brin
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -212,10 +211,10 @@ class ActorWorker:
                 torch.cuda.empty_cache()
 
     def memory(self) -> dict[str, float]:
-        """Peak memory of this rank (GPU bytes on CUDA; resident set of the process otherwise)."""
-        import psutil
+        """Peak memory of this rank: the process's peak resident set, and peak GPU bytes on CUDA."""
+        import resource
 
-        out = {"rss_bytes": float(psutil.Process(os.getpid()).memory_info().rss)}
+        out = {"peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0}
         if torch.cuda.is_available():
             out["gpu_peak_bytes"] = float(torch.cuda.max_memory_allocated())
         return out

@@ -344,3 +344,34 @@ def test_action_level_rewards_and_values(logprob_type):
     metrics = learner.update(prepared)
     assert torch.isfinite(metrics["critic/value_loss"]) and torch.isfinite(metrics["critic/explained_variance"])
     assert {n.split(".")[0] for n in learner.publish_weights()[1]} == {"actor", "log_std", "critic"}
+
+
+def test_bf16_model_keeps_fp32_master_weights_without_fsdp():
+    """A single process without a process group (no FSDP): the trainable tensors of a bf16 model - LoRA
+    and value head - are fp32 master weights, the frozen base keeps computing in bf16, and an update
+    changes the fp32 values by less than bf16 could even represent."""
+    from embodirl.models.openvla_oft import build_policy
+
+    from .helpers import OFT_TASKS, _oft_model_cfg, oft_batch, oft_spec
+
+    torch.manual_seed(0)
+    policy = build_policy({**_oft_model_cfg(), "dtype": "bfloat16"}, oft_spec())
+    learner = Learner(policy, learner_cfg(ppo(update_epochs=1), {"global_batch_size": 2, "micro_batch_size": 2,
+                                                                "optim.lr": 1e-6}),
+                      task_table=OFT_TASKS)
+    assert not learner.use_fsdp
+    trainable = dict(learner._trainable)
+    assert trainable and all(p.dtype == torch.float32 for p in trainable.values())
+    assert any("value_head" in n for n in trainable) and any("lora_" in n for n in trainable)
+    frozen = [p for p in policy.parameters() if not p.requires_grad and p.is_floating_point()]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    batch = oft_batch(policy, N=2, T=1, seed=3)
+    learner.step(batch)
+    moved = [n for n, p in trainable.items() if not torch.equal(p, before[n])]
+    assert moved
+    # at lr 1e-6 the steps are far below bf16's resolution: only fp32 masters keep them
+    lora = next(n for n in moved if "lora_" in n)
+    delta = (trainable[lora] - before[lora]).abs().max()
+    assert 0 < delta < 1e-4
+    assert not torch.equal(trainable[lora].to(torch.bfloat16).float(), trainable[lora])
