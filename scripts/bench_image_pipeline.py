@@ -33,14 +33,18 @@ def bicubic_path(images: torch.Tensor, size: int) -> torch.Tensor:
     return torch.trunc(x * TF_FLOAT_TO_UINT8_SCALE)
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (weight matrices cached, allocator warm)
-    times = []
+def median_ms(fns: dict, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each callable, called in turn (A B C A B C ...) so that load from other
+    processes hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up (weight matrices cached, allocator warm)
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -48,16 +52,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="images per batch (B * V)")
     parser.add_argument("--size", type=int, default=256, help="camera resolution")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     ramp = torch.linspace(0, 255, args.size)
     base = (ramp[None, :] * 0.6 + ramp[:, None] * 0.4)                                  # (h, w)
     noise = torch.randint(0, 24, (args.batch, 3, args.size, args.size), generator=g).float()
     images = (base + noise).clamp(0, 255).to(torch.uint8)[:, None]                      # (N, 1, 3, h, w)
+    torch.set_num_threads(args.threads)
     processor = ImageProcessor(224, center_crop=True)
-    oft = median_ms(lambda: processor.uint8_levels(images), args.repeats)
-    jpeg = median_ms(lambda: jpeg_round_trip(images[:, 0]), args.repeats)
-    old = median_ms(lambda: bicubic_path(images, 224), args.repeats)
+    ms = median_ms({"oft": lambda: processor.uint8_levels(images), "jpeg": lambda: jpeg_round_trip(images[:, 0]),
+                    "old": lambda: bicubic_path(images, 224)}, args.repeats)
+    oft, jpeg, old = ms["oft"], ms["jpeg"], ms["old"]
     print(f"{args.batch} images {args.size} px -> 224 px, torch threads {torch.get_num_threads()}")
     print(f"  bicubic (before)          {old:8.2f} ms")
     print(f"  OFT (JPEG+lanczos3+crop)  {oft:8.2f} ms   (JPEG round trip alone {jpeg:.2f} ms)")
