@@ -6,7 +6,6 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from embodirl.models.processor import (
     DINO_MEAN,
