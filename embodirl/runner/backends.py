@@ -133,6 +133,9 @@ class InProcessBackend(_Closing):
     def consumer_nodes(self) -> list:
         return []
 
+    def consumer_gpus(self) -> list:
+        return []
+
     def receive_weights(self, handle) -> dict[str, float]:
         self.load_weights({}, int(handle))
         return {}
@@ -254,9 +257,13 @@ class RayBackend(_Closing):
     def consumer_nodes(self) -> list:
         return self.groups.rollout.consumer_nodes()
 
+    def consumer_gpus(self) -> list:
+        """The GPUs rollout workers run on (a publication shares rank 0's GPU buffer with them)."""
+        return sorted({info["gpu_uuid"] for info in self.groups.rollout.infos if info.get("gpu_uuid")})
+
     def _full_weights(self):
         """A restarted rollout worker's weights: a full publication of the actor group's rank 0."""
-        return self.actors.full_update(consumer_nodes=self.consumer_nodes())
+        return self.actors.full_update(consumer_nodes=self.consumer_nodes(), consumer_gpus=self.consumer_gpus())
 
     def receive_weights(self, handle) -> dict[str, float]:
         """Every rollout worker applies rank 0's publication; metrics say how it travelled."""

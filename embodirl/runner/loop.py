@@ -211,6 +211,7 @@ class Runner:
                     raise RunFailed(f"{exc}; {where}{hint}") from None
                 print(f"embodirl: {exc}; restarting ({attempt + 1} of {restarts}) from "
                       f"{latest if latest is not None else 'the start'}", flush=True)
+                self._t_start = time.perf_counter()     # the checkpoint brings the minutes before it
                 self._restart_source = latest if latest is not None else self._resume_source()
 
     def _train(self, backend) -> None:
@@ -233,7 +234,8 @@ class Runner:
             backend.set_rng_states(ckpt.load_worker_rng(source / "runner"))
             log.info("resumed from %s (step %d)", source, start_step)
         # the acting policy starts from the learner's weights and version (restored ones after a resume)
-        backend.receive_weights(actors.publish(full=True, consumer_nodes=backend.consumer_nodes()))
+        backend.receive_weights(actors.publish(full=True, consumer_nodes=backend.consumer_nodes(),
+                                               consumer_gpus=backend.consumer_gpus()))
         self._write_placement(backend, actors)
         logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
         H = int(cfg.model.action_chunk)
@@ -273,7 +275,8 @@ class Runner:
                 timings["time/update"] = time.perf_counter() - t1
                 # sync weights: the tensors this update changed go from rank 0 to the acting policy
                 t2 = time.perf_counter()
-                sync_metrics = backend.receive_weights(actors.publish(consumer_nodes=backend.consumer_nodes()))
+                sync_metrics = backend.receive_weights(actors.publish(consumer_nodes=backend.consumer_nodes(),
+                                                                      consumer_gpus=backend.consumer_gpus()))
                 if offload:   # collocated: the actor's state waits in host memory while the rollout runs
                     actors.offload()
                 timings["time/sync_weights"] = time.perf_counter() - t2

@@ -100,9 +100,9 @@ class ActorWorker:
             policy = build_policy(cfg["model"], self.spec, int(cfg["runner"]["seed"]))
         self.learner = Learner(policy, {"algorithm": cfg["algorithm"], "actor": cfg["actor"]},
                                task_table=self.spec.task_descriptions,
-                               temperature=float(cfg["rollout"].get("temperature") or 1.0), device=device)
+                               temperature=_temperature(cfg["rollout"]), device=device)
         if self.rank == 0:
-            self.outbox = WeightOutbox(process_env.describe()["node_id"])
+            self.outbox = WeightOutbox(process_env.describe()["node_id"], device=device)
         return self.info()
 
     @property
@@ -114,8 +114,6 @@ class ActorWorker:
         info.update(rank=self.rank, world_size=self.world_size,
                     device=str(self.learner.device) if self.learner is not None else None,
                     fsdp=bool(self.learner.use_fsdp) if self.learner is not None else None)
-        if torch.cuda.is_available():
-            info["gpu_uuid"] = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         return info
 
     def ready(self) -> bool:
@@ -229,6 +227,11 @@ class ActorWorker:
                 dist.destroy_process_group()
             except Exception as exc:  # noqa: BLE001 - a peer already gone
                 log.debug("destroying the process group: %s", exc)
+
+
+def _temperature(rollout_cfg: Mapping) -> float:
+    value = rollout_cfg.get("temperature")
+    return 1.0 if value is None else float(value)
 
 
 def _unpacked(shard):

@@ -37,8 +37,13 @@ def adopt(variables: Mapping[str, str] | None) -> None:
 
 
 def describe() -> dict:
-    """pid, host and (under Ray) node id of this process."""
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "node_id": None}
+    """pid, host, (under Ray) node id and (with CUDA) the current GPU's uuid of this process."""
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "node_id": None, "gpu_uuid": None}
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        info["gpu_uuid"] = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
     try:
         import ray
 

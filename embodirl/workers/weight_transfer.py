@@ -79,8 +79,9 @@ def unpack(layout: list, buffer) -> dict[str, torch.Tensor]:
 class WeightOutbox:
     """Rank 0's side: packs each update once and makes it reachable by the consumers' nodes."""
 
-    def __init__(self, node_id: str | None):
+    def __init__(self, node_id: str | None, device: torch.device | None = None):
         self.node_id = node_id
+        self.device = device          # rank 0's device: a consumer on the same GPU reads it there
         self._segment: str | None = None      # the latest publication's segment (released at the next one)
         self._device_buffer: torch.Tensor | None = None
 
@@ -89,11 +90,12 @@ class WeightOutbox:
         layout, buffer = pack(update.tensors)
         handle = WeightHandle(update.version, update.base_version, update.full, layout, int(buffer.numel()),
                               node_id=self.node_id)
-        if buffer.is_cuda and consumer_gpus and _gpu_uuid(buffer.device) in consumer_gpus:
+        gpu = self.device is not None and self.device.type == "cuda"
+        if gpu and consumer_gpus and _gpu_uuid(self.device) in consumer_gpus:
             from torch.multiprocessing.reductions import reduce_tensor
 
-            self._device_buffer = buffer            # must outlive the consumers' reads
-            handle.cuda_ipc = (_gpu_uuid(buffer.device), reduce_tensor(buffer))
+            self._device_buffer = buffer.to(self.device)     # must outlive the consumers' reads
+            handle.cuda_ipc = (_gpu_uuid(self.device), reduce_tensor(self._device_buffer))
         host = buffer.cpu().numpy()
         if inline:
             handle.inline = host
