@@ -7,7 +7,8 @@ Per-token estimators of ``KL(pi || pi_ref)`` from log-probs of tokens sampled fr
 ``kl``          ``log_ratio = logp - logp_ref``                   k1: unbiased, high variance, can be < 0
 ``abs``         ``|log_ratio|``
 ``mse``         ``0.5 * log_ratio ** 2``                          k2
-``low_var_kl``  ``exp(-log_ratio) + log_ratio - 1``, clamped     k3: unbiased, non-negative
+``low_var_kl``  ``exp(-r) + r - 1`` (``r`` = log_ratio clamped    k3: unbiased, non-negative
+                to +-20, the result to +-10)
 ==============  ===============================================  ======================================
 
 The KL enters either as a loss term (``use_kl_loss: true``, reduced like the policy loss) or as a
@@ -24,6 +25,9 @@ import torch
 
 #: k3 is clamped to this range for numerical safety when a token's log-ratio is extreme
 LOW_VAR_KL_CLAMP = 10.0
+#: k3's log-ratio is clamped to this magnitude before exp(): exp(100) overflows float32, and the clamp of
+#: the result then gives 0 * inf = NaN gradients (verl's kl_penalty clamps at the same +-20)
+LOW_VAR_KL_LOG_RATIO_CLAMP = 20.0
 #: the adaptive controller changes the coefficient by at most this relative error per update
 ADAPTIVE_ERROR_CLIP = 0.2
 
@@ -55,6 +59,7 @@ def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
 
 @register_kl("low_var_kl")
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    log_ratio = log_ratio.clamp(-LOW_VAR_KL_LOG_RATIO_CLAMP, LOW_VAR_KL_LOG_RATIO_CLAMP)
     kl = torch.exp(-log_ratio) + log_ratio - 1.0
     return kl.clamp(min=-LOW_VAR_KL_CLAMP, max=LOW_VAR_KL_CLAMP)
 

@@ -41,7 +41,7 @@ from embodirl.learner import fsdp
 from embodirl.learner.config import LearnerConfig, plain
 from embodirl.learner.optim import build_optimizer, clip_grad_norm, lr_schedule, refresh_lr, trainable_named_parameters
 from embodirl.learner.replay_buffer import ReplayBuffer, row_versions
-from embodirl.models.base import Policy
+from embodirl.models.base import Policy, scoring_temperature
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class Learner:
         self.cfg.check(self.world_size)
         self.device = torch.device(device) if device is not None else fsdp.default_device()
         self.task_table = list(task_table)
-        self.temperature = float(temperature)
+        # greedy rollouts (rollout.temperature=0) were scored at temperature 1: recompute them there
+        self.temperature = scoring_temperature(temperature)
         if self.cfg.uses_critic and policy.value_type is None:
             raise ConfigError("algorithm.adv_type", f"gae needs a value head but {type(policy).__name__} has none; "
                                                     "use grpo/rloo/reinforce_plus_plus/remax")
@@ -196,6 +197,7 @@ class Learner:
         step_metrics: list[dict[str, torch.Tensor]] = []
         steps_per_epoch = math.ceil(N / rows_per_step)
         stopped = False
+        skipped = 0
         for _ in range(self.cfg.update_epochs):
             if stopped:
                 break
@@ -205,6 +207,12 @@ class Learner:
                 norms = fsdp.all_reduce_(losses.normalisers(
                     batch.get(D.VALID)[rows], params, L=L, action_dim=action_dim, value_dims=value_dims
                 ).to(self.device))
+                if float(norms[losses.NORMALISER_KEYS.index("token_units")]) == 0:
+                    # no valid decision on any rank (e.g. every group filtered): an applied step would
+                    # still move the weights by Adam's momentum and weight decay. The count is global,
+                    # so every rank skips the same step and the collectives stay matched.
+                    skipped += 1
+                    continue
                 sums: dict[str, torch.Tensor] = {}
                 for micro_rows in rows.split(self.cfg.micro_batch_size):
                     micro = batch[micro_rows].to(self.device)
@@ -222,11 +230,13 @@ class Learner:
                     stopped = True
                     break
         self.version += 1
-        metrics = {key: torch.stack([m[key] for m in step_metrics]).mean() for key in step_metrics[0]}
-        epochs_done = len(step_metrics) / steps_per_epoch
+        metrics = {key: torch.stack([m[key] for m in step_metrics]).mean() for key in
+                   (step_metrics[0] if step_metrics else ())}
+        epochs_done = (len(step_metrics) + skipped) / steps_per_epoch
         metrics.update(self._batch_metrics(batch, L, epochs_done))
         metrics["learner/optimizer_steps"] = torch.tensor(float(len(step_metrics)))
         metrics["learner/early_stopped"] = torch.tensor(float(stopped))
+        metrics["learner/skipped_empty_steps"] = torch.tensor(float(skipped))
         self.kl_ctrl.update(self._measured_kl(metrics), N * self.world_size)
         metrics["actor/kl_coef"] = torch.tensor(self.kl_coef)
         metrics["learner/version"] = torch.tensor(float(self.version))

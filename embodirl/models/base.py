@@ -35,12 +35,24 @@ TRAINABLE_WEIGHTS = "trainable.safetensors"
 
 @dataclass
 class SamplingParams:
-    """How :meth:`Policy.act` chooses actions. ``greedy`` ignores the rest (evaluation)."""
+    """How :meth:`Policy.act` chooses actions. ``greedy`` ignores the rest (evaluation); a
+    ``temperature`` of 0 is greedy too (sampling's limit as it cools, ``rollout.temperature=0``)."""
 
     greedy: bool = False
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+
+    @property
+    def deterministic(self) -> bool:
+        """Greedy decoding: ``greedy`` set, or temperature 0. Its log-probs are scored at temperature 1."""
+        return self.greedy or self.temperature == 0
+
+
+def scoring_temperature(temperature: float) -> float:
+    """The temperature at which the log-probs of actions chosen at ``temperature`` were scored: greedy
+    decisions (temperature 0) are scored at 1, so the learner recomputes them there."""
+    return 1.0 if float(temperature) == 0 else float(temperature)
 
 
 class Policy(nn.Module, abc.ABC):

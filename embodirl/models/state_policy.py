@@ -84,8 +84,9 @@ class StateMLPPolicy(Policy):
     def act(self, obs: dict, sampling: SamplingParams, *, return_value: bool = False) -> dict[str, torch.Tensor]:
         state = self._state(obs)
         B = state.shape[0]
-        mean, log_std = self._dist(state, 1.0 if sampling.greedy else sampling.temperature)
-        sample = mean if sampling.greedy else mean + log_std.exp() * torch.randn_like(mean)  # (B, L)
+        greedy = sampling.deterministic
+        mean, log_std = self._dist(state, 1.0 if greedy else sampling.temperature)
+        sample = mean if greedy else mean + log_std.exp() * torch.randn_like(mean)  # (B, L)
         chunk = sample.view(B, self.action_chunk, self.action_dim)
         chunk = torch.maximum(torch.minimum(chunk, self.action_high), self.action_low)  # (B, H, A)
         out = {

@@ -56,10 +56,10 @@ def sample(logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one action index per position from ``[..., K]`` logits.
 
-    Returns ``index`` int64 ``[...]`` and its log-prob float32 ``[...]``. ``params.greedy``: argmax, scored
-    at temperature 1 (evaluation; the rest of ``params`` is ignored).
+    Returns ``index`` int64 ``[...]`` and its log-prob float32 ``[...]``. ``params.greedy`` or temperature
+    0: argmax, scored at temperature 1 (evaluation; the rest of ``params`` is ignored).
     """
-    if params.greedy:
+    if params.deterministic:
         index = logits.argmax(dim=-1)
         return index, log_prob_and_entropy(logits, index, 1.0, with_entropy=False)[0]
     tempered = logits.float() / params.temperature
