@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: embodirl {train,eval} [hydra overrides] [--cfg job] [-m]
+USAGE = """usage: embodirl {train,eval,doctor} [hydra overrides] [--cfg job] [-m]
 
   embodirl train                                   the default job (see README)
   embodirl train env=libero_10 model=openvla_oft   choose a task family and a policy
   embodirl eval  env=libero_10 model=openvla_oft model.path=/ckpt   evaluation only
   embodirl train --cfg job env=libero_10           print the composed config
   embodirl train -m actor.optim.lr=1e-4,3e-4       a sweep (one output dir per job)
+  embodirl doctor env=libero_10 model=openvla_oft  check the set-up for a config (exit 0: all pass)
 """
-COMMANDS = ("train", "eval")
+COMMANDS = ("train", "eval", "doctor")
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--experimental-rerun"}
@@ -61,11 +62,25 @@ def main(argv: list[str] | None = None) -> None:
     from embodirl.config import check_group_overrides, compose, validate
     from embodirl.errors import AssetsMissing, ConfigError
 
+    if command == "doctor":
+        from embodirl import doctor
+
+        try:
+            check_group_overrides(overrides)
+            code = doctor.main(overrides)
+        except ConfigError as exc:
+            _fail(str(exc))
+        sys.exit(code)
+    from embodirl.doctor import PreflightFailed, preflight
+
     try:
         check_group_overrides(overrides)
         if not multirun:
-            validate(compose(overrides))
-    except (ConfigError, AssetsMissing) as exc:
+            cfg = compose(overrides)
+            validate(cfg)
+            if not any(a.startswith("-") for a in rest):    # a run (not --cfg/--info): rendering and memory
+                preflight(cfg)                                 # are checked before any worker starts
+    except (ConfigError, AssetsMissing, PreflightFailed) as exc:
         _fail(str(exc))
     _hydra_main(rest)
 

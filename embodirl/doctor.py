@@ -1,0 +1,496 @@
+"""``embodirl doctor [overrides]``: the set-up checks for one composed config, each with its fix.
+
+Every check returns a :class:`Check` row (name, pass/fail, what was found, the one-line fix). The rows:
+
+==================  ============================================================================  ======
+check               what it looks at                                                              fast
+==================  ============================================================================  ======
+config              the cross-field rules of :func:`embodirl.config.validate`                     -
+render/mujoco       an offscreen MuJoCo GL context (``MUJOCO_GL``: egl, osmesa), LIBERO envs       yes
+render/vulkan       the Vulkan device SAPIEN renders with (name, software or GPU), ManiSkill envs  yes
+assets/<env>        LIBERO's asset folder complete for the suite's tasks and its config file        -
+                    written (no prompt); ManiSkill's task data (the download command)
+dependencies        installed versions against the lock ``constraints.txt``                        -
+checkpoint          ``model.path``: files, heads and image count vs the model config, RL-ready     -
+                    (:mod:`embodirl.models.openvla_oft.autoconfig`)
+memory              parameters, gradients, optimizer state, activations and rollout copies per     yes
+                    device against the memory found (an estimate, see :func:`memory_plan`)
+ray                 the cluster's nodes and devices against ``cluster.component_placement``        -
+==================  ============================================================================  ======
+
+``embodirl train`` / ``eval`` run the fast ones (:func:`preflight`) after the config checks and before any
+worker starts: a machine that cannot render or hold the model stops at once with one sentence.
+Rendering is probed in a child process, so a driver that crashes or hangs cannot take the caller with it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from embodirl.errors import AssetsMissing, ConfigError
+
+GIB = 1024**3
+PROBE_TIMEOUT_S = 120
+#: Vulkan device names of CPU (software) renderers
+SOFTWARE_VULKAN = ("llvmpipe", "lavapipe", "swiftshader")
+#: LIBERO fixtures that are part of every arena, not files in the asset folder
+LIBERO_ARENA_FIXTURES = {"floor", "kitchen_table", "study_table", "table", "main_table", "coffee_table",
+                         "living_room_table"}
+LIBERO_ASSET_ENTRIES = ("articulated_objects", "scenes", "stable_hope_objects", "stable_scanned_objects",
+                        "textures", "turbosquid_objects", "serving_region.xml", "wall.xml", "wall_frames.stl")
+#: bytes per trainable parameter on a learner rank: fp32 master copy, fp32 gradient, AdamW's two moments
+MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+#: activation bytes per token per transformer layer in 16-bit (Korthikanti et al. 2022, "Reducing Activation
+#: Recomputation in Large Transformer Models", eq. 1 without the attention-score term: flash/sdpa attention)
+ACT_BYTES_PER_TOKEN_LAYER = 34
+#: with gradient checkpointing each layer keeps only its input (2 bytes per hidden unit)
+CKPT_BYTES_PER_TOKEN_LAYER = 2
+#: tokens of the prompt, proprio and action slots besides the image patches (OpenVLA-OFT: ~30 + 1 + 56)
+TEXT_AND_ACTION_TOKENS = 96
+#: proportional set size of one simulator process after its first reset, measured on this project's 2-core
+#: machine (/proc/<pid>/smaps_rollup): LIBERO-10 1.0-1.2 GiB, ManiSkill PushCube (state, lavapipe) 0.4 GiB
+SIM_PROCESS_BYTES = {"libero": int(1.2 * GIB), "maniskill": int(0.45 * GIB)}
+OTHER_SIM_BYTES = int(0.1 * GIB)
+#: the fraction of a device's free memory an estimate may take (allocator fragmentation, CUDA context)
+USABLE_FRACTION = 0.9
+LOCK = "constraints.txt"
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+# --------------------------------------------------------------------------------------------------
+# rendering
+# --------------------------------------------------------------------------------------------------
+def _adapters(cfg: DictConfig) -> set[str]:
+    return {str(cfg.env.train.adapter), str(cfg.env.eval.adapter)}
+
+
+def _probe(code: str) -> tuple[bool, str]:
+    """Run ``code`` in a child Python (after :func:`embodirl.runtime.configure`); (ok, last output line)."""
+    script = "import embodirl.runtime as r; r.configure()\n" + code
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return False, f"no answer within {PROBE_TIMEOUT_S} s"
+    lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    return proc.returncode == 0, (lines[-1] if lines else f"exit status {proc.returncode}")
+
+
+def check_mujoco() -> Check:
+    gl = os.environ.get("MUJOCO_GL", "egl")
+    ok, out = _probe("import mujoco; c = mujoco.GLContext(64, 64); c.make_current(); c.free(); print('ok')")
+    if ok:
+        return Check("render/mujoco", True, f"MUJOCO_GL={gl}: offscreen context made")
+    other = "osmesa" if gl == "egl" else "egl"
+    return Check("render/mujoco", False, f"MUJOCO_GL={gl}: {out}",
+                 f"run scripts/setup.sh (installs EGL and OSMesa), or set MUJOCO_GL={other}")
+
+
+def check_vulkan() -> Check:
+    ok, out = _probe("import sapien; s = sapien.render.get_device_summary(); "
+                     "print(next(l for l in s.splitlines() if l.startswith('GPU:'))[4:].strip())")
+    if not ok:
+        return Check("render/vulkan", False, f"SAPIEN found no Vulkan device ({out})",
+                     "run scripts/setup.sh (bundles lavapipe in .deps/vulkan), or install your GPU's Vulkan driver "
+                     "and set EMBODIRL_VULKAN=system")
+    kind = "software" if any(s in out.lower() for s in SOFTWARE_VULKAN) else "GPU"
+    return Check("render/vulkan", True, f"{out} ({kind})")
+
+
+# --------------------------------------------------------------------------------------------------
+# assets
+# --------------------------------------------------------------------------------------------------
+def _libero_object_types(bddl: Path) -> set[str]:
+    """The object and fixture types a task's BDDL file places (``name - type`` lines)."""
+    text = bddl.read_text()
+    types = set()
+    for section in ("fixtures", "objects"):
+        match = re.search(rf"\(:{section}(.*?)\)", text, re.S)
+        if match:
+            types |= {line.split(" - ")[1].strip() for line in match.group(1).splitlines() if " - " in line}
+    return types
+
+
+def libero_assets_problem(env_cfg: Mapping) -> str | None:
+    """None when the asset folder holds what the config's tasks place, else what is missing."""
+    from embodirl.envs import libero, libero_paths
+
+    assets = libero_paths.resolve_assets_dir(env_cfg.get("assets_path"))
+    missing = [e for e in LIBERO_ASSET_ENTRIES if not (assets / e).exists()]
+    if missing:
+        return f"{assets} lacks {', '.join(missing)}"
+    names = {p.stem for p in assets.rglob("*")}
+    info = libero.suite_info(env_cfg)
+    absent: set[str] = set()
+    for task in libero.task_pool(env_cfg):
+        absent |= _libero_object_types(info.bddl_files[task]) - names - LIBERO_ARENA_FIXTURES
+    if absent:
+        return f"{assets} has no asset for {', '.join(sorted(absent))} (placed by {env_cfg['suite']}'s tasks)"
+    if not (libero_paths.config_path() / "config.yaml").is_file():
+        return f"LIBERO's config file {libero_paths.config_path() / 'config.yaml'} is missing (LIBERO would prompt)"
+    return None
+
+
+def check_assets(cfg: DictConfig, env_key: str) -> Check:
+    from embodirl.envs.registry import check_env_config
+
+    env_cfg = OmegaConf.to_container(OmegaConf.select(cfg, env_key), resolve=True)
+    name = f"assets/{env_key.split('.')[-1]}"
+    adapter = env_cfg.get("adapter")
+    try:
+        check_env_config(env_cfg, env_key)
+        if adapter == "libero":
+            problem = libero_assets_problem(env_cfg)
+            if problem is not None:
+                return Check(name, False, problem, "set EMBODIRL_LIBERO_ASSETS (or env.assets_path) to a complete "
+                                                   "LIBERO asset folder and run scripts/setup.sh")
+            return Check(name, True, f"LIBERO {env_cfg['suite']}: asset folder complete, config file written")
+    except AssetsMissing as exc:
+        found, _, fix = str(exc).partition("; ")        # AssetsMissing: what is missing; the command or setting
+        return Check(name, False, found, fix.rstrip(".") or "see the message")
+    except ConfigError as exc:
+        return Check(name, False, str(exc), "change the key named in the message")
+    what = {"maniskill": f"ManiSkill {env_cfg.get('task')}: task data present"}.get(adapter, f"{adapter}: none needed")
+    return Check(name, True, what)
+
+
+# --------------------------------------------------------------------------------------------------
+# dependencies
+# --------------------------------------------------------------------------------------------------
+def lock_path() -> Path:
+    from embodirl.paths import source_root
+
+    root = source_root() or Path.cwd()
+    return root / LOCK
+
+
+def read_lock(path: Path) -> dict[str, str]:
+    """``constraints.txt`` as {canonical name: pinned version} (``name==version`` lines, ``#`` comments)."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        name, _, pinned = line.partition("==")
+        if pinned:
+            pins[canonicalize_name(name)] = pinned.strip()
+    return pins
+
+
+def check_dependencies(path: Path | None = None) -> Check:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    path = path or lock_path()
+    if not path.is_file():
+        return Check("dependencies", False, f"no lock at {path}", "run doctor from a checkout with constraints.txt")
+    pins, off = read_lock(path), []
+    for name, pinned in sorted(pins.items()):
+        try:
+            installed = version(name)
+        except PackageNotFoundError:
+            off.append(f"{name} missing (locked {pinned})")
+            continue
+        if Version(Version(installed).public) != Version(Version(pinned).public):
+            off.append(f"{name} {installed} (locked {pinned})")
+    if off:
+        shown = "; ".join(off[:4]) + (f"; and {len(off) - 4} more" if len(off) > 4 else "")
+        return Check("dependencies", False, f"{len(off)} of {len(pins)} packages leave {path.name}: {shown}",
+                     "run scripts/setup.sh (installs through constraints.txt)")
+    return Check("dependencies", True, f"{len(pins)} packages at the versions of {path.name}")
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoint
+# --------------------------------------------------------------------------------------------------
+def check_checkpoint(cfg: DictConfig) -> Check:
+    from embodirl.config import to_plain
+    from embodirl.models.registry import get_policy_builder
+    from embodirl.runner.checkpoint import eval_model_path
+
+    path = eval_model_path(cfg.runner) or cfg.model.get("path")
+    if not path:
+        return Check("checkpoint", True, "none: the model starts from a random init")
+    builder = get_policy_builder(cfg.model.name)
+    try:
+        if getattr(builder, "check_config", None) is not None:
+            builder.check_config(OmegaConf.to_container(cfg.model, resolve=True))
+        if getattr(builder, "check_run", None) is not None:
+            builder.check_run(to_plain(cfg), str(path))
+    except (ConfigError, AssetsMissing) as exc:
+        return Check("checkpoint", False, str(exc).split("; ")[0], _fix_of(str(exc)))
+    detail = f"{path}"
+    if str(cfg.model.name).startswith("openvla_oft"):
+        from embodirl.models.openvla_oft import autoconfig
+
+        contents = autoconfig.inspect(str(path))
+        if contents is None:
+            return Check("checkpoint", True, f"{path}: a hub id not downloaded yet (checked when the worker loads it)")
+        weights = sorted(p.name for p in contents.directory.glob("*.safetensors"))
+        adapter = (contents.directory / "lora_adapter").is_dir() or (contents.directory / "adapter_config.json").is_file()
+        if not weights and not adapter:
+            return Check("checkpoint", False, f"{contents.directory} holds no *.safetensors weights and no LoRA adapter",
+                         "point model.path at a checkpoint directory in the public OpenVLA-OFT layout")
+        head = "L1 regression head" if contents.action_head is not None else "action tokens"
+        rl = "evaluation only" if contents.action_head is not None else "RL-ready"
+        detail = (f"{contents.directory.name}: {len(weights)} weight file(s), {head}, "
+                  f"{'proprio, ' if contents.proprio_projector is not None else ''}{contents.num_images} image(s), {rl}")
+    return Check("checkpoint", True, detail)
+
+
+def _fix_of(message: str) -> str:
+    """The fix part of a one-sentence error (after its last ``; ``), else the sentence."""
+    return message.rsplit("; ", 1)[-1] if "; " in message else message
+
+
+# --------------------------------------------------------------------------------------------------
+# memory
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class ModelSize:
+    params: int            # all parameters
+    trainable: int         # trainable parameters (LoRA + heads, or all with a full fine-tune)
+    param_bytes: int       # the parameters in their dtypes
+    layers: int            # transformer layers of the language model (0: none)
+    hidden: int
+    tokens: int            # tokens per decision (image patches + text + action slots)
+
+
+def model_size(cfg: DictConfig) -> ModelSize:
+    """Parameter counts of ``cfg.model`` built on torch's meta device (no memory, no weights loaded)."""
+    from embodirl.config import to_plain
+    from embodirl.envs.base import EnvSpec
+    from embodirl.models.registry import make_policy
+
+    model = dict(to_plain(cfg.model))
+    model.update(path=None, base_path=None, device="meta")
+    images = int(model.get("num_images_in_input") or 2)
+    size = int(model.get("image_size") or 224)
+    spec = EnvSpec(action_dim=int(model.get("action_dim") or 7), max_episode_steps=int(cfg.env.train.max_episode_steps),
+                   task_descriptions=["doctor"], camera_names=[f"camera{i}" for i in range(images)],
+                   image_size=(size, size), state_dim=int(model.get("proprio_dim") or 8))
+    policy = make_policy(model, spec)
+    params = list(policy.parameters())
+    full = bool(cfg.actor.fsdp.get("full_finetune", False))
+    llm = model.get("llm") or {}
+    patch = int(((model.get("vision") or {}).get("siglip") or {}).get("patch_size") or 0)
+    tokens = images * (size // patch) ** 2 + TEXT_AND_ACTION_TOKENS if patch else 1
+    return ModelSize(params=sum(p.numel() for p in params),
+                     trainable=sum(p.numel() for p in params if full or p.requires_grad),
+                     param_bytes=sum(p.numel() * p.element_size() for p in params),
+                     layers=int(llm.get("num_hidden_layers") or 0), hidden=int(llm.get("hidden_size") or 0),
+                     tokens=tokens)
+
+
+def available_memory(accelerator: str) -> list[int]:
+    """Free bytes per device: each visible GPU, or this machine's available RAM (one entry)."""
+    if accelerator == "gpu":
+        import torch
+
+        return [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return [info.get("MemAvailable", info.get("MemFree", 0))]
+
+
+def memory_plan(cfg: DictConfig, size: ModelSize, accelerator: str) -> dict[str, int]:
+    """Estimated peak bytes per component instance: ``actor`` (one learner rank), ``rollout`` (one inference
+    copy, 0 when the learner's own policy acts in this process) and ``env`` (the simulators of one env worker
+    on the CPU; 0 on a GPU)."""
+    from embodirl.config import data_parallel_size, decisions_per_episode, use_ray
+
+    dp = data_parallel_size(cfg) if accelerator == "cpu" else None
+    if dp is None:
+        from embodirl.placement import detect_devices, parse_placement
+
+        n, acc = detect_devices(int(cfg.cluster.num_nodes), cfg.cluster.num_gpus_per_node)
+        spec = cfg.cluster.component_placement
+        spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
+        dp = data_parallel_size(cfg, parse_placement(spec, n, acc))
+    decisions = decisions_per_episode(cfg)
+    rows = int(cfg.actor.micro_batch_size) * decisions                    # decisions in one forward/backward
+    per_layer = (CKPT_BYTES_PER_TOKEN_LAYER if cfg.actor.fsdp.get("gradient_checkpointing")
+                 or cfg.model.get("gradient_checkpointing") else ACT_BYTES_PER_TOKEN_LAYER)
+    activations = rows * size.tokens * size.hidden * size.layers * per_layer
+    sharded = size.param_bytes + size.trainable * (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES)
+    actor = math.ceil(sharded / dp) + activations
+    in_process = not use_ray(cfg)
+    envs_per_worker = int(cfg.env.train.num_envs) // int(cfg.env_workers.num_workers)
+    rollout_batch = envs_per_worker // int(cfg.rollout.pipeline_stage_num)
+    rollout = 0 if in_process else size.param_bytes + rollout_batch * size.tokens * size.hidden * 4 * 2
+    sim = SIM_PROCESS_BYTES.get(str(cfg.env.train.adapter), OTHER_SIM_BYTES)
+    env = envs_per_worker * sim if accelerator == "cpu" else 0
+    return {"actor": actor, "rollout": rollout, "env": env}
+
+
+def check_memory(cfg: DictConfig, *, available: list[int] | None = None, accelerator: str | None = None) -> Check:
+    from embodirl.placement import detect_devices
+
+    if accelerator is None:
+        _, accelerator = detect_devices(1, cfg.cluster.num_gpus_per_node)
+    size = model_size(cfg)
+    plan = memory_plan(cfg, size, accelerator)
+    free = available if available is not None else available_memory(accelerator)
+    from embodirl.config import data_parallel_size
+
+    counts = {"actor": data_parallel_size(cfg) if accelerator == "cpu" else 1,
+              "rollout": int(cfg.rollout.num_workers), "env": int(cfg.env_workers.num_workers)}
+    offload = bool(cfg.actor.get("enable_offload", False))
+    if accelerator == "cpu":      # one host memory for every component (this node)
+        needs = {c: plan[c] * counts[c] for c in plan}
+        device, budget = "host memory", free[0]
+    else:                         # the busiest GPU: one actor rank and the rollout copies placed beside it
+        needs = {"actor": plan["actor"], "rollout": plan["rollout"] * max(1, counts["rollout"] // max(1, len(free))),
+                 "env": 0}
+        device, budget = "GPU", min(free) if free else 0
+    total = max(needs["actor"], needs["rollout"] + needs["env"]) if offload else sum(needs.values())
+    parts = ", ".join(f"{c} {needs[c] / GIB:.1f} GiB" for c in ("actor", "rollout", "env") if needs[c])
+    detail = (f"{cfg.model.name} ({size.params / 1e6:.2f} M parameters, {size.trainable / 1e6:.2f} M trainable): "
+              f"{parts}; {total / GIB:.1f} of {budget / GIB:.1f} GiB free {device}")
+    if total <= USABLE_FRACTION * budget:
+        return Check("memory", True, detail)
+    alone = [c for c in needs if needs[c] > USABLE_FRACTION * budget]
+    what = (f"{' and '.join(alone)} alone will not fit" if alone else
+            f"{', '.join(c for c in needs if needs[c])} together will not fit")
+    return Check("memory", False, f"{what}: {detail}",
+                 "use a machine with more memory or GPUs, fewer simulators (env.train.num_envs), a smaller model "
+                 "(model=openvla_oft_tiny), LoRA instead of "
+                 "actor.fsdp.full_finetune, actor.enable_offload=true, or a smaller actor.micro_batch_size")
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray
+# --------------------------------------------------------------------------------------------------
+def check_ray(cfg: DictConfig) -> Check:
+    from embodirl.config import use_ray
+    from embodirl.placement import parse_placement
+
+    if not use_ray(cfg):
+        return Check("ray", True, "not used: this config runs in one process (simulators in sub-processes)")
+    address = cfg.cluster.get("ray_address") or os.environ.get("RAY_ADDRESS")
+    spec = cfg.cluster.component_placement
+    spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
+    if not address:
+        from embodirl.placement import detect_devices
+
+        n, acc = detect_devices(int(cfg.cluster.num_nodes), cfg.cluster.num_gpus_per_node)
+        try:
+            parse_placement(spec, n, acc)
+        except ConfigError as exc:
+            return Check("ray", False, str(exc), _fix_of(str(exc)))
+        return Check("ray", True, f"a local Ray over this machine's {n} {acc.upper()} slot(s) holds the placement")
+    import ray
+
+    try:
+        ray.init(address=address, ignore_reinit_error=True, logging_level="ERROR", log_to_driver=False)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        resources = ray.cluster_resources()
+    except Exception as exc:  # noqa: BLE001 - any connection failure is the finding
+        return Check("ray", False, f"cannot join the Ray cluster at {address}: {exc}",
+                     "start it (ray start --head) or unset RAY_ADDRESS / cluster.ray_address")
+    gpus = int(resources.get("GPU", 0))
+    per_node = gpus // max(1, len(nodes)) if gpus else int(resources.get("CPU", 0)) // max(1, len(nodes))
+    wanted = int(cfg.cluster.num_nodes)
+    if len(nodes) < wanted:
+        return Check("ray", False, f"{len(nodes)} alive node(s) at {address}, cluster.num_nodes={wanted}",
+                     f"start {wanted - len(nodes)} more node(s) with ray start --address, or lower cluster.num_nodes")
+    try:
+        parse_placement(spec, per_node * wanted, "gpu" if gpus else "cpu")
+    except ConfigError as exc:
+        return Check("ray", False, str(exc), _fix_of(str(exc)))
+    return Check("ray", True, f"{len(nodes)} node(s), {gpus} GPU(s), {int(resources.get('CPU', 0))} CPU(s) at {address}")
+
+
+# --------------------------------------------------------------------------------------------------
+# the table and the entry points
+# --------------------------------------------------------------------------------------------------
+def _guarded(name: str, check: Callable[[], Check]) -> Check:
+    """A check that raised is a failed row naming the error, not a traceback."""
+    try:
+        return check()
+    except (ConfigError, AssetsMissing) as exc:
+        return Check(name, False, str(exc), _fix_of(str(exc)))
+    except Exception as exc:  # noqa: BLE001 - doctor reports every failure as a row
+        return Check(name, False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                     "see the message")
+
+
+def fast_checks(cfg: DictConfig) -> list[Check]:
+    adapters = _adapters(cfg)
+    rows = []
+    if "libero" in adapters:
+        rows.append(_guarded("render/mujoco", check_mujoco))
+    if "maniskill" in adapters:
+        rows.append(_guarded("render/vulkan", check_vulkan))
+    rows.append(_guarded("memory", lambda: check_memory(cfg)))
+    return rows
+
+
+def all_checks(cfg: DictConfig) -> list[Check]:
+    from embodirl.config import validate
+
+    def config() -> Check:
+        validate(cfg, check_envs=False)
+        return Check("config", True, "every cross-field rule holds")
+
+    rows = [_guarded("config", config)]
+    rows += fast_checks(cfg)
+    env_keys = ["env.train"] if cfg.env.train == cfg.env.eval else ["env.train", "env.eval"]
+    rows += [_guarded(f"assets/{k.split('.')[-1]}", lambda k=k: check_assets(cfg, k)) for k in env_keys]
+    rows.append(_guarded("dependencies", check_dependencies))
+    rows.append(_guarded("checkpoint", lambda: check_checkpoint(cfg)))
+    rows.append(_guarded("ray", lambda: check_ray(cfg)))
+    order = ["config", "render/mujoco", "render/vulkan", "assets/train", "assets/eval", "dependencies", "checkpoint",
+             "memory", "ray"]
+    return sorted(rows, key=lambda r: order.index(r.name) if r.name in order else len(order))
+
+
+def format_table(rows: list[Check]) -> str:
+    """One line per check (``check  PASS|FAIL  what was found``), each failure followed by its ``fix:`` line."""
+    width = max(len(r.name) for r in rows)
+    lines = [f"{'check':<{width}}  status  found", f"{'-' * width}  ------  {'-' * 40}"]
+    for r in rows:
+        lines.append(f"{r.name:<{width}}  {'PASS' if r.ok else 'FAIL':<6}  {r.detail}")
+        if not r.ok:
+            lines.append(f"{'':<{width}}  {'':<6}  fix: {r.fix}")
+    return "\n".join(lines)
+
+
+class PreflightFailed(RuntimeError):
+    """A fast check failed before workers start; the message is one sentence with the fix."""
+
+
+def preflight(cfg: DictConfig) -> None:
+    """The fast checks for ``embodirl train``/``eval``: raise :class:`PreflightFailed` on the first failure."""
+    for row in fast_checks(cfg):
+        if not row.ok:
+            raise PreflightFailed(f"{row.name}: {row.detail.rstrip('.')}; fix: {row.fix}")
+
+
+def main(overrides: list[str]) -> int:
+    """``embodirl doctor [overrides]``: print the table; 0 when every check passes, 1 otherwise."""
+    from embodirl.config import compose
+
+    cfg = compose(overrides)
+    rows = all_checks(cfg)
+    print(format_table(rows))
+    failed = [r.name for r in rows if not r.ok]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} checks pass" + (f"; failing: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0

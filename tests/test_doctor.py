@@ -1,0 +1,120 @@
+"""``embodirl doctor`` through the real command: every check passes on this machine for the default job and for
+LIBERO with the tiny VLA, and each check fails in turn (missing or incomplete assets, a checkpoint whose head
+RL cannot train, no Vulkan device, too little memory, packages off the lock) with its one-line fix. ``train``
+runs the fast checks before any worker starts: one sentence, exit status 2, nothing written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from embodirl import doctor
+from tests.models.test_openvla_checkpoint import direct_model, oft_action_head_file, write_public_checkpoint
+
+EXE = [sys.executable, "-m", "embodirl.cli"]
+TINY_LIBERO = ["env=libero_10", "model=openvla_oft_tiny"]
+#: a full fine-tune of the 7B model: its optimizer state alone is ~120 GiB, more than any one device holds
+TOO_BIG = ["env=libero_10", "model=openvla_oft", "actor.fsdp.full_finetune=true", "model.lora.enabled=false"]
+
+
+def run(args, cwd, env=None):
+    return subprocess.run([*EXE, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def rows(stdout: str) -> dict[str, tuple[str, str]]:
+    """{check: (status, found)} from the table, and each failure's fix under ``<check>.fix``."""
+    out, last = {}, None
+    for line in stdout.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) >= 2 and parts[1] in ("PASS", "FAIL"):
+            last = parts[0]
+            out[last] = (parts[1], parts[2] if len(parts) > 2 else "")
+        elif line.strip().startswith("fix: ") and last is not None:
+            out[f"{last}.fix"] = ("", line.strip()[len("fix: "):])
+    return out
+
+
+def failing(stdout: str) -> list[str]:
+    return [name for name, (status, _) in rows(stdout).items() if status == "FAIL"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], {"config", "render/vulkan", "assets/train", "dependencies", "checkpoint", "memory", "ray"}),
+    (TINY_LIBERO, {"config", "render/mujoco", "assets/train", "dependencies", "checkpoint", "memory", "ray"}),
+])
+def test_every_check_passes_on_this_machine(overrides, expected, tmp_path):
+    proc = run(["doctor", *overrides], tmp_path)
+    table = rows(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert expected <= set(table) and not failing(proc.stdout), proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_and_incomplete_libero_assets(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run(["doctor", *TINY_LIBERO], tmp_path, env={"EMBODIRL_LIBERO_ASSETS": str(empty)})
+    table = rows(proc.stdout)
+    assert proc.returncode == 1 and failing(proc.stdout) == ["assets/train"], proc.stdout
+    assert "scenes" in table["assets/train"][1] and "EMBODIRL_LIBERO_ASSETS" in table["assets/train.fix"][1]
+    partial = tmp_path / "partial"
+    (partial / "scenes").mkdir(parents=True)
+    proc = run(["doctor", *TINY_LIBERO], tmp_path, env={"EMBODIRL_LIBERO_ASSETS": str(partial)})
+    table = rows(proc.stdout)
+    assert proc.returncode == 1 and failing(proc.stdout) == ["assets/train"], proc.stdout
+    assert "lacks articulated_objects" in table["assets/train"][1]
+
+
+def test_checkpoint_with_an_l1_head_is_not_rl_ready(tmp_path):
+    model = direct_model(seed=3)
+    path = write_public_checkpoint(tmp_path / "l1", model)
+    oft_action_head_file(path, model.cfg.llm_dim, 7)
+    proc = run(["doctor", *TINY_LIBERO, f"model.path={path}"], tmp_path)
+    table = rows(proc.stdout)
+    assert proc.returncode == 1 and failing(proc.stdout) == ["checkpoint"], proc.stdout
+    assert "L1 regression head" in table["checkpoint"][1]
+    assert "fine-tuned with action tokens" in table["checkpoint.fix"][1]
+    # the same checkpoint is fine for evaluation, and doctor says what it holds
+    proc = run(["doctor", *TINY_LIBERO, f"model.path={path}", "runner.only_eval=true"], tmp_path)
+    assert proc.returncode == 0, proc.stdout
+    assert "L1 regression head" in rows(proc.stdout)["checkpoint"][1]
+
+
+def test_no_vulkan_device_in_doctor_and_before_train_starts(tmp_path):
+    no_device = {"VK_ICD_FILENAMES": str(tmp_path / "no_icd.json")}
+    proc = run(["doctor"], tmp_path, env=no_device)
+    table = rows(proc.stdout)
+    assert proc.returncode == 1 and failing(proc.stdout) == ["render/vulkan"], proc.stdout
+    assert "no Vulkan device" in table["render/vulkan"][1] and "scripts/setup.sh" in table["render/vulkan.fix"][1]
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run(["train"], work, env=no_device)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("embodirl: render/vulkan:") and "fix: run scripts/setup.sh" in lines[0]
+    assert list(work.iterdir()) == []
+
+
+def test_too_little_memory_names_the_component(tmp_path):
+    proc = run(["doctor", *TOO_BIG], tmp_path)
+    table = rows(proc.stdout)
+    assert proc.returncode == 1 and "memory" in failing(proc.stdout), proc.stdout
+    assert "actor" in table["memory"][1].split(":")[0] and "will not fit" in table["memory"][1]
+    assert "actor.enable_offload" in table["memory.fix"][1]
+    proc = run(["train", *TOO_BIG], tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "memory: actor" in lines[0], proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_packages_off_the_lock(tmp_path):
+    lock = tmp_path / "constraints.txt"
+    lock.write_text("numpy==0.0.1\nnot-a-real-package-embodirl==1.0\n# comment\n")
+    check = doctor.check_dependencies(lock)
+    assert not check.ok and "2 of 2 packages" in check.detail and "numpy" in check.detail
+    assert "scripts/setup.sh" in check.fix
+    assert doctor.check_dependencies().ok
