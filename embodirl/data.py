@@ -18,8 +18,12 @@ task_id                [N,T]               int64    index into the task/instruct
 action_tokens          [N,T,L]             int64    sampled tokens (token policies)
 action_sample          [N,T,L]             float32  sampled pre-squash actions (Gaussian policies)
 action_chunk           [N,T,H,A]           float32  executed, un-normalised actions
+executed               [N,T,H]             bool     the chunk's action ran (False after an episode ended
+                                                    inside the chunk, and at invalid decisions)
 logprob_behavior       [N,T,L]             float32  log-probs from the rollout worker
 value                  [N,T] or [N,T,H]    float32  chunk- or action-level value (PPO)
+final_value            [N,T] or [N,T,H]    float32  value of the episode's final observation after a decision
+                                                    that truncated it (time limit); 0 elsewhere (PPO)
 reward                 [N,T] or [N,T,H]    float32  chunk reward (sum over H steps) or per step
 terminated             [N,T]               bool     true episode end (success/failure)
 truncated              [N,T]               bool     time limit reached
@@ -52,8 +56,10 @@ TASK_ID = "task_id"
 ACTION_TOKENS = "action_tokens"
 ACTION_SAMPLE = "action_sample"
 ACTION_CHUNK = "action_chunk"
+EXECUTED = "executed"
 LOGPROB_BEHAVIOR = "logprob_behavior"
 VALUE = "value"
+FINAL_VALUE = "final_value"
 REWARD = "reward"
 TERMINATED = "terminated"
 TRUNCATED = "truncated"
@@ -86,8 +92,10 @@ FIELDS: dict[str, FieldSpec] = {
     ACTION_TOKENS: FieldSpec(("L",), torch.int64),
     ACTION_SAMPLE: FieldSpec(("L",), torch.float32),
     ACTION_CHUNK: FieldSpec(("H", "A"), torch.float32, required=True),
+    EXECUTED: FieldSpec(("H",), torch.bool),
     LOGPROB_BEHAVIOR: FieldSpec(("L",), torch.float32),
     VALUE: FieldSpec((), torch.float32, alt_dims=("H",)),
+    FINAL_VALUE: FieldSpec((), torch.float32, alt_dims=("H",)),
     REWARD: FieldSpec((), torch.float32, required=True, alt_dims=("H",)),
     TERMINATED: FieldSpec((), torch.bool, required=True),
     TRUNCATED: FieldSpec((), torch.bool, required=True),

@@ -11,22 +11,27 @@ valid              (N, T) bool          the decision happened
 terminated         (N, T) bool          true episode end after this decision (no bootstrap)
 truncated          (N, T) bool          time limit after this decision (bootstrap)
 bootstrap_value    (N,) or (N, H)       value of the state after the row's last valid decision
+final_value        (N, T) or (N, T, H)  value of a truncated episode's final observation (at its last decision)
+executed           (N, T, H) bool       the chunk's action ran (action level; None: all of a valid decision's)
 reward_baseline    (N,)                 greedy-rollout return from the same init state (``remax``)
 =================  ==================  =======================================================
 
 Time axis. ``reward_type: chunk_level`` uses one step per decision: gamma and lambda apply once per
 decision (an action chunk), not once per low-level step. ``action_level`` (rewards and values
 ``(N, T, H)``) unrolls the chunk into T*H steps, each discounted once; the decision's
-``terminated``/``truncated`` flags take effect after its last action. Action-level rewards with a
-chunk-level critic are summed over the chunk first.
+``terminated``/``truncated`` flags take effect after its last *executed* action (``executed``: an
+episode that ends inside a chunk leaves the rest unexecuted; those steps are invalid, so their values
+are never a successor value). Action-level rewards with a chunk-level critic are summed over the chunk
+first.
 
 Episode ends (``gae``, ``reinforce_plus_plus``). After a decision with ``terminated`` the successor
-value is 0 and the recursion restarts. Otherwise the successor value is bootstrapped: for the row's
-last valid decision it is ``extras.bootstrap_value`` when the batch has one (else 0 at the end of the
-row); elsewhere it is the next decision's recorded value - after a truncation without auto-reset the
-rollout evaluates the frozen final observation there. The recursion also restarts after
-``truncated`` and wherever the next decision is invalid. (With auto-reset a truncation inside a row
-has no recorded final-observation value; the next episode's first value then stands in for it.)
+value is 0 and the recursion restarts. After ``truncated`` (the time limit) it is ``final_value``, the
+value of that episode's own final observation, when the batch has one (the collector records it for
+policies with a value head; with auto-reset the next decision belongs to the next episode). Otherwise
+the successor value is bootstrapped: for the row's last valid decision it is
+``extras.bootstrap_value`` when the batch has one (else 0 at the end of the row); elsewhere it is the
+next decision's recorded value. The recursion also restarts after ``truncated`` and wherever the next
+decision is invalid.
 
 Outcome estimators (``grpo``, ``rloo``, ``remax``) score each row by its total valid reward (one
 episode per row) and give every valid decision of the row the same advantage ``(N, T)``. Groups are
@@ -72,6 +77,8 @@ class AdvantageInputs:
     bootstrap_value: torch.Tensor | None = None
     group_id: torch.Tensor | None = None
     reward_baseline: torch.Tensor | None = None
+    final_value: torch.Tensor | None = None
+    executed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -133,21 +140,30 @@ class _Steps(NamedTuple):
     cut: torch.Tensor           # the recursion restarts after this step
     row_final: torch.Tensor     # the row's last valid step
     bootstrap: torch.Tensor | None  # (N,)
+    truncated: torch.Tensor     # the time limit ended the episode after this step
+    final_value: torch.Tensor | None  # (N, S): V(final observation) at truncated steps
 
 
 def _steps(inp: AdvantageInputs, per_action: bool) -> _Steps:
     """Flatten the inputs to the estimator's time axis (see module docstring)."""
     N, T = inp.valid.shape
-    reward, value, bootstrap = inp.reward, inp.value, inp.bootstrap_value
+    reward, value, bootstrap, final_value = inp.reward, inp.value, inp.bootstrap_value, inp.final_value
+    if final_value is not None and final_value.dim() == 3:
+        final_value = final_value[:, :, 0]  # (N, T): the next state's value is that of its first action
     if per_action:
         H = reward.shape[2]
-        at_chunk_end = torch.zeros(N, T, H, dtype=torch.bool, device=reward.device)
-        at_chunk_end[:, :, -1] = True
-        valid = inp.valid[:, :, None].expand(N, T, H).reshape(N, T * H)  # (N, T*H)
-        terminated = (inp.terminated[:, :, None] & at_chunk_end).reshape(N, T * H)  # (N, T*H)
-        truncated = (inp.truncated[:, :, None] & at_chunk_end).reshape(N, T * H)  # (N, T*H)
+        ran = inp.valid[:, :, None].expand(N, T, H)  # (N, T, H)
+        if inp.executed is not None:
+            ran = ran & inp.executed
+        # the episode's end takes effect after the chunk's last executed action
+        at_last_ran = ran & ~torch.cat([ran[:, :, 1:], torch.zeros_like(ran[:, :, :1])], dim=2)  # (N, T, H)
+        valid = ran.reshape(N, T * H)  # (N, T*H)
+        terminated = (inp.terminated[:, :, None] & at_last_ran).reshape(N, T * H)  # (N, T*H)
+        truncated = (inp.truncated[:, :, None] & at_last_ran).reshape(N, T * H)  # (N, T*H)
         reward = reward.reshape(N, T * H)
         value = value.reshape(N, T * H) if value is not None else None
+        if final_value is not None:
+            final_value = final_value[:, :, None].expand(N, T, H).reshape(N, T * H)  # (N, T*H)
         if bootstrap is not None and bootstrap.dim() == 2:
             bootstrap = bootstrap[:, 0]  # the next state's value is that of its first action
     else:
@@ -161,17 +177,20 @@ def _steps(inp: AdvantageInputs, per_action: bool) -> _Steps:
     # the row's final valid step: valid, and no valid step after it
     later_valid = torch.flip(torch.cumsum(torch.flip(valid.long(), [1]), 1), [1]) - valid.long()  # (N, S)
     return _Steps(reward=reward, value=value, valid=valid, terminated=terminated,
-                  cut=terminated | truncated | ~next_valid, row_final=valid & (later_valid == 0), bootstrap=bootstrap)
+                  cut=terminated | truncated | ~next_valid, row_final=valid & (later_valid == 0), bootstrap=bootstrap,
+                  truncated=truncated, final_value=final_value)
 
 
-def _successor_value(value, term, row_final, bootstrap) -> torch.Tensor:
+def _successor_value(value, steps: _Steps) -> torch.Tensor:
     """V(s_{t+1}) as the module docstring defines it; ``(N, S)``."""
     next_value = torch.zeros_like(value)
     next_value[:, :-1] = value[:, 1:]
-    if bootstrap is not None:
-        next_value = torch.where(row_final, bootstrap[:, None].to(value.dtype), next_value)
+    if steps.bootstrap is not None:
+        next_value = torch.where(steps.row_final, steps.bootstrap[:, None].to(value.dtype), next_value)
     # without bootstrap_value the successor of the row's last step stays 0
-    return torch.where(term, torch.zeros_like(next_value), next_value)
+    if steps.final_value is not None:
+        next_value = torch.where(steps.truncated, steps.final_value.to(value.dtype), next_value)
+    return torch.where(steps.terminated, torch.zeros_like(next_value), next_value)
 
 
 def _group_scores(inp: AdvantageInputs, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +228,7 @@ def gae(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, to
     steps = _steps(inp, per_action)
     value = steps.value.float()  # (N, S)
     N, S = value.shape
-    next_value = _successor_value(value, steps.terminated, steps.row_final, steps.bootstrap)  # (N, S)
+    next_value = _successor_value(value, steps)  # (N, S)
     delta = steps.reward + params.gamma * next_value - value  # (N, S)
     keep = (~steps.cut).to(value.dtype) * (params.gamma * params.gae_lambda)  # (N, S)
     advantage = torch.zeros_like(value)
@@ -299,6 +318,8 @@ def inputs_from_batch(batch: TensorDict, reward_type: str) -> AdvantageInputs:
         bootstrap_value=extra(D.BOOTSTRAP_VALUE),
         group_id=batch.get(D.GROUP_ID)[:, 0] if D.GROUP_ID in batch.keys() else None,
         reward_baseline=extra(REWARD_BASELINE),
+        final_value=batch.get(D.FINAL_VALUE).float() if D.FINAL_VALUE in batch.keys() else None,
+        executed=batch.get(D.EXECUTED) if D.EXECUTED in batch.keys() else None,
     )
 
 
@@ -312,6 +333,8 @@ def compute_advantages(batch: TensorDict, algorithm: Mapping) -> TensorDict:
     advantage, returns = estimator(inp, AdvantageParams.from_config(algorithm))
     if bool(algorithm["normalize_advantages"]):
         valid = inp.valid if advantage.dim() == 2 else inp.valid[:, :, None]
+        if advantage.dim() == 3 and inp.executed is not None:
+            valid = valid & inp.executed  # (N, T, H): unexecuted actions stay out of the statistics
         advantage = masked_whiten(advantage, valid)
     out = batch.copy()
     out.set(D.ADVANTAGE, advantage.float().contiguous())

@@ -184,23 +184,31 @@ def clipped_value_loss(value: torch.Tensor, old_value: torch.Tensor, returns: to
 
 
 # --- normalisers and the full objective ---------------------------------------------------------------
-def loss_masks(valid: torch.Tensor, params: LossParams, *, L: int, action_dim: int,
-               value_dims: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def loss_masks(valid: torch.Tensor, params: LossParams, *, L: int, action_dim: int, value_dims: int = 2,
+               executed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Masks of the policy units ``(N, T, K)``, tokens ``(N, T, L)`` and values ``(N, T)`` or
-    ``(N, T, H)`` (``value_dims`` = 2 or 3) from ``valid`` ``(N, T)``."""
+    ``(N, T, H)`` (``value_dims`` = 2 or 3) from ``valid`` ``(N, T)``.
+
+    ``executed`` ``(N, T, H)`` (None: every action of a valid decision ran): actions an episode's end
+    inside the chunk left unexecuted are masked out - their tokens, their action units, their values;
+    a chunk unit sums the log-ratios of the executed tokens only (see :func:`compute_loss`)."""
     N, T = valid.shape
-    policy_mask = expand_to_units(valid, params.logprob_type, L, action_dim)
-    token_mask = valid[:, :, None].expand(N, T, L)
-    value_mask = valid if value_dims == 2 else valid[:, :, None].expand(N, T, L // action_dim)
+    H = L // action_dim
+    ran = valid[:, :, None].expand(N, T, H)  # (N, T, H)
+    if executed is not None:
+        ran = ran & executed
+    token_mask = ran.repeat_interleave(action_dim, dim=2)  # (N, T, L), tokens action-major
+    policy_mask = {"token": token_mask, "action": ran, "chunk": valid[:, :, None]}[params.logprob_type]
+    value_mask = valid if value_dims == 2 else ran
     return policy_mask, token_mask, value_mask
 
 
 def normalisers(valid: torch.Tensor, params: LossParams, *, L: int, action_dim: int,
-                value_dims: int = 2) -> torch.Tensor:
+                value_dims: int = 2, executed: torch.Tensor | None = None) -> torch.Tensor:
     """This piece's share of the global denominators, float32 ``(6,)`` in :data:`NORMALISER_KEYS`
     order: the aggregation denominators of the policy, token (entropy, KL) and value losses, then
     the valid unit counts that metrics average over. Sum over all pieces of the global batch."""
-    masks = loss_masks(valid, params, L=L, action_dim=action_dim, value_dims=value_dims)
+    masks = loss_masks(valid, params, L=L, action_dim=action_dim, value_dims=value_dims, executed=executed)
     agg = [aggregation.local_denominator(m, params.loss_agg_func) for m in masks]
     units = [m.sum().to(torch.float32) for m in masks]
     return torch.stack(agg + units)
@@ -225,8 +233,10 @@ def compute_loss(out: Mapping[str, torch.Tensor], batch: TensorDict, *, old_logp
     logprob = out[LOGPROB].float()  # (n, T, L)
     n, T, L = logprob.shape
     valid = batch.get(D.VALID)  # (n, T)
+    executed = batch.get(D.EXECUTED) if D.EXECUTED in batch.keys() else None  # (n, T, H)
     value_dims = out[D.VALUE].dim() if D.VALUE in out else 2
-    policy_mask, token_mask, value_mask = loss_masks(valid, params, L=L, action_dim=action_dim, value_dims=value_dims)
+    policy_mask, token_mask, value_mask = loss_masks(valid, params, L=L, action_dim=action_dim, value_dims=value_dims,
+                                                     executed=executed)
 
     # policy loss at the configured ratio level
     zero_tok = torch.zeros_like(logprob)

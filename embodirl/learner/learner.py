@@ -205,7 +205,8 @@ class Learner:
             for start in range(0, N, rows_per_step):
                 rows = order[start:start + rows_per_step]
                 norms = fsdp.all_reduce_(losses.normalisers(
-                    batch.get(D.VALID)[rows], params, L=L, action_dim=action_dim, value_dims=value_dims
+                    batch.get(D.VALID)[rows], params, L=L, action_dim=action_dim, value_dims=value_dims,
+                    executed=batch.get(D.EXECUTED)[rows] if D.EXECUTED in batch.keys() else None,
                 ).to(self.device))
                 if float(norms[losses.NORMALISER_KEYS.index("token_units")]) == 0:
                     # no valid decision on any rank (e.g. every group filtered): an applied step would

@@ -17,6 +17,12 @@ Episode bookkeeping:
 * an episode cut by the horizon ``T`` (last decision valid and not done) gets
   ``extras.bootstrap_value`` = the value of the observation after its last chunk (policies with a value
   head; zero for rows that ended);
+* an episode the time limit truncates gets ``final_value`` at its last decision = the value of its own
+  final observation (policies with a value head): the observation the env returned without
+  auto-reset, ``info["final_obs"]`` with it (the returned one belongs to the next episode). Inside a row
+  it is asked for beside the next decision; at the row's end it shares the bootstrap request;
+* ``executed`` marks the actions of each chunk that ran (``info["steps"]``): an episode that ends inside
+  a chunk leaves the rest of it unexecuted;
 * observers (one per stage, e.g. :class:`~embodirl.envs.video.VideoRecorder`) see every
   ``reset``/``step`` of the main pass through ``on_reset(info)`` / ``on_step(reward, terminated,
   truncated, info)`` and are flushed at the end;
@@ -88,8 +94,18 @@ class _Stage:
     observer: EpisodeObserver | None = None
     pending: Pending | None = None
     bootstrap: Pending | None = None   # value request for the observation after the last decision
+    bootstrap_truncated: np.ndarray | None = None   # (B,) rows whose bootstrap request holds a final obs
+    final: tuple[int, np.ndarray, Pending] | None = None   # (decision, truncated rows, value request)
     bootstrap_value: np.ndarray | None = None   # (B,) or (B, H); zero for rows that ended
     finished_at: int | None = None     # decision index at which every slot had ended
+
+
+def _merge_rows(obs: dict, final_obs: dict | None, rows: np.ndarray) -> dict:
+    """``obs`` with the ``rows`` (bool ``[B]``) taken from ``final_obs`` (None: ``obs`` unchanged)."""
+    if final_obs is None or not rows.any():
+        return obs
+    return {key: np.where(rows.reshape(-1, *([1] * (np.ndim(value) - 1))), final_obs[key], value)
+            for key, value in obs.items()}
 
 
 class RolloutCollector:
@@ -186,6 +202,7 @@ class RolloutCollector:
     def _decide(self, t: int, stage: _Stage) -> None:
         t0 = time.perf_counter()
         out = stage.pending.result()
+        self._take_final_values(stage)
         t1 = time.perf_counter()
         stage.pending = None
         rec = stage.recorder
@@ -197,7 +214,8 @@ class RolloutCollector:
         self.stats.env_s += t2 - t1
         self.stats.infer_s += out.timings.get("infer_s", 0.0)
         self.stats.decisions += 1
-        rec.record_step(t, reward, terminated, truncated, info["success"])
+        rec.record_step(t, reward, terminated, truncated, info["success"], steps=info.get("steps"),
+                        chunk=np.asarray(out.action_chunk).shape[1])
         if stage.observer is not None:
             stage.observer.on_step(reward, terminated, truncated, info)
         restarted = np.asarray(info.get("restarted", np.zeros(self.B, bool)), bool)
@@ -211,13 +229,32 @@ class RolloutCollector:
             stage.alive &= ~(np.asarray(terminated, bool) | np.asarray(truncated, bool))
         stage.obs = obs
         last = t + 1 == self.T
+        truncated_rows = rec.truncated[:, t].copy()                       # (B,) valid decisions only
+        # the observation after each row's chunk in its own episode: with auto-reset an ended episode's
+        # final observation is in info (the returned one starts the next episode)
+        after = _merge_rows(obs, info.get("final_obs"), truncated_rows) if self.auto_reset else obs
+        if self.return_value and truncated_rows.any() and not last:
+            stage.final = (t, truncated_rows, self.inference.submit(after, return_value=True))
         if not last and not stage.alive.any():
             stage.finished_at = t + 1          # every episode of the stage ended: stop stepping
             rec.mark_rest_invalid(t + 1)
+            self._take_final_values(stage)
         elif not last:
             stage.pending = self.inference.submit(obs, return_value=self.return_value)
-        elif self.return_value and self._cut_rows(stage).any():
-            stage.bootstrap = self.inference.submit(obs, return_value=True)
+        elif self.return_value and (self._cut_rows(stage).any() or truncated_rows.any()):
+            stage.bootstrap = self.inference.submit(after, return_value=True)
+            stage.bootstrap_truncated = truncated_rows
+
+    def _take_final_values(self, stage: _Stage) -> None:
+        """Record the answer to an earlier decision's final-observation value request."""
+        if stage.final is None:
+            return
+        t, rows, pending = stage.final
+        stage.final = None
+        t0 = time.perf_counter()
+        values = pending.result().fields[D.VALUE]
+        self.stats.wait_s += time.perf_counter() - t0
+        stage.recorder.record_final_value(t, rows, values)
 
     def _cut_rows(self, stage: _Stage) -> np.ndarray:
         rec = stage.recorder
@@ -260,10 +297,13 @@ class RolloutCollector:
         shape = (self.B, *value.shape[2:]) if value is not None else (self.B,)
         bootstrap = np.zeros(shape, np.float32)                          # (B,) or (B, H)
         cut = self._cut_rows(stage)
-        if cut.any() and stage.bootstrap is not None:
+        if stage.bootstrap is not None:
             t0 = time.perf_counter()
             values = np.asarray(stage.bootstrap.result().fields[D.VALUE], np.float32)
             self.stats.wait_s += time.perf_counter() - t0
             bootstrap[cut] = values[cut]
+            if stage.bootstrap_truncated is not None and stage.bootstrap_truncated.any():
+                rec.record_final_value(self.T - 1, stage.bootstrap_truncated, values)
         stage.bootstrap = None
+        stage.bootstrap_truncated = None
         return bootstrap

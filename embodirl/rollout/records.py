@@ -9,7 +9,11 @@ and is filled one decision at a time, in the order the collector sees things:
    policy-space actions ``action_tokens``/``action_sample``, ``logprob_behavior``, ``value``) and the
    ``weight_version`` that produced it;
 3. :meth:`~DecisionRecorder.record_step` - what the env returned for that chunk (``reward``,
-   ``terminated``, ``truncated``, ``success``); rewards and done flags of invalid decisions are zeroed.
+   ``terminated``, ``truncated``, ``success``, and which of its actions ran: ``executed``); rewards and
+   done flags of invalid decisions are zeroed;
+4. :meth:`~DecisionRecorder.record_final_value` - for policies with a value head, the value of the final
+   observation of each episode the chunk truncated (``final_value``; zeros wherever values exist
+   otherwise).
 
 :meth:`~DecisionRecorder.build` turns the buffers into a validated :class:`tensordict.TensorDict`
 with batch dims ``[B, T]`` (see :mod:`embodirl.data`), adding the per-episode fields ``group_id``,
@@ -32,7 +36,7 @@ POLICY_FIELDS = (D.ACTION_CHUNK, D.ACTION_TOKENS, D.ACTION_SAMPLE, D.LOGPROB_BEH
 _DTYPES = {
     D.IMAGES: np.uint8, D.STATE: np.float32, D.TASK_ID: np.int64, D.ACTION_CHUNK: np.float32,
     D.ACTION_TOKENS: np.int64, D.ACTION_SAMPLE: np.float32, D.LOGPROB_BEHAVIOR: np.float32,
-    D.VALUE: np.float32, D.REWARD: np.float32,
+    D.VALUE: np.float32, D.REWARD: np.float32, D.FINAL_VALUE: np.float32, D.EXECUTED: np.bool_,
 }
 
 
@@ -82,14 +86,21 @@ class DecisionRecorder:
         for key in POLICY_FIELDS:
             if key in out:
                 self._put(key, t, out[key])
+        if D.VALUE in self._buf and D.FINAL_VALUE not in self._buf:
+            self._buf[D.FINAL_VALUE] = np.zeros_like(self._buf[D.VALUE])   # (B, T) or (B, T, H)
         self.weight_version[:, t] = int(weight_version)
 
     def record_step(self, t: int, reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-                    success: np.ndarray) -> None:
+                    success: np.ndarray, steps: np.ndarray | None = None, chunk: int | None = None) -> None:
         """The env's answer to decision ``t``'s chunk: reward ``[B]`` (chunk level) or ``[B, H]``
-        (action level), done flags and success-so-far ``[B]``. Invalid decisions get zero reward and
-        no done flag; ``success`` carries over from the last valid decision."""
+        (action level), done flags and success-so-far ``[B]``, and ``steps`` ``[B]``: how many of the
+        chunk's ``chunk`` (H) actions ran (None: all; an episode that ends inside the chunk runs fewer).
+        Invalid decisions get zero reward, no done flag and no executed action; ``success`` carries over
+        from the last valid decision."""
         valid = self.valid[:, t]
+        if chunk is not None:
+            ran = np.full(self.B, chunk, np.int64) if steps is None else np.asarray(steps, np.int64)
+            self._put(D.EXECUTED, t, (np.arange(chunk)[None, :] < ran[:, None]) & valid[:, None])   # (B, H)
         reward = to_numpy(reward).astype(np.float32, copy=True)
         reward[~valid] = 0.0
         self._put(D.REWARD, t, reward)
@@ -98,6 +109,15 @@ class DecisionRecorder:
         previous = self.success[:, t - 1] if t > 0 else np.zeros(self.B, bool)
         self.success[:, t] = np.where(valid, np.asarray(success, bool), previous)
         self.steps_recorded = max(self.steps_recorded, t + 1)
+
+    def record_final_value(self, t: int, rows: np.ndarray, value: np.ndarray) -> None:
+        """``final_value`` of decision ``t`` for the bool ``rows`` ``[B]`` whose episode it truncated:
+        the critic's value ``[B]`` or ``[B, H]`` of each episode's final observation (other rows ignored)."""
+        value = to_numpy(value).astype(np.float32)
+        buf = self._buf.get(D.FINAL_VALUE)
+        if buf is None:
+            buf = self._buf[D.FINAL_VALUE] = np.zeros((self.B, self.T, *value.shape[1:]), np.float32)
+        buf[rows, t] = value[rows]
 
     def mark_rest_invalid(self, t: int) -> None:
         """Decisions ``t ..`` did not happen (every episode had ended): invalid, zero records, success
