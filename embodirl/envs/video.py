@@ -7,7 +7,7 @@ executed low-level step (cameras side by side), ``info["reset_frames"][i]`` the 
 episode. Frames stream into an open ffmpeg writer (no episode is held in memory); when the episode
 ends the file is renamed to its final name, which says whether it succeeded::
 
-    <out_dir>/step_000120/libero_10_env3_task3_ep2_success.mp4
+    <out_dir>/step_120/libero_10_env3_task3_ep2_success.mp4
 
 A restarted simulator's episode is invalid: its partial video is discarded.
 """
@@ -39,16 +39,22 @@ CAPTION_TEXT = (255, 255, 255)
 CAPTION_SUCCESS = (80, 230, 80)
 
 
-def episode_video_name(step: int, env_name: str, task_id: int, episode: int, success: bool,
+def step_folder(step: int | None) -> str:
+    """``step_<n>``, the one step-folder format of a run (checkpoints, evaluations, videos); ``""`` for None
+    (a recorder whose output folder already is a step's, as evaluation's ``eval/step_<n>/videos/``)."""
+    return "" if step is None else f"step_{int(step)}"
+
+
+def episode_video_name(step: int | None, env_name: str, task_id: int, episode: int, success: bool,
                        env_id: int | None = None) -> str:
-    """Relative file name of one episode's video, e.g. ``step_000120/libero_10_env3_task3_ep2_success.mp4``."""
+    """Relative file name of one episode's video, e.g. ``step_120/libero_10_env3_task3_ep2_success.mp4``."""
     env_part = "" if env_id is None else f"_env{env_id}"
     outcome = "success" if success else "fail"
-    return f"step_{step:06d}/{env_name}{env_part}_task{task_id}_ep{episode}_{outcome}.mp4"
+    return str(Path(step_folder(step)) / f"{env_name}{env_part}_task{task_id}_ep{episode}_{outcome}.mp4")
 
 
-def grid_video_name(step: int, env_name: str) -> str:
-    return f"step_{step:06d}/{env_name}_grid.mp4"
+def grid_video_name(step: int | None, env_name: str) -> str:
+    return str(Path(step_folder(step)) / f"{env_name}_grid.mp4")
 
 
 def tile(frames: Sequence[np.ndarray | None], cols: int | None = None) -> np.ndarray:
@@ -181,7 +187,7 @@ class VideoRecorder:
     overlay: bool = True
     grid: bool = False
     env_offset: int = 0
-    step: int = 0
+    step: int | None = 0                 # None: files straight in out_dir (no step_<n> folder)
     written: list[Path] = field(default_factory=list)
 
     def __post_init__(self):
@@ -195,7 +201,7 @@ class VideoRecorder:
         self._panel_last: dict[int, np.ndarray | None] = {i: None for i in self.env_ids}
 
     @classmethod
-    def for_env(cls, venv, out_dir: str | os.PathLike, video_cfg: Mapping, *, env_offset: int = 0, step: int = 0,
+    def for_env(cls, venv, out_dir: str | os.PathLike, video_cfg: Mapping, *, env_offset: int = 0, step: int | None = 0,
                 grid: bool = False) -> VideoRecorder:
         """A recorder of ``venv.record_env_ids`` named after ``venv.spec`` with an env config's ``video``
         settings (``fps``, ``overlay``)."""
@@ -278,7 +284,7 @@ class VideoRecorder:
     def _begin(self, i: int, task_id: int, frame: np.ndarray) -> None:
         if i in self._episodes and not self._episodes[i].finished:
             self._discard(self._episodes[i])          # a reset in the middle of an episode
-        writer = None if self.grid else VideoWriter(self.out_dir / f"step_{self.step:06d}", self.fps)
+        writer = None if self.grid else VideoWriter(self.out_dir / step_folder(self.step), self.fps)
         episode = _Episode(writer, task_id)
         self._episodes[i] = episode
         self._add(i, episode, frame, None)
@@ -318,7 +324,7 @@ class VideoRecorder:
         if count == 0:
             return
         if self._grid_writer is None:
-            self._grid_writer = VideoWriter(self.out_dir / f"step_{self.step:06d}", self.fps)
+            self._grid_writer = VideoWriter(self.out_dir / step_folder(self.step), self.fps)
         for t in range(count):
             row = []
             for i in self.env_ids:

@@ -46,7 +46,7 @@ from embodirl.rollout.collector import RolloutCollector, RolloutStats
 from embodirl.rollout.inference import PolicyInference
 from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
-from embodirl.runner.evaluation import Evaluator, eval_schedule, protocol_env_cfg
+from embodirl.runner.evaluation import Evaluator, check_eval_episodes, eval_schedule, protocol_env_cfg, select_episodes
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,8 @@ class InProcessBackend(_Closing):
         if self.evaluator is None:
             # its simulators are kept for later evaluations, seeded as this first one
             self.evaluator = Evaluator(protocol_env_cfg(to_plain(self.cfg.env.eval), r.get("eval_protocol")), seed=seed,
-                                       episodes_per_task=r.eval_episodes_per_task, num_videos=int(r.eval_num_videos))
+                                       episodes_per_task=r.eval_episodes_per_task, num_videos=int(r.eval_num_videos),
+                                       episodes=check_eval_episodes(r))
         self.policy.eval()
         return self.evaluator.run(self.policy, out_dir=out_dir, step=step, greedy=bool(r.eval_greedy),
                                   temperature=float(self.cfg.rollout.temperature))
@@ -288,6 +289,8 @@ class RayBackend(_Closing):
 
     def _worker_config(self, cfg: DictConfig) -> DictConfig:
         worker_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        if check_eval_episodes(cfg.runner) is not None:     # chosen episodes: every one with its video
+            num_videos = int(env_cfg["num_envs"])
         worker_cfg.env.train = _train_env_cfg(cfg)
         worker_cfg.env.eval = self._eval_cfg
         return worker_cfg
@@ -334,7 +337,8 @@ class RayBackend(_Closing):
         t_start = time.perf_counter()
         out_dir = Path(out_dir).resolve()
         spec = self.groups.eval_spec()
-        schedule = eval_schedule(self._eval_cfg, len(spec.task_descriptions))
+        chosen = check_eval_episodes(self.cfg.runner)
+        schedule = select_episodes(eval_schedule(self._eval_cfg, len(spec.task_descriptions)), chosen)
         N = int(self._eval_cfg["num_envs"])
         num_videos = len(self._eval_cfg["video"]["env_ids"])
         results: list[EpisodeResult] = []
@@ -342,10 +346,12 @@ class RayBackend(_Closing):
         for start in range(0, len(schedule), N):
             part = schedule[start:start + N]
             padded = part + [part[-1]] * (N - len(part))     # keep every slot busy; extra rows are dropped
-            starts = EpisodeStarts(np.asarray([t for t, _ in padded], np.int64),
-                                   np.asarray([k for _, k in padded], np.int64))
-            video_dir = str(out_dir / "videos") if start == 0 and num_videos else None
-            traj = self.groups.evaluate(starts, seed=seed + start, video_dir=video_dir, step=step)
+            starts = EpisodeStarts(np.asarray([t for _, t, _ in padded], np.int64),
+                                   np.asarray([k for _, _, k in padded], np.int64))
+            video_dir = str(out_dir / "videos") if (start == 0 or chosen) and num_videos else None
+            batch_seed = seed + part[0][0]                  # slot i: seed + episode_ix in the whole sweep
+            # step=None: the files go straight into <out_dir>/videos/ (out_dir is the evaluation's step folder)
+            traj = self.groups.evaluate(starts, seed=batch_seed, video_dir=video_dir, step=None)
             # the collector runs an episode a simulator crash cut short again from its start: count them
             reruns += sum(s.recollected_rows for s in self.groups.eval_env.last_stats())
             lengths = self.groups.eval_env.episode_lengths()                                  # (N,)
@@ -385,10 +391,11 @@ def _videos_by_slot(paths: list[str], num_videos: int, out_dir: Path) -> dict[in
     return videos
 
 
-def _episode_results(traj, part: list[tuple[int, int]], spec, lengths: np.ndarray,
-                     videos: Mapping[int, str]) -> list[EpisodeResult]:
+def _episode_results(traj, part: list[tuple[int, int, int]], spec, lengths: np.ndarray,
+                     videos: Mapping[int, str], seed: int | None = None) -> list[EpisodeResult]:
     """One :class:`EpisodeResult` per scheduled ``(task_id, init_state_id)`` from an evaluation
-    trajectory ``[N, T]`` (one episode per row; padding rows beyond ``part`` are dropped)."""
+    trajectory ``[N, T]`` (one episode per row; padding rows beyond ``part`` are dropped); ``seed``: the sweep's
+    base seed (episode ``j`` is reset with ``seed + j``)."""
     valid = traj.get(D.VALID)                                                    # (N, T)
     reward = traj.get(D.REWARD)
     reward = reward.sum(-1) if reward.dim() == 3 else reward                     # (N, T)
@@ -396,5 +403,11 @@ def _episode_results(traj, part: list[tuple[int, int]], spec, lengths: np.ndarra
     episode_return = (reward * valid).sum(-1)                                    # (N,)
     return [EpisodeResult(suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id],
                           init_state_id=init_id, success=bool(success[i]), episode_return=float(episode_return[i]),
-                          length=int(lengths[i]), video_path=videos.get(i))
-            for i, (task_id, init_id) in enumerate(part)]
+                          length=int(lengths[i]), video_path=videos.get(i), episode_ix=episode_ix,
+                          seed=None if seed is None else seed + episode_ix,
+                          max_reward=float(max_reward[i]) if bool(valid[i].any()) else None)
+            for i, (episode_ix, task_id, init_id) in enumerate(part)]
+    step_reward = traj.get(D.REWARD)
+    step_reward = step_reward if step_reward.dim() == 3 else step_reward[..., None]  # (N, T, H or 1)
+    # chunk-level rewards on this path: the largest chunk (or step, action-level) reward of the episode
+    max_reward = step_reward.masked_fill(~valid[..., None], float("-inf")).amax(dim=(1, 2))   # (N,)

@@ -1,24 +1,37 @@
-"""Evaluation results: ``eval_info.json``, a console table and a PNG of per-task success.
+"""Evaluation results: ``eval_info.json``, a console table and a PNG of per-task success, with 95 % intervals.
 
-``eval_info.json`` follows the shape LeRobot users know, extended with suites::
+``eval_info.json`` carries embodirl's keys and, next to them, those of LeRobot's multi-task evaluation
+(``eval_policy_all`` in ``src/lerobot/scripts/lerobot_eval.py`` of huggingface/lerobot, commit 7427f318:
+``per_task[*].{task_group, task_id, metrics}``, ``per_group``, ``overall.{avg_sum_reward, avg_max_reward,
+pc_success, n_episodes, eval_s, eval_ep_s, video_paths}``, per episode ``sum_reward, max_reward, success,
+seed``), so the file reads in LeRobot users' tooling. A task group is a suite::
 
     {
-      "per_episode": [{"episode_ix", "suite", "task_id", "task", "init_state_id", "success",
-                       "return", "length", "video_path", "crashed"}, ...],
-      "per_task":    [{"suite", "task_id", "task", "n_episodes", "success_rate", "avg_return",
-                       "avg_length", "video_paths"}, ...],
-      "per_suite":   {"<suite>": {"n_episodes", "n_tasks", "success_rate", "avg_return", "avg_length"}},
-      "overall":     {"n_episodes", "success_rate", "avg_return", "avg_length", "n_crashed",
-                      "n_rerun_after_crash", "eval_s", "video_paths"}
+      "per_episode": [{"episode_ix", "suite", "task_id", "task", "init_state_id", "seed", "success",
+                       "return", "sum_reward", "max_reward", "length", "video_path", "crashed"}, ...],
+      "per_task":    [{"suite", "task_group", "task_id", "task", "n_episodes", "n_successes", "success_rate",
+                       "success_rate_ci95", "pc_success", "avg_return", "avg_length", "video_paths",
+                       "metrics": {"sum_rewards", "max_rewards", "successes", "video_paths"}}, ...],
+      "per_suite":   {"<suite>": {"n_episodes", "n_tasks", "n_successes", "success_rate", "success_rate_ci95",
+                                  "avg_return", "avg_length", ...LeRobot's keys}},
+      "per_group":   the same as per_suite (LeRobot's name),
+      "overall":     {"n_episodes", "n_successes", "success_rate", "success_rate_ci95", "avg_return", "avg_length",
+                      "n_crashed", "n_rerun_after_crash", "eval_s", "eval_ep_s", "pc_success", "avg_sum_reward",
+                      "avg_max_reward", "video_paths"}
     }
 
-The suite success rate averages episodes (every task has the same number of trials in the standard
-protocol, so this equals the mean of per-task rates there).
+``success_rate_ci95`` is the Wilson score interval at 95 % ([low, high], :func:`wilson_interval`): unlike
+p ± 1.96·sqrt(p(1-p)/n) it stays inside [0, 1] and does not collapse to a point at 0 or n successes, which
+is where small per-task samples often sit. The suite success rate averages episodes (every task has the
+same number of trials in the standard protocol, so this equals the mean of per-task rates there), and its
+interval treats the suite's episodes as one sample. ``seed`` and ``init_state_id`` with ``task_id`` say
+how to run an episode again (``runner.eval_episodes=[<episode_ix>, ...]``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -36,15 +49,50 @@ class EpisodeResult:
     length: int
     video_path: str | None = None
     crashed: bool = False          # the simulator crashed mid-episode: counted as a failure
+    seed: int | None = None        # the seed the episode's simulator was reset with
+    max_reward: float | None = None  # the largest single-step reward (LeRobot's max_reward)
+    episode_ix: int | None = None  # its index in the evaluation sweep (None: its position in the list)
+
+
+#: two-sided 95 % normal quantile
+Z95 = 1.959963984540054
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for ``successes`` of ``n`` Bernoulli trials (Wilson 1927; Newcombe 1998,
+    method 3): ``(centre ± half) `` with ``centre = (p + z²/2n) / (1 + z²/n)`` and
+    ``half = z / (1 + z²/n) · sqrt(p(1-p)/n + z²/4n²)``. ``n = 0`` gives (0, 1)."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _summary(episodes: list[EpisodeResult]) -> dict:
     n = len(episodes)
+    k = sum(bool(e.success) for e in episodes)
+    low, high = wilson_interval(k, n)
+    returns = [e.episode_return for e in episodes]
+    max_rewards = [e.max_reward for e in episodes if e.max_reward is not None]
+    rate = k / n if n else 0.0
     return {
         "n_episodes": n,
-        "success_rate": sum(e.success for e in episodes) / n if n else 0.0,
-        "avg_return": sum(e.episode_return for e in episodes) / n if n else 0.0,
-        "avg_length": sum(e.length for e in episodes) / n if n else 0.0,
+        "n_successes": k,
+        "success_rate": rate,
+        "success_rate_ci95": [round(low, 6), round(high, 6)],
+        "avg_return": _mean(returns) or 0.0,
+        "avg_length": _mean([e.length for e in episodes]) or 0.0,
+        # LeRobot's names
+        "pc_success": 100.0 * rate,
+        "avg_sum_reward": _mean(returns) or 0.0,
+        "avg_max_reward": _mean(max_rewards),
     }
 
 
@@ -59,21 +107,30 @@ def build_eval_info(episodes: Iterable[EpisodeResult], eval_s: float | None = No
         by_suite[ep.suite].append(ep)
     per_task = []
     for (suite, task_id), eps in sorted(by_task.items()):
-        per_task.append({"suite": suite, "task_id": task_id, "task": eps[0].task, **_summary(eps),
-                         "video_paths": [e.video_path for e in eps if e.video_path]})
-    per_suite = {suite: {**_summary(eps), "n_tasks": len({e.task_id for e in eps})}
+        videos = [e.video_path for e in eps if e.video_path]
+        per_task.append({"suite": suite, "task_group": suite, "task_id": task_id, "task": eps[0].task,
+                         **_summary(eps), "video_paths": videos,
+                         "metrics": {"sum_rewards": [e.episode_return for e in eps],
+                                     "max_rewards": [e.max_reward for e in eps],
+                                     "successes": [bool(e.success) for e in eps], "video_paths": videos}})
+    per_suite = {suite: {**_summary(eps), "n_tasks": len({e.task_id for e in eps}),
+                         "video_paths": [e.video_path for e in eps if e.video_path]}
                  for suite, eps in sorted(by_suite.items())}
     overall = {**_summary(episodes), "n_crashed": sum(e.crashed for e in episodes),
                "n_rerun_after_crash": int(rerun_after_crash),
                "video_paths": [e.video_path for e in episodes if e.video_path]}
     if eval_s is not None:
         overall["eval_s"] = round(eval_s, 3)
+        overall["eval_ep_s"] = round(eval_s / max(1, len(episodes)), 4)
     per_episode = []
     for i, ep in enumerate(episodes):
         record = asdict(ep)
         record["return"] = record.pop("episode_return")
-        per_episode.append({"episode_ix": i, **record})
-    return {"per_episode": per_episode, "per_task": per_task, "per_suite": per_suite, "overall": overall}
+        record["sum_reward"] = record["return"]
+        ix = record.pop("episode_ix")
+        per_episode.append({"episode_ix": i if ix is None else ix, **record})
+    return {"per_episode": per_episode, "per_task": per_task, "per_suite": per_suite, "per_group": per_suite,
+            "overall": overall}
 
 
 def write_eval_info(info: dict, output_dir: str | Path) -> Path:
@@ -90,20 +147,41 @@ def print_table(info: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="evaluation")
-    for column in ("suite", "task", "episodes", "success", "return", "length"):
+    table = Table(title="evaluation (success with its 95 % Wilson interval)")
+    for column in ("suite", "task", "episodes", "success", "95 % interval", "return", "length"):
         table.add_column(column, justify="left" if column in ("suite", "task") else "right")
     for row in info["per_task"]:
         table.add_row(row["suite"], f"{row['task_id']}: {row['task'][:60]}", str(row["n_episodes"]),
-                      f"{row['success_rate']:.1%}", f"{row['avg_return']:.3g}", f"{row['avg_length']:.1f}")
+                      f"{row['success_rate']:.1%}", _interval(row), f"{row['avg_return']:.3g}",
+                      f"{row['avg_length']:.1f}")
+    if len(info["per_suite"]) > 1:
+        for suite, row in info["per_suite"].items():
+            table.add_row(suite, "(suite)", str(row["n_episodes"]), f"{row['success_rate']:.1%}", _interval(row),
+                          f"{row['avg_return']:.3g}", f"{row['avg_length']:.1f}", style="italic")
     o = info["overall"]
-    table.add_row("all", "", str(o["n_episodes"]), f"{o['success_rate']:.1%}", f"{o['avg_return']:.3g}",
+    table.add_row("all", "", str(o["n_episodes"]), f"{o['success_rate']:.1%}", _interval(o), f"{o['avg_return']:.3g}",
                   f"{o['avg_length']:.1f}", style="bold")
     Console().print(table)
 
 
+def _interval(row: dict) -> str:
+    low, high = row.get("success_rate_ci95") or wilson_interval(row.get("n_successes", 0), row["n_episodes"])
+    return f"[{100 * low:.1f}, {100 * high:.1f}]"
+
+
 def plot_success(info: dict, path: str | Path) -> Path:
-    """A horizontal bar chart of per-task success rates (PNG)."""
+    """A horizontal bar chart of per-task success rates with their 95 % intervals as error bars (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = success_figure(info)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def success_figure(info: dict):
+    """The figure :func:`plot_success` saves (matplotlib, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,17 +190,21 @@ def plot_success(info: dict, path: str | Path) -> Path:
     rows = info["per_task"]
     labels = [f"{r['suite']} {r['task_id']}: {r['task'][:48]}" for r in rows]
     rates = [100.0 * r["success_rate"] for r in rows]
+    intervals = [r.get("success_rate_ci95") or wilson_interval(r["n_successes"], r["n_episodes"]) for r in rows]
+    below = [max(0.0, rate - 100.0 * lo) for rate, (lo, _) in zip(rates, intervals, strict=True)]
+    above = [max(0.0, 100.0 * hi - rate) for rate, (_, hi) in zip(rates, intervals, strict=True)]
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.4))
-    ax.barh(range(len(rows)), rates, color="#4c72b0")
+    ax.barh(range(len(rows)), rates, color="#4c72b0", xerr=[below, above],
+            error_kw={"ecolor": "#222222", "capsize": 3, "elinewidth": 1})
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 100)
     ax.set_xlabel("success rate (%)")
-    ax.set_title(f"overall {100.0 * info['overall']['success_rate']:.1f}% over {info['overall']['n_episodes']} episodes")
+    o = info["overall"]
+    low, high = o.get("success_rate_ci95") or wilson_interval(o["n_successes"], o["n_episodes"])
+    ax.set_title(f"overall {100.0 * o['success_rate']:.1f}% [{100 * low:.1f}, {100 * high:.1f}] over "
+                 f"{o['n_episodes']} episodes (bars: 95 % Wilson intervals)")
     for i, rate in enumerate(rates):
-        ax.text(min(rate + 1, 92), i, f"{rate:.0f}%", va="center", fontsize=7)
+        ax.text(min(rate + above[i] + 1, 92), i, f"{rate:.0f}%", va="center", fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

@@ -6,6 +6,12 @@ state k, 50 trials per task in the standard protocol) or, for adapters without f
 auto-reset; each episode ends at termination or at the time limit. The first ``num_videos`` episodes
 are recorded (every low-level step, with the info overlay). An episode whose simulator crashed and was
 replaced (``info["restarted"]``) ends there as a failure and is counted in ``n_crashed``.
+
+Episode ``j`` of the sweep is reset with seed ``seed + j`` (slot ``i`` of the batch starting at ``j - i``),
+its ``seed`` in ``eval_info.json``. ``runner.eval_episodes=[j, ...]`` runs only those episodes of the sweep,
+each with its video. An episode is fixed by its (task, init state): the adapters seed the scene from them, and
+the reset seed only re-seeds the RNG that would draw ids left unset, so a chosen episode plays out as in the
+full sweep whichever slot it lands in (its record keeps the sweep's seed).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +59,31 @@ def protocol_env_cfg(env_cfg: Mapping, protocol: str | None) -> dict:
     return out
 
 
+def check_eval_episodes(runner_cfg: Mapping) -> list[int] | None:
+    """``runner.eval_episodes``: null or a list of sweep indices (``episode_ix`` in ``eval_info.json``)."""
+    ids = runner_cfg.get("eval_episodes")
+    if ids is None:
+        return None
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        ids = [ids]
+    if isinstance(ids, str) or not isinstance(ids, Sequence) or not ids or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ConfigError("runner.eval_episodes", f"must be null or a non-empty list of episode indices "
+                                                  f"(episode_ix in eval_info.json, >= 0), got {ids!r}")
+    return sorted({int(i) for i in ids})
+
+
+def select_episodes(schedule: list[tuple[int, int]], ids: list[int] | None) -> list[tuple[int, int, int]]:
+    """``(episode_ix, task_id, init_state_id)`` of the sweep, or of its episodes ``ids`` only."""
+    if ids is None:
+        return [(j, t, k) for j, (t, k) in enumerate(schedule)]
+    beyond = [j for j in ids if j >= len(schedule)]
+    if beyond:
+        raise ConfigError("runner.eval_episodes", f"episode {beyond[0]} is beyond the sweep's {len(schedule)} "
+                                                  f"episodes (0..{len(schedule) - 1})")
+    return [(j, *schedule[j]) for j in ids]
+
+
 def eval_schedule(env_cfg: Mapping, num_tasks: int) -> list[tuple[int, int]]:
     """Ordered ``(task_id, init_state_id)`` pairs of the sweep."""
     adapter = get_adapter(env_cfg["adapter"])
@@ -73,12 +104,15 @@ class Evaluator:
     """
 
     def __init__(self, env_cfg: Mapping, *, seed: int = 0, episodes_per_task: int | None = None,
-                 num_videos: int = 0):
+                 num_videos: int = 0, episodes: list[int] | None = None):
         cfg = copy.deepcopy(dict(env_cfg))
         cfg["auto_reset"] = False
         if episodes_per_task is not None:
             cfg["num_trials_per_task"] = int(episodes_per_task)
         self.B = int(cfg["num_envs"])
+        self.episodes = episodes              # runner.eval_episodes: these sweep indices only, every one recorded
+        if episodes is not None:
+            num_videos = self.B
         self.num_videos = min(int(num_videos), self.B)
         cfg["video"] = {**dict(cfg.get("video") or {}), "enabled": self.num_videos > 0,
                         "env_ids": list(range(self.num_videos))}
@@ -98,22 +132,24 @@ class Evaluator:
         t_start = time.perf_counter()
         env = self._env()
         spec = env.spec
-        schedule = eval_schedule(cfg, len(spec.task_descriptions))
+        schedule = select_episodes(eval_schedule(cfg, len(spec.task_descriptions)), self.episodes)
         H = policy.action_chunk
         T = max_decisions or -(-spec.max_episode_steps // H)
         sampling = SamplingParams(greedy=greedy, temperature=temperature)
         recorder = None
         if num_videos:
             env.record_env_ids = list(range(num_videos))
-            recorder = VideoRecorder.for_env(env, Path(out_dir) / "videos", cfg["video"], step=step)
+            # files straight in <out_dir>/videos/: out_dir is already the evaluation's step folder
+            recorder = VideoRecorder.for_env(env, Path(out_dir) / "videos", cfg["video"], step=None)
         results: list[EpisodeResult] = []
         for start in range(0, len(schedule), B):
             part = schedule[start:start + B]
             n = len(part)
             padded = part + [part[-1]] * (B - n)             # keep the batch full; extra rows are dropped
-            task_ids = np.asarray([t for t, _ in padded], np.int64)
-            init_ids = np.asarray([k for _, k in padded], np.int64)
-            obs, info = env.reset(task_ids=task_ids, init_state_ids=init_ids, seed=seed + start)
+            task_ids = np.asarray([t for _, t, _ in padded], np.int64)
+            init_ids = np.asarray([k for _, _, k in padded], np.int64)
+            batch_seed = seed + part[0][0]                   # slot i: seed + episode_ix in the whole sweep
+            obs, info = env.reset(task_ids=task_ids, init_state_ids=init_ids, seed=batch_seed)
             if recorder is not None:
                 recorder.on_reset(info)
             alive = np.ones(B, bool)
@@ -121,12 +157,16 @@ class Evaluator:
             success = np.zeros(B, bool)
             crashed = np.zeros(B, bool)
             ret = np.zeros(B, np.float64)
+            max_reward = np.full(B, -np.inf)
             length = np.zeros(B, np.int64)
             for _ in range(T):
                 out = act(policy, obs, spec.task_descriptions, sampling)
                 obs, reward, terminated, truncated, info = env.step(out["action_chunk"])
-                chunk_reward = np.asarray(reward, np.float64).reshape(B, -1).sum(axis=1)
-                ret += np.where(alive, chunk_reward, 0.0)
+                step_rewards = np.asarray(reward, np.float64).reshape(B, -1)           # (B, H)
+                executed = np.arange(step_rewards.shape[1])[None, :] < np.asarray(info["steps"])[:, None]
+                chunk_max = np.where(executed, step_rewards, -np.inf).max(axis=1)      # (B,)
+                ret += np.where(alive, step_rewards.sum(axis=1), 0.0)
+                max_reward = np.where(alive, np.maximum(max_reward, chunk_max), max_reward)
                 length += np.where(alive, np.asarray(info["steps"]), 0)
                 # a simulator replaced mid-episode lost that episode: it ends as a failure, as OFT's
                 # run_libero_eval.py counts an episode whose simulator raised
@@ -147,14 +187,16 @@ class Evaluator:
                     for i in range(num_videos):
                         if f"_env{i}_" in name and i not in videos:
                             videos[i] = str(Path(path).relative_to(out_dir))
-                env.record_env_ids = []                      # video only for the first batch
-                recorder = None
+                if self.episodes is None:                    # video only for the first batch (chosen
+                    env.record_env_ids = []                  # episodes: every batch, one recorder, so
+                    recorder = None                          # that file names keep counting)
             for i in range(n):
-                task_id, init_id = part[i]
+                episode_ix, task_id, init_id = part[i]
                 results.append(EpisodeResult(
                     suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id], init_state_id=init_id,
                     success=bool(success[i]), episode_return=float(ret[i]), length=int(length[i]),
-                    video_path=videos.get(i), crashed=bool(crashed[i])))
+                    video_path=videos.get(i), crashed=bool(crashed[i]), seed=seed + episode_ix,
+                    max_reward=float(max_reward[i]) if np.isfinite(max_reward[i]) else None, episode_ix=episode_ix))
             log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
                      np.mean([r.success for r in results]))
         return build_eval_info(results, eval_s=time.perf_counter() - t_start)

@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from embodirl import data as D
 from embodirl.algorithms.kl import KLController
+from embodirl.envs.video import step_folder
 from embodirl.errors import ConfigError, RunFailed
 from embodirl.learner.learner import prepare_batch
 from embodirl.rollout.collector import RolloutStats
@@ -317,7 +318,7 @@ class Runner:
         return (D.concat(batches) if len(batches) > 1 else batches[0]), stats
 
     def _log_eval(self, logger: MetricsLogger, backend, step: int) -> None:
-        out_dir = self.out / "eval" / f"step_{step:06d}"
+        out_dir = self.out / "eval" / step_folder(step)            # step_<n>, as checkpoints/step_<n>
         info = self._evaluate(backend, step, out_dir)
         o = info["overall"]
         elapsed = self._elapsed_min()

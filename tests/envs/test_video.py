@@ -43,8 +43,8 @@ def recorder(tmp_path, venv, **kwargs) -> VideoRecorder:
 
 
 def test_episode_video_name():
-    assert episode_video_name(120, "libero_10", 3, 2, True) == "step_000120/libero_10_task3_ep2_success.mp4"
-    assert episode_video_name(5, "toy_reach", 0, 0, False, env_id=7) == "step_000005/toy_reach_env7_task0_ep0_fail.mp4"
+    assert episode_video_name(120, "libero_10", 3, 2, True) == "step_120/libero_10_task3_ep2_success.mp4"
+    assert episode_video_name(5, "toy_reach", 0, 0, False, env_id=7) == "step_5/toy_reach_env7_task0_ep0_fail.mp4"
 
 
 def test_write_video_round_trip(tmp_path):
@@ -97,10 +97,10 @@ def test_recorder_writes_one_file_per_episode(tmp_path):
     assert len(expected) >= 2 and len(written_at_flush) == 2          # the new episodes were open
     size = caption_size((48, 48), 3)
     for path, count in expected.items():
-        assert path.parent.name == "step_000007" and path.name.endswith("_success.mp4")
+        assert path.parent.name == "step_7" and path.name.endswith("_success.mp4")
         frames = read(path)
         assert len(frames) == count and frames[0].shape == (*size, 3)
-    names = sorted(p.name for p in (tmp_path / "step_000007").iterdir())
+    names = sorted(p.name for p in (tmp_path / "step_7").iterdir())
     assert not any(n.startswith(".partial") for n in names)
     assert "toy_reach_env0_task0_ep0_success.mp4" in names and "toy_reach_env2_task2_ep0_success.mp4" in names
 
@@ -135,7 +135,7 @@ def test_recorder_grid(tmp_path):
             assert rec.on_step(reward, terminated, truncated, info) == []
             count += info["steps"].max()
         (path,) = rec.flush()
-    assert path.name == "toy_reach_grid.mp4" and path.parent.name == "step_000003"
+    assert path.name == "toy_reach_grid.mp4" and path.parent.name == "step_3"
     frames = read(path)
     assert len(frames) == count and frames[0].shape == (96, 96, 3)
 

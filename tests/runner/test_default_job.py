@@ -32,4 +32,4 @@ def test_default_job_learns_pushcube(tmp_path):
     assert evals[0] <= 0.15                                   # the untrained policy rarely pushes the cube home
     assert evals[100] >= 0.35, evals
     assert "[eval step 100] success" in proc.stdout           # the curve is printed as the run goes
-    assert list((out / "eval" / "step_000100" / "videos").rglob("*.mp4"))
+    assert list((out / "eval" / "step_100" / "videos").rglob("*.mp4"))

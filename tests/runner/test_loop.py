@@ -34,9 +34,9 @@ def test_train_writes_outputs_and_eval_only(tmp_path):
     for key in ("time/collect", "time/update", "time/sync_weights", "actor/pg_loss", "critic/value_loss", "env/steps_per_s"):
         assert key in records[0], key
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
-    info = json.loads((out / "eval" / "step_000002" / "eval_info.json").read_text())
+    info = json.loads((out / "eval" / "step_2" / "eval_info.json").read_text())
     assert info["overall"]["n_episodes"] == 4 and len(info["per_task"]) == 4
-    video = out / "eval" / "step_000002" / info["overall"]["video_paths"][0]
+    video = out / "eval" / "step_2" / info["overall"]["video_paths"][0]
     frames = iio.imread(video)
     assert frames.ndim == 4 and frames.shape[0] >= 2
     # evaluation only, from the run's checkpoint

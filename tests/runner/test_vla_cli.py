@@ -116,8 +116,8 @@ def train_and_eval(tmp_path, name: str, options: list[str], *, n_episodes: int, 
     assert [r["rollout/weight_version"] for r in train] == [0.0, 1.0]
     assert [r["step"] for r in records if "eval/success_rate" in r] == [2]
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
-    during = check_eval(out / "eval" / "step_000002", n_episodes=n_episodes, n_tasks=n_tasks)
-    train_videos = sorted((out / "videos" / "train" / "step_000002").glob("*_env0_*_ep0_*.mp4"))
+    during = check_eval(out / "eval" / "step_2", n_episodes=n_episodes, n_tasks=n_tasks)
+    train_videos = sorted((out / "videos" / "train" / "step_2").glob("*_env0_*_ep0_*.mp4"))
     assert len(train_videos) == 1
     check_video(train_videos[0])
     # evaluation only, of that checkpoint
@@ -172,8 +172,8 @@ def test_default_path_stays_in_process_and_writes_training_videos(tmp_path):
                  tmp_path, f"i{os.urandom(3).hex()}")
     assert "Ray" not in output and "rollout transport" not in output
     out = tmp_path / "outputs" / "toy"
-    assert not (out / "videos" / "train" / "step_000001").exists()
-    videos = sorted((out / "videos" / "train" / "step_000002").glob("*.mp4"))
+    assert not (out / "videos" / "train" / "step_1").exists()
+    videos = sorted((out / "videos" / "train" / "step_2").glob("*.mp4"))
     assert [v.name.split("_task")[0] for v in videos] == ["toy_reach_env0"]
     check_video(videos[0])
     records = read_metrics(out / "metrics.jsonl")

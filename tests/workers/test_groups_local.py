@@ -51,9 +51,9 @@ def test_in_process_groups_collect_evaluate_and_record_video(compose_cfg, tmp_pa
         assert D.VALUE not in first.keys()                                            # evaluation: no critic
         torch.testing.assert_close(first[D.ACTION_CHUNK], second[D.ACTION_CHUNK])     # greedy sampling
         assert (first[D.TASK_ID][:, 0].numpy() == starts.task_ids).all()
-        videos = sorted(p.name for p in (tmp_path / "step_000003").glob("*.mp4"))
+        videos = sorted(p.name for p in (tmp_path / "step_3").glob("*.mp4"))
         assert len(videos) == 2 and {v.split("_env")[1][0] for v in videos} == {"0", "3"}
-        assert written == sorted(str(p) for p in (tmp_path / "step_000003").glob("*.mp4"))
+        assert written == sorted(str(p) for p in (tmp_path / "step_3").glob("*.mp4"))
 
 
 def test_evaluation_only_groups_load_weights_and_count_executed_steps(compose_cfg):

@@ -1,0 +1,94 @@
+"""Evaluation reports: Wilson intervals against published values, and a real evaluation through the CLI
+writing them with LeRobot's keys, per-episode task / init state / seed, videos in ``eval/step_<n>/videos/``
+(not doubled), error bars in the PNG, and ``runner.eval_episodes`` re-running chosen episodes with video."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from scipy.stats import binomtest
+
+from embodirl.runner.eval_report import success_figure, wilson_interval
+
+TOY = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "env.train.num_envs=4",
+       "env.eval.num_envs=4", "runner.progress_bar=false", "runner.logger.tensorboard=false"]
+LEROBOT_OVERALL = ("pc_success", "avg_sum_reward", "avg_max_reward", "n_episodes", "eval_s", "eval_ep_s", "video_paths")
+
+# Newcombe (1998), "Two-sided confidence intervals for the single proportion", Stat. Med. 17:857, Table II,
+# method 3 (Wilson score interval without continuity correction)
+NEWCOMBE = [((81, 263), (0.2553, 0.3662)), ((15, 148), (0.0624, 0.1605)), ((0, 20), (0.0, 0.1611)),
+            ((1, 29), (0.0061, 0.1718))]
+
+
+@pytest.mark.parametrize("counts, expected", NEWCOMBE)
+def test_wilson_interval_matches_published_values(counts, expected):
+    low, high = wilson_interval(*counts)
+    assert (round(low, 4), round(high, 4)) == expected
+
+
+@pytest.mark.parametrize("k, n", [(0, 1), (1, 1), (5, 10), (45, 50), (250, 500), (499, 500)])
+def test_wilson_interval_matches_scipy(k, n):
+    reference = binomtest(k, n).proportion_ci(0.95, method="wilson")
+    assert wilson_interval(k, n) == pytest.approx((reference.low, reference.high), abs=1e-12)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def cli(args, cwd):
+    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_eval_info_intervals_lerobot_keys_and_rerun_of_chosen_episodes(tmp_path):
+    proc = cli(["eval", *TOY, "runner.eval_episodes_per_task=2", "runner.eval_num_videos=2",
+                "runner.experiment_name=full"], tmp_path)
+    out = tmp_path / "outputs" / "full"
+    info = json.loads((out / "eval_info.json").read_text())
+    o = info["overall"]
+    n, k = o["n_episodes"], o["n_successes"]
+    assert n == len(info["per_episode"]) and o["success_rate"] == k / n
+    assert o["success_rate_ci95"] == pytest.approx(wilson_interval(k, n), abs=1e-6)
+    assert set(LEROBOT_OVERALL) <= set(o) and o["pc_success"] == pytest.approx(100 * k / n)
+    assert o["eval_ep_s"] == pytest.approx(o["eval_s"] / n, rel=1e-2)
+    for task in info["per_task"]:
+        assert task["success_rate_ci95"] == pytest.approx(wilson_interval(task["n_successes"], task["n_episodes"]),
+                                                          abs=1e-6)
+        assert task["task_group"] == task["suite"] and len(task["metrics"]["successes"]) == task["n_episodes"]
+    assert info["per_group"] == info["per_suite"] and all("pc_success" in g for g in info["per_group"].values())
+    seeds = [ep["seed"] for ep in info["per_episode"]]
+    assert len(set(seeds)) == n and all(ep["max_reward"] is not None for ep in info["per_episode"])
+    for ep in info["per_episode"]:
+        assert {"task_id", "task", "init_state_id", "seed", "sum_reward", "max_reward", "success"} <= set(ep)
+    # videos straight in <out>/videos/ (evaluation-only runs: the run folder is the evaluation's folder)
+    assert o["video_paths"] and all(p.startswith("videos/") and p.count("/") == 1 for p in o["video_paths"])
+    assert "95 % interval" in proc.stdout or "interval" in proc.stdout
+    # the PNG's bars carry their intervals as error bars
+    fig = success_figure(info)
+    assert any(type(c).__name__ == "BarContainer" for c in fig.axes[0].containers)
+    assert any(type(c).__name__ == "ErrorbarContainer" for c in fig.axes[0].containers)
+    assert (out / "eval_success.png").is_file()
+
+    # re-run two chosen episodes: the same outcomes, each with its video
+    chosen = [1, n - 1]
+    cli(["eval", *TOY, "runner.eval_episodes_per_task=2", "runner.eval_num_videos=0", "runner.experiment_name=again",
+         f"runner.eval_episodes=[{chosen[0]},{chosen[1]}]"], tmp_path)
+    again = json.loads((tmp_path / "outputs" / "again" / "eval_info.json").read_text())
+    assert [ep["episode_ix"] for ep in again["per_episode"]] == chosen
+    for ep in again["per_episode"]:
+        before = info["per_episode"][ep["episode_ix"]]
+        for key in ("task_id", "init_state_id", "seed", "success", "return", "length"):
+            assert ep[key] == before[key], key
+        assert ep["video_path"] and (tmp_path / "outputs" / "again" / ep["video_path"]).is_file()
+
+
+def test_eval_episodes_is_checked_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "eval", *TOY, "runner.eval_episodes=[-1]"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "runner.eval_episodes" in lines[0], proc.stderr
+    assert list(tmp_path.iterdir()) == []
