@@ -272,6 +272,20 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
         if not 0.0 <= lo < hi <= 1.0:
             _fail("algorithm.filter_groups.min_success", f"the kept success range ({lo}, {hi}) must satisfy "
                                                         "0 <= min_success < max_success <= 1")
+    resample = alg.filter_groups.get("resample", False)
+    if not isinstance(resample, bool):
+        _fail("algorithm.filter_groups.resample", f"must be true or false, got {resample!r}")
+    if resample and not alg.filter_groups.enable:
+        _fail("algorithm.filter_groups.resample", "re-sampling collects more rollouts until the step holds its batch "
+                                                  "of kept groups, so it needs algorithm.filter_groups.enable=true")
+    _positive(cfg, "algorithm.filter_groups.max_resample_rounds", allow_zero=True)
+    if adv_type == "remax":
+        if cfg.env.train.get("auto_reset", False):
+            _fail("env.train.auto_reset", "adv_type=remax compares each row's episode with a greedy one from the "
+                                          "same start, so a row must hold one episode: set env.train.auto_reset=false")
+        if use_ray(cfg) and not cfg.runner.eval_greedy:
+            _fail("runner.eval_greedy", "adv_type=remax runs its baseline rollouts with the rollout workers' "
+                                        "evaluation sampling, which must be greedy: set runner.eval_greedy=true")
     stages, workers = int(rollout.pipeline_stage_num), int(cfg.env_workers.num_workers)
     if num_envs % (stages * workers):
         _fail("env.train.num_envs", f"{num_envs} envs cannot be split over env_workers.num_workers x "

@@ -196,6 +196,17 @@ def _extras_td(extras: dict[str, torch.Tensor], N: int, T: int) -> TensorDict:
                       batch_size=[N, T])
 
 
+def set_extra(batch: TensorDict, key: str, value: torch.Tensor) -> TensorDict:
+    """A shallow copy of ``batch`` with the per-episode extra ``key`` = ``value`` ``[N, ...]``."""
+    N, T = batch.batch_size
+    out = batch.copy()
+    if EXTRAS not in out.keys():
+        out.set(EXTRAS, _extras_td({key: value}, N, T))
+    else:
+        out.set((EXTRAS, key), value.unsqueeze(1).expand(N, T, *value.shape[1:]).contiguous())
+    return out
+
+
 def get_extra(batch: TensorDict, key: str) -> torch.Tensor:
     """A per-episode extra (e.g. ``bootstrap_value``) as ``[N, ...]``."""
     return batch.get((EXTRAS, key))[:, 0]

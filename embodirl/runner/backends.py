@@ -140,12 +140,18 @@ class InProcessBackend(_Closing):
         self.load_weights({}, int(handle))
         return {}
 
-    def collect(self, starts: EpisodeStarts, *, seed: int, video_dir: str | Path | None = None, step: int = 0):
+    def collect(self, starts: EpisodeStarts, *, seed: int, video_dir: str | Path | None = None, step: int = 0,
+                greedy: bool = False):
+        """``greedy``: deterministic actions (ReMax's baseline rollout) instead of ``rollout`` sampling."""
         self.policy.eval()
         recorders = self._recorders(video_dir, step) if video_dir else None
+        sampling = self.inference.sampling
+        if greedy:
+            self.inference.sampling = SamplingParams(greedy=True)
         try:
             batch = self.collector.collect(starts, seed=seed, observers=recorders)
         finally:
+            self.inference.sampling = sampling
             if recorders is not None:
                 self._set_recording(False)
                 for recorder in recorders:
@@ -299,9 +305,14 @@ class RayBackend(_Closing):
     def num_slots(self) -> int:
         return self.groups.env.layout.num_slots
 
-    def collect(self, starts: EpisodeStarts, *, seed: int, video_dir: str | Path | None = None, step: int = 0):
+    def collect(self, starts: EpisodeStarts, *, seed: int, video_dir: str | Path | None = None, step: int = 0,
+                greedy: bool = False):
+        """``greedy``: the rollout workers' evaluation sampling, greedy with ``runner.eval_greedy`` (which
+        config validation requires for ReMax's baseline rollouts)."""
+        from embodirl.workers.rollout_worker import EVAL
+
         video_dir = None if video_dir is None else str(Path(video_dir).resolve())   # workers' cwd may differ
-        batch = self.groups.collect(starts, seed=seed, video_dir=video_dir, step=step)
+        batch = self.groups.collect(starts, seed=seed, video_dir=video_dir, step=step, mode=EVAL if greedy else None)
         # env workers run in parallel: the slowest one's split is the rollout's
         per_worker = self.groups.env.last_stats()
         stats = copy.copy(max(per_worker, key=lambda s: s.total_s))

@@ -46,6 +46,7 @@ from embodirl.learner.learner import prepare_batch
 from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import plan_starts
 from embodirl.runner import checkpoint as ckpt
+from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.backends import open_backend
 from embodirl.runner.eval_report import plot_success, print_table, write_eval_info
 from embodirl.runner.metrics_logger import MetricsLogger
@@ -257,7 +258,9 @@ class Runner:
                 timings: dict[str, float] = {}
                 t0 = time.perf_counter()
                 batch, stats = self._collect(backend, step, starts_rng)
-                timings["time/collect"] = time.perf_counter() - t0
+                timings["time/collect"] = time.perf_counter() - t0 - stats.baseline_s
+                if stats.baseline_s:
+                    timings["time/baseline_rollout"] = stats.baseline_s   # ReMax's greedy rollouts
                 timings["time/env"] = stats.env_s
                 timings["time/inference"] = stats.infer_s
                 timings["time/channel_wait"] = stats.wait_s
@@ -265,6 +268,9 @@ class Runner:
                 metrics["train/dropped_episodes"] = float(stats.recollected_rows)
                 metrics["transport/shm_batches"] = float(stats.shm_batches)
                 metrics["transport/object_store_batches"] = float(stats.object_store_batches)
+                if stats.rollouts_drawn:
+                    metrics["train/rollouts_drawn"] = float(stats.rollouts_drawn)
+                    metrics["train/rollouts_kept"] = float(stats.rollouts_kept)
                 # advantages (driver side, on the whole batch) + update (every rank on its shard)
                 t1 = time.perf_counter()
                 if kl_active and D.LOGPROB_REF not in batch.keys():
@@ -309,12 +315,26 @@ class Runner:
         interval = int(cfg.runner.train_video_interval or 0)
         video_dir = self.out / "videos" / "train" if interval and step % interval == 0 else None
         batches, stats = [], RolloutStats()
-        for epoch in range(int(cfg.rollout.rollout_epoch)):
+        # algorithm.filter_groups.resample: draw rollouts until the step has a full batch of informative groups
+        keeper = InformativeGroups.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True),
+                                               num_slots=backend.num_slots, rollout_epoch=int(cfg.rollout.rollout_epoch))
+        epoch = 0
+        while keeper is not None or epoch < int(cfg.rollout.rollout_epoch):
             starts = plan_starts(env_cfg, backend.spec, backend.num_slots, int(cfg.algorithm.group_size), starts_rng)
-            batches.append(backend.collect(starts, seed=self.seed + 1_000_003 * step + 7_919 * epoch,
-                                           video_dir=video_dir if epoch == 0 else None, step=step))
+            seed = self.seed + 1_000_003 * step + 7_919 * epoch
+            batch = backend.collect(starts, seed=seed, video_dir=video_dir if epoch == 0 else None, step=step)
             for key in ("env_s", "infer_s", "wait_s", "recollected_rows", "shm_batches", "object_store_batches"):
                 setattr(stats, key, getattr(stats, key) + getattr(backend.stats, key))
+            if cfg.algorithm.adv_type == "remax":   # the greedy rollout from the same starts: its own phase
+                batch, seconds = remax_baseline(backend, batch, seed=seed)
+                stats.baseline_s += seconds
+            epoch += 1
+            if keeper is None:
+                batches.append(batch)
+            elif keeper.add(batch):
+                batches = [keeper.batch()]
+                stats.rollouts_drawn, stats.rollouts_kept = keeper.drawn, min(keeper.kept_rows, keeper.target_rows)
+                break
         return (D.concat(batches) if len(batches) > 1 else batches[0]), stats
 
     def _log_eval(self, logger: MetricsLogger, backend, step: int) -> None:

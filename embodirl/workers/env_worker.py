@@ -126,13 +126,20 @@ class EnvWorker:
 
     # --- work --------------------------------------------------------------------------------------
     def collect(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
-                step: int = 0, packed: bool = False):
+                step: int = 0, packed: bool = False, mode: str | None = None):
         """One rollout of this worker's slots: the trajectory ``[S*B, T]`` (stage-major rows). With
         ``video_dir`` the envs the config's ``video`` section selects are recorded to mp4 files there
         (paths in :attr:`videos`). ``packed``: return it as :func:`~embodirl.workers.transport.pack_trajectory`
-        does (the cheap form to send through Ray)."""
+        does (the cheap form to send through Ray). ``mode``: the rollout worker's sampling mode for this
+        rollout only (default: the one connected with)."""
         if self.collector is None:
             raise RuntimeError("connect the env worker to a rollout worker before collect()")
+        if mode is not None and mode != self.client.mode:
+            connected, self.client.mode = self.client.mode, mode
+            try:
+                return self.collect(starts, seed=seed, video_dir=video_dir, step=step, packed=packed)
+            finally:
+                self.client.mode = connected
         recorders = self._recorders(video_dir, step) if video_dir else [None] * self.S
         self._lengths = [EpisodeLengths(self.B) for _ in range(self.S)]
         observers = [FanOut(lengths, recorder) for lengths, recorder in zip(self._lengths, recorders)]

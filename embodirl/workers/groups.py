@@ -381,15 +381,18 @@ class EnvWorkerGroup:
         return plan_starts(self.env_cfg, self.spec, self.layout.num_slots, self.layout.group_size, self._rng)
 
     def collect(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
-                step: int = 0):
+                step: int = 0, mode: str | None = None):
         """One rollout of all N slots: the trajectory ``[N, T]``, slots in order. ``video_dir``: record
-        the envs the config's ``video`` section selects (paths in :attr:`videos`)."""
+        the envs the config's ``video`` section selects (paths in :attr:`videos`). ``mode``: the rollout
+        workers' sampling mode for this rollout only (default: the group's)."""
         starts = starts if starts is not None else self.plan_starts()
         if len(starts) != self.layout.num_slots:
             raise ValueError(f"starts cover {len(starts)} slots, the group has {self.layout.num_slots}")
         per = self.layout.slots_per_worker
         parts = [starts.slice(k * per, (k + 1) * per) for k in range(len(self.workers))]
         kwargs = dict(seed=seed, video_dir=None if video_dir is None else str(video_dir), step=step)
+        if mode is not None:
+            kwargs["mode"] = mode
         if not self.remote:
             results = [w.collect(p, **kwargs) for w, p in zip(self.workers, parts)]
             self.videos = [v for w in self.workers for v in w.videos_written()] if video_dir else []
@@ -565,11 +568,12 @@ class WorkerGroups:
 
     # --- phases ------------------------------------------------------------------------------------
     def collect(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
-                step: int = 0):
-        """One training rollout: the trajectory ``[N, T]`` (``N = env.train.num_envs``)."""
+                step: int = 0, mode: str | None = None):
+        """One training rollout: the trajectory ``[N, T]`` (``N = env.train.num_envs``); ``mode=EVAL``
+        samples as evaluation does (ReMax's greedy baseline rollout)."""
         if self.env is None:
             raise RuntimeError("these worker groups were built for evaluation only (train=False)")
-        return self._phase(self.env, starts, seed, video_dir, step)
+        return self._phase(self.env, starts, seed, video_dir, step, mode)
 
     def evaluate(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
                  step: int = 0):
@@ -589,14 +593,14 @@ class WorkerGroups:
             self.eval_env.attach(self.rollout)
         return self.eval_env
 
-    def _phase(self, group: EnvWorkerGroup, starts, seed, video_dir, step):
+    def _phase(self, group: EnvWorkerGroup, starts, seed, video_dir, step, mode=None):
         # collocated placement: what the rollout phase needs comes back first, and goes after
         if self.rollout_offload:
             self.rollout.onload()
         if self.env_offload:
             group.onload()
         try:
-            return group.collect(starts, seed=seed, video_dir=video_dir, step=step)
+            return group.collect(starts, seed=seed, video_dir=video_dir, step=step, mode=mode)
         finally:
             if self.rollout_offload:
                 self.rollout.offload()
