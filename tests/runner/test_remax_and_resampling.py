@@ -20,6 +20,7 @@ from embodirl.errors import ConfigError
 from embodirl.models.base import SamplingParams
 from embodirl.rollout.collector import RolloutCollector
 from embodirl.rollout.inference import PolicyInference
+from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner.backends import InProcessBackend
 from embodirl.runner.collection import episode_returns, episode_starts
 from embodirl.runner.loop import Runner
@@ -114,3 +115,19 @@ def test_resampled_group_filtering_trains_through_the_cli(tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert 8 <= r["train/rollouts_drawn"] <= 32 and 0 <= r["train/rollouts_kept"] <= 8
+
+
+def test_worker_groups_collect_greedy_baselines_in_evaluation_mode(compose_cfg):
+    """The Ray back-end's path (worker groups, here in-process): ``mode=EVAL`` makes one training
+    rollout greedy (repeatable), and the next one samples again."""
+    from embodirl.workers.groups import WorkerGroups
+    from embodirl.workers.rollout_worker import EVAL
+
+    cfg = compose_cfg(*TOY, "algorithm.adv_type=remax", "env_workers.num_workers=2")
+    starts = EpisodeStarts(np.arange(8) % 4, np.arange(8))
+    with WorkerGroups.from_config(cfg, remote=False) as groups:
+        a = groups.collect(starts, seed=3, mode=EVAL)
+        sampled = groups.collect(starts, seed=3)
+        b = groups.collect(starts, seed=3, mode=EVAL)
+    torch.testing.assert_close(a[D.ACTION_CHUNK], b[D.ACTION_CHUNK])
+    assert not torch.equal(a[D.ACTION_CHUNK][:, 0], sampled[D.ACTION_CHUNK][:, 0])
