@@ -208,3 +208,35 @@ def success_figure(info: dict):
         ax.text(min(rate + above[i] + 1, 92), i, f"{rate:.0f}%", va="center", fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def plot_learning_curve(points: list[dict], path: str | Path) -> Path:
+    """Evaluation success with its 95 % interval against wall-clock minutes and against training steps, side
+    by side (PNG). ``points``: one ``{"step", "minutes", "success_rate", "success_rate_ci95"}`` per evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [p["step"] for p in points]
+    minutes = [p["minutes"] for p in points]
+    rates = [100.0 * p["success_rate"] for p in points]
+    low = [100.0 * p["success_rate_ci95"][0] for p in points]
+    high = [100.0 * p["success_rate_ci95"][1] for p in points]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, x, label in ((axes[0], minutes, "wall-clock minutes"), (axes[1], steps, "training step")):
+        ax.fill_between(x, low, high, color="#4c72b0", alpha=0.2, linewidth=0, label="95 % interval")
+        ax.plot(x, rates, "o-", color="#4c72b0", markersize=3, label="success")
+        ax.set_xlabel(label)
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("evaluation success (%)")
+    axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"evaluation success: {rates[-1]:.0f}% at step {steps[-1]} ({minutes[-1]:.1f} min)", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)              # rewritten at each evaluation: readers never see half a file
+    return path

@@ -48,10 +48,12 @@ from embodirl.rollout.starts import plan_starts
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.backends import open_backend
-from embodirl.runner.eval_report import plot_success, print_table, write_eval_info
-from embodirl.runner.metrics_logger import MetricsLogger
+from embodirl.runner.eval_report import plot_learning_curve, plot_success, print_table, write_eval_info
+from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
 
 log = logging.getLogger(__name__)
+#: evaluation videos per evaluation sent to TensorBoard / wandb (all of them stay on disk)
+EVAL_VIDEOS_LOGGED = 2
 
 
 def seed_everything(seed: int) -> None:
@@ -240,6 +242,7 @@ class Runner:
                                                consumer_gpus=backend.consumer_gpus()))
         self._write_placement(backend, actors)
         logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
+        logger.log_hparams(OmegaConf.to_container(cfg, resolve=True))
         H = int(cfg.model.action_chunk)
         kl_active = float(cfg.algorithm.kl_beta) > 0
         offload = bool(cfg.actor.get("enable_offload", False))
@@ -342,14 +345,29 @@ class Runner:
         info = self._evaluate(backend, step, out_dir)
         o = info["overall"]
         elapsed = self._elapsed_min()
+        low, high = o["success_rate_ci95"]
         logger.log(step, {"eval/success_rate": o["success_rate"], "eval/return": o["avg_return"],
                           "eval/episode_length": o["avg_length"], "eval/episodes": o["n_episodes"],
+                          "eval/success_rate_ci95_low": low, "eval/success_rate_ci95_high": high,
                           "time/eval": o.get("eval_s", 0.0), "time/elapsed_min": elapsed})
+        self._dashboards(logger, step, info, out_dir)
         # the success curve so far, one line per evaluation
         self._curve.append((step, elapsed, o["success_rate"]))
         curve = "  ".join(f"{m:.1f}min:{sr:.2f}" for _, m, sr in self._curve[-8:])
         print(f"[eval step {step}] success {o['success_rate']:.2f} over {o['n_episodes']} episodes "
               f"at {elapsed:.1f} min | curve {curve}", flush=True)
+
+    def _dashboards(self, logger: MetricsLogger, step: int, info: dict, out_dir: Path) -> None:
+        """``learning_curve.png`` in the run folder, rewritten from every evaluation in ``metrics.jsonl`` (so
+        a resumed run's curve goes back to its start), and to TensorBoard / wandb with the first evaluation
+        videos."""
+        points = [{"step": r["step"], "minutes": r["time/elapsed_min"], "success_rate": r["eval/success_rate"],
+                   "success_rate_ci95": (r["eval/success_rate_ci95_low"], r["eval/success_rate_ci95_high"])}
+                  for r in read_metrics(logger.path) if "eval/success_rate_ci95_low" in r]
+        curve = plot_learning_curve(points, self.out / "learning_curve.png")
+        logger.log_image("eval/learning_curve", curve, step)
+        for i, video in enumerate(info["overall"]["video_paths"][:EVAL_VIDEOS_LOGGED]):
+            logger.log_video(f"eval/video_{i}", out_dir / video, step, fps=float(self.cfg.env.eval.video.fps))
 
     def _elapsed_min(self) -> float:
         """Minutes of this run (across resumes) since the runner started."""

@@ -1,5 +1,8 @@
 """Where a run's numbers go: console lines, ``metrics.jsonl`` (always), TensorBoard (default) and
-wandb (optional; ``wandb_mode: offline`` needs no network).
+wandb (optional; ``wandb_mode: offline`` needs no network). Besides scalars, TensorBoard and wandb get the
+run's hyper-parameters (:meth:`MetricsLogger.log_hparams`), pictures such as the learning curve
+(:meth:`MetricsLogger.log_image`) and evaluation videos (:meth:`MetricsLogger.log_video`; an animated GIF in
+an image summary, what TensorBoard's video panel reads, encoded here without moviepy).
 
 ``metrics.jsonl`` holds one JSON object per logged step: ``{"step": n, "wall_time": s, <name>: value}``.
 When a run resumes from step k, lines for steps after k (written by the interrupted run after its last
@@ -81,12 +84,84 @@ class MetricsLogger:
             print(f"[step {step:>5}] " + "  ".join(shown), flush=True)
         return record
 
+    def log_hparams(self, config: Mapping) -> None:
+        """The run's config: flattened ``a.b.c`` values in TensorBoard's HParams panel and as YAML text
+        (wandb has it from ``init``)."""
+        if self._tb is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in _flatten(config).items()}
+        experiment, start, end = hparams(flat, {"eval/success_rate": float("nan")})
+        for summary in (experiment, start, end):
+            self._tb.file_writer.add_summary(summary)
+        import yaml
+
+        self._tb.add_text("config", "```\n" + yaml.safe_dump(dict(config), sort_keys=False) + "```")
+        self._tb.flush()
+
+    def log_image(self, tag: str, path: str | Path, step: int) -> None:
+        """A PNG (e.g. ``learning_curve.png``) under ``tag``."""
+        if self._tb is None and self._wandb is None:
+            return
+        import numpy as np
+        from PIL import Image
+
+        image = np.asarray(Image.open(path).convert("RGB"))                          # (h, w, 3) uint8
+        if self._tb is not None:
+            self._tb.add_image(tag, image, global_step=step, dataformats="HWC")
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb as wandb_lib
+
+            self._wandb.log({tag: wandb_lib.Image(str(path))}, step=step)
+
+    def log_video(self, tag: str, path: str | Path, step: int, fps: float = 10.0, max_side: int = 256) -> None:
+        """An mp4 (an evaluation episode) under ``tag``, downscaled to at most ``max_side`` pixels."""
+        if self._tb is None and self._wandb is None:
+            return
+        import imageio.v3 as iio
+        from PIL import Image
+
+        frames = [Image.fromarray(f) for f in iio.imread(path)]                        # T x (h, w, 3)
+        scale = min(1.0, max_side / max(frames[0].size))
+        if scale < 1.0:
+            size = (max(1, int(frames[0].width * scale)), max(1, int(frames[0].height * scale)))
+            frames = [f.resize(size) for f in frames]
+        if self._tb is not None:
+            import io
+
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            buffer = io.BytesIO()
+            frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:],
+                           duration=int(1000 / fps), loop=0)
+            image = Summary.Image(height=frames[0].height, width=frames[0].width, colorspace=3,
+                                  encoded_image_string=buffer.getvalue())
+            self._tb.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb as wandb_lib
+
+            self._wandb.log({tag: wandb_lib.Video(str(path), fps=int(fps), format="mp4")}, step=step)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -13,6 +13,7 @@ import pytest
 from scipy.stats import binomtest
 
 from embodirl.runner.eval_report import success_figure, wilson_interval
+from embodirl.runner.metrics_logger import read_metrics
 
 TOY = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "env.train.num_envs=4",
        "env.eval.num_envs=4", "runner.progress_bar=false", "runner.logger.tensorboard=false"]
@@ -92,3 +93,30 @@ def test_eval_episodes_is_checked_before_anything_starts(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "runner.eval_episodes" in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_training_dashboards_curve_png_and_tensorboard_media(tmp_path):
+    """A real training run: learning_curve.png in the run folder after every evaluation, and TensorBoard's event
+    files hold the evaluation video (an animated GIF), the curve image and the hyper-parameters."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cli(["train", *[a for a in TOY if "tensorboard" not in a], "runner.max_steps=2", "runner.val_check_interval=1",
+         "runner.save_interval=0", "runner.eval_episodes_per_task=1", "runner.eval_num_videos=1",
+         "runner.experiment_name=dash"], tmp_path)
+    out = tmp_path / "outputs" / "dash"
+    assert (out / "learning_curve.png").is_file()
+    # one step-folder format: eval/step_<n>/ with the videos straight in videos/
+    assert sorted(p.name for p in (out / "eval").iterdir()) == ["step_1", "step_2"]
+    assert list((out / "eval" / "step_2" / "videos").glob("*.mp4"))
+    assert not list((out / "eval" / "step_2" / "videos").glob("step_*"))
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0, "tensors": 0})
+    events.Reload()
+    images = events.Tags()["images"]
+    assert "eval/learning_curve" in images and "eval/video_0" in images
+    assert [e.step for e in events.Images("eval/learning_curve")] == [1, 2]
+    video = events.Images("eval/video_0")[-1]
+    assert video.encoded_image_string[:4] == b"GIF8"
+    assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
+    metrics = [r for r in read_metrics(out / "metrics.jsonl") if "eval/success_rate" in r]
+    assert all(r["eval/success_rate_ci95_low"] <= r["eval/success_rate"] <= r["eval/success_rate_ci95_high"]
+               for r in metrics)
