@@ -34,9 +34,9 @@ def test_cfg_job_prints_libero_10(tmp_path):
     import yaml
 
     cfg = yaml.safe_load(proc.stdout)
-    for split in ("train", "eval"):
+    for split, steps in (("train", 512), ("eval", 520)):   # the RL recipe's episodes; OFT's evaluation protocol
         assert cfg["env"][split]["suite"] == "libero_10"
-        assert cfg["env"][split]["max_episode_steps"] == 520
+        assert cfg["env"][split]["max_episode_steps"] == steps
     assert cfg["model"]["name"] == "openvla_oft"
 
 

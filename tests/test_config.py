@@ -20,9 +20,11 @@ def test_default_config_is_valid(compose_cfg):
 def test_env_choice_fills_train_and_eval(compose_cfg):
     cfg = compose_cfg("env=libero_10", "model=openvla_oft")
     for node in (cfg.env.train, cfg.env.eval):
-        assert node.suite == "libero_10" and node.max_episode_steps == 520 and node.num_settle_steps == 10
+        assert node.suite == "libero_10" and node.num_settle_steps == 10
+    # the RL recipe trains 512-step episodes; evaluation keeps the OFT protocol's 520
+    assert cfg.env.train.max_episode_steps == 512 and cfg.env.eval.max_episode_steps == 520
     assert cfg.model.llm.hidden_size == 4096 and cfg.model.lora.rank == 32
-    assert decisions_per_episode(cfg) == 65  # 520 / 8
+    assert decisions_per_episode(cfg) == 64  # 512 / 8
 
 
 def test_eval_env_can_differ(compose_cfg):

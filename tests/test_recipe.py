@@ -29,7 +29,10 @@ RECIPE = {
     "algorithm.filter_groups.enable": True,
     "algorithm.filter_groups.min_success": 0.1,
     "algorithm.filter_groups.max_success": 0.9,
+    "algorithm.loss_agg_func": "seq-mean-token-mean",
+    "algorithm.clip_ratio_c": None,
     "env.train.num_envs": 64,
+    "env.train.max_episode_steps": 512,
     "env.train.use_fixed_reset_state_ids": True,
     "rollout.temperature": 1.6,
     "rollout.rollout_epoch": 16,
@@ -91,9 +94,11 @@ def test_recipe_values(recipe):
     # left to the checkpoint (autoconfig.py): a token checkpoint without heads -> agentview only, no proprio
     assert m.num_images_in_input is None and m.use_proprio is None and m.use_l1_regression is None
     assert m.center_crop is True and m.dtype == "bfloat16" and m.llm.hidden_size == 4096
-    assert m.lora.enabled is True and m.lora.rank == 32
+    assert m.lora.enabled is True and m.lora.rank == 32 and m.lora.alpha == 32     # RLinf: alpha = rank
+    assert list(m.lora.target_modules) == ["all-linear", "lm_head"]                  # RLinf adapts the LM head
     assert cfg.env.train.suite == cfg.env.eval.suite == "libero_10"
-    assert cfg.env.train.max_episode_steps == 520 and decisions_per_episode(cfg) == 65
+    assert cfg.env.train.max_episode_steps == 512 and decisions_per_episode(cfg) == 64   # RLinf, SimpleVLA-RL
+    assert cfg.env.eval.max_episode_steps == 520                                          # OFT's protocol
     # GRPO: no critic, no reference forward
     learner = LearnerConfig.from_config({"algorithm": cfg.algorithm, "actor": cfg.actor})
     assert not learner.uses_critic and not learner.kl_active
