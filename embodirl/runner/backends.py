@@ -289,14 +289,14 @@ class RayBackend(_Closing):
         if cfg.runner.eval_episodes_per_task is not None:
             env_cfg["num_trials_per_task"] = int(cfg.runner.eval_episodes_per_task)
         num_videos = min(int(cfg.runner.eval_num_videos), int(env_cfg["num_envs"]))
+        if check_eval_episodes(cfg.runner) is not None:     # chosen episodes: every one with its video
+            num_videos = int(env_cfg["num_envs"])
         env_cfg["video"] = {**(env_cfg.get("video") or {}), "enabled": num_videos > 0,
                             "env_ids": list(range(num_videos))}
         return env_cfg
 
     def _worker_config(self, cfg: DictConfig) -> DictConfig:
         worker_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-        if check_eval_episodes(cfg.runner) is not None:     # chosen episodes: every one with its video
-            num_videos = int(env_cfg["num_envs"])
         worker_cfg.env.train = _train_env_cfg(cfg)
         worker_cfg.env.eval = self._eval_cfg
         return worker_cfg
@@ -367,7 +367,7 @@ class RayBackend(_Closing):
             reruns += sum(s.recollected_rows for s in self.groups.eval_env.last_stats())
             lengths = self.groups.eval_env.episode_lengths()                                  # (N,)
             videos = _videos_by_slot(self.groups.eval_env.videos if video_dir else [], num_videos, out_dir)
-            results += _episode_results(traj, part, spec, lengths, videos)
+            results += _episode_results(traj, part, spec, lengths, videos, seed)
             log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
                      np.mean([r.success for r in results]))
         return build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
@@ -412,13 +412,13 @@ def _episode_results(traj, part: list[tuple[int, int, int]], spec, lengths: np.n
     reward = reward.sum(-1) if reward.dim() == 3 else reward                     # (N, T)
     success = (traj.get(D.SUCCESS) & valid).any(-1)                              # (N,)
     episode_return = (reward * valid).sum(-1)                                    # (N,)
+    step_reward = traj.get(D.REWARD)
+    step_reward = step_reward if step_reward.dim() == 3 else step_reward[..., None]  # (N, T, H or 1)
+    # chunk-level rewards on this path: the largest chunk (or step, action-level) reward of the episode
+    max_reward = step_reward.masked_fill(~valid[..., None], float("-inf")).amax(dim=(1, 2))   # (N,)
     return [EpisodeResult(suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id],
                           init_state_id=init_id, success=bool(success[i]), episode_return=float(episode_return[i]),
                           length=int(lengths[i]), video_path=videos.get(i), episode_ix=episode_ix,
                           seed=None if seed is None else seed + episode_ix,
                           max_reward=float(max_reward[i]) if bool(valid[i].any()) else None)
             for i, (episode_ix, task_id, init_id) in enumerate(part)]
-    step_reward = traj.get(D.REWARD)
-    step_reward = step_reward if step_reward.dim() == 3 else step_reward[..., None]  # (N, T, H or 1)
-    # chunk-level rewards on this path: the largest chunk (or step, action-level) reward of the episode
-    max_reward = step_reward.masked_fill(~valid[..., None], float("-inf")).amax(dim=(1, 2))   # (N,)
