@@ -200,6 +200,11 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
                 "env_workers.num_workers", "algorithm.group_size", "algorithm.update_epochs",
                 "model.action_chunk", "cluster.num_nodes"):
         _positive(cfg, key)
+    for env_key in ("env.train", "env.eval"):
+        timeout = OmegaConf.select(cfg, f"{env_key}.step_timeout_s")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            _fail(f"{env_key}.step_timeout_s", f"must be null (wait for ever) or a positive number of seconds, "
+                                               f"got {timeout!r}")
     if rollout.temperature is not None and rollout.temperature < 0:
         _fail("rollout.temperature", f"must be non-negative, got {rollout.temperature}")
     if rollout.top_p is not None and not 0.0 < rollout.top_p <= 1.0:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -129,6 +131,11 @@ class ToySimEnv(SimEnv):
         self.pos = np.zeros(2)
         self.task_id = self.task_ids[0]
         self.goal = goal_position(self.task_id, self.num_tasks)
+        # a stalled simulator on purpose (env.step_timeout_s tests): the first process to reach its
+        # hang_at_step-th chunk creates hang_marker and never answers again; later processes see the marker
+        self.hang_at_step = cfg.get("hang_at_step")
+        self.hang_marker = cfg.get("hang_marker")
+        self.chunks_stepped = 0
 
     def reset(self, task_id: int | None = None, init_state_id: int | None = None,
               seed: int | None = None) -> dict[str, np.ndarray]:
@@ -162,8 +169,18 @@ class ToySimEnv(SimEnv):
             obs["state"] = np.concatenate([self.pos, self.goal]).astype(np.float32)   # (S,)
         return obs
 
+    def _hang_once(self) -> None:
+        try:
+            os.close(os.open(str(self.hang_marker), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return                                   # another process (or an earlier one) hung already
+        threading.Event().wait()                     # never returns: the process stops answering
+
     def step_chunk(self, actions: np.ndarray, render_all: bool = False) -> ChunkResult:
         """Move by each action ``[H, A]``; stops at success (the time limit is the vector env's)."""
+        self.chunks_stepped += 1
+        if self.hang_at_step is not None and self.chunks_stepped >= int(self.hang_at_step):
+            self._hang_once()
         rewards, frames = [], []
         success = False
         for action in np.asarray(actions, np.float64):
@@ -238,6 +255,11 @@ class ToyAdapter:
         unknown = [c for c in cfg["cameras"] or [] if c != CAMERA]
         if unknown:
             raise ConfigError("env.cameras", f"the toy task has one camera '{CAMERA}', not {unknown}")
+        hang = cfg.get("hang_at_step")
+        if hang is not None and (isinstance(hang, bool) or not isinstance(hang, int) or hang < 1
+                                 or not cfg.get("hang_marker") or not cfg.get("processes")):
+            raise ConfigError("env.hang_at_step", f"must be null or a chunk count >= 1 with env.hang_marker (a file "
+                                                  f"path) and env.processes=true, got {hang!r}")
         if not cfg["cameras"] and not cfg["state_obs"]:
             raise ConfigError("env.cameras", "the toy task needs a camera or state_obs: true to observe anything")
         if min(cfg["image_size"]) < MIN_IMAGE_SIZE:

@@ -559,7 +559,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
     def from_config(cls, env_fns: Sequence[Callable[[], SimEnv]], cfg: dict, *, env_offset: int = 0,
                     **kwargs) -> ProcessVectorEnv:
         """Build from an env config's shared keys (``auto_reset``, ``ignore_terminations``,
-        ``reward_coef``, ``use_rel_reward``, ``reward_type``, ``video.enabled``/``video.env_ids``).
+        ``reward_coef``, ``use_rel_reward``, ``reward_type``, ``step_timeout_s``, ``video.enabled``/``video.env_ids``).
         ``video.env_ids`` are global env indices; this batch holds envs ``env_offset ..
         env_offset + len(env_fns) - 1`` and records those among them. ``kwargs`` (``processes``,
         ``start_method``, ``max_restarts``, ...) pass through."""
@@ -567,6 +567,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
         record = []
         if video.get("enabled"):
             record = [g - env_offset for g in video.get("env_ids") or [] if 0 <= g - env_offset < len(env_fns)]
+        kwargs.setdefault("step_timeout", cfg.get("step_timeout_s"))     # env.step_timeout_s (null: wait)
         return cls(env_fns, auto_reset=cfg["auto_reset"], ignore_terminations=cfg["ignore_terminations"],
                    reward_coef=cfg["reward_coef"], use_rel_reward=cfg["use_rel_reward"],
                    reward_type=cfg["reward_type"], record_env_ids=record, **kwargs)
