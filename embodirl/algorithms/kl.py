@@ -73,20 +73,26 @@ def kl_divergence(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -
 
 
 def apply_kl_reward_penalty(reward: torch.Tensor, logprob: torch.Tensor, ref_logprob: torch.Tensor,
-                            valid: torch.Tensor, *, coef: float, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+                            valid: torch.Tensor, *, coef: float, kind: str, executed: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Subtract ``coef * KL`` from the reward; return the new reward and the mean per-token KL over
     valid decisions (the controller's measurement; float32 scalar).
 
     ``reward`` ``(N, T)`` takes each decision's KL summed over its L tokens; ``(N, T, H)`` takes each
-    action's KL summed over its A = L / H tokens (tokens ordered action-major, ``l = h * A + a``)."""
+    action's KL summed over its A = L / H tokens (tokens ordered action-major, ``l = h * A + a``).
+    ``executed`` ``(N, T, H)``: tokens of actions that never ran (the episode ended inside the chunk)
+    carry no penalty."""
     N, T, L = logprob.shape
-    kl = kl_divergence(logprob, ref_logprob, kind) * valid[:, :, None]  # (N, T, L)
+    tokens = valid[:, :, None].expand(N, T, L)  # (N, T, L)
+    if executed is not None:
+        tokens = tokens & executed.repeat_interleave(L // executed.shape[2], dim=2)
+    kl = kl_divergence(logprob, ref_logprob, kind) * tokens  # (N, T, L)
     if reward.dim() == 2:
         penalty = kl.sum(-1)  # (N, T)
     else:
         H = reward.shape[2]
         penalty = kl.view(N, T, H, L // H).sum(-1)  # (N, T, H)
-    mean_kl = kl.sum() / (valid.sum() * L).clamp(min=1)
+    mean_kl = kl.sum() / tokens.sum().clamp(min=1)
     return reward - coef * penalty, mean_kl
 
 

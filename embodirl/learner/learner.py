@@ -61,7 +61,8 @@ def prepare_batch(batch: TensorDict, algorithm: Mapping, *, kl_coef: float = 0.0
             raise ValueError("the KL reward penalty needs 'logprob_ref': call Learner.compute_ref_logprob first")
         reward, mean_kl = kl_mod.apply_kl_reward_penalty(
             batch.get(D.REWARD), batch.get(D.LOGPROB_BEHAVIOR), batch.get(D.LOGPROB_REF), batch.get(D.VALID),
-            coef=kl_coef, kind=str(algorithm["kl_penalty"]))
+            coef=kl_coef, kind=str(algorithm["kl_penalty"]),
+            executed=batch.get(D.EXECUTED) if D.EXECUTED in batch.keys() else None)
         batch = batch.copy()
         batch.set(D.REWARD, reward.float())
         metrics["kl/reward_penalty_kl"] = mean_kl

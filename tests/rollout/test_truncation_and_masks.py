@@ -200,3 +200,16 @@ def _copy(policy):
     import copy
 
     return copy.deepcopy(policy)
+
+
+def test_unexecuted_actions_carry_no_kl_reward_penalty(compose_cfg):
+    from embodirl.learner.learner import prepare_batch
+
+    cfg, _, traj = _oracle_batch(compose_cfg)
+    traj.set(D.LOGPROB_REF, traj[D.LOGPROB_BEHAVIOR] - 0.3)
+    noisy = _perturb_unexecuted(traj, (D.LOGPROB_REF,))
+    algorithm = {**dict(cfg.algorithm), "adv_type": "reinforce_plus_plus", "use_kl_loss": False, "kl_penalty": "kl"}
+    (a, ma), (b, mb) = (prepare_batch(x, algorithm, kl_coef=0.5) for x in (traj, noisy))
+    torch.testing.assert_close(a[D.REWARD], b[D.REWARD])
+    torch.testing.assert_close(ma["kl/reward_penalty_kl"], mb["kl/reward_penalty_kl"])
+    assert not torch.equal(a[D.REWARD], traj[D.REWARD])          # the penalty itself applies
