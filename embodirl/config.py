@@ -172,10 +172,15 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     _choice(cfg, "algorithm.kl_ctrl.type", KL_CTRL_TYPES)
     _choice(cfg, "rollout.backend", ROLLOUT_BACKENDS)
     _choice(cfg, "runner.resume_mode", RESUME_MODES)
-    from embodirl.runner.evaluation import check_eval_episodes, check_eval_protocol  # noqa: PLC0415 - env registry
+    from embodirl.runner.evaluation import (  # noqa: PLC0415 - imports the env registry
+        check_eval_episodes,
+        check_eval_num_envs,
+        check_eval_protocol,
+    )
 
     check_eval_protocol(cfg.runner, cfg.env.eval)
     check_eval_episodes(cfg.runner)
+    check_eval_num_envs(cfg.runner)
     if cfg.runner.get("torch_threads", "auto") not in (None, "auto"):
         _positive(cfg, "runner.torch_threads")
     from embodirl.runner.checkpoint import eval_model_path, resume_source

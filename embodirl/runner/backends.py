@@ -192,7 +192,8 @@ class InProcessBackend(_Closing):
         r = self.cfg.runner
         if self.evaluator is None:
             # its simulators are kept for later evaluations, seeded as this first one
-            self.evaluator = Evaluator(protocol_env_cfg(to_plain(self.cfg.env.eval), r.get("eval_protocol")), seed=seed,
+            self.evaluator = Evaluator(protocol_env_cfg(to_plain(self.cfg.env.eval), r.get("eval_protocol"),
+                                                        r.get("eval_num_envs")), seed=seed,
                                        episodes_per_task=r.eval_episodes_per_task, num_videos=int(r.eval_num_videos),
                                        episodes=check_eval_episodes(r))
         self.policy.eval()
@@ -284,7 +285,7 @@ class RayBackend(_Closing):
     def _eval_env_cfg(cfg: DictConfig) -> dict:
         """``env.eval`` as evaluation runs it: one episode per slot, the first ``runner.eval_num_videos``
         slots recorded, ``runner.eval_episodes_per_task`` trials per task when set."""
-        env_cfg = protocol_env_cfg(to_plain(cfg.env.eval), cfg.runner.get("eval_protocol"))
+        env_cfg = protocol_env_cfg(to_plain(cfg.env.eval), cfg.runner.get("eval_protocol"), cfg.runner.get("eval_num_envs"))
         env_cfg["auto_reset"] = False
         if cfg.runner.eval_episodes_per_task is not None:
             env_cfg["num_trials_per_task"] = int(cfg.runner.eval_episodes_per_task)

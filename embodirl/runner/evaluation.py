@@ -50,13 +50,26 @@ def check_eval_protocol(runner_cfg: Mapping, eval_env_cfg: Mapping) -> None:
                                                   f"the '{eval_env_cfg.get('adapter')}' adapter, so use parallel")
 
 
-def protocol_env_cfg(env_cfg: Mapping, protocol: str | None) -> dict:
-    """``env_cfg`` as ``runner.eval_protocol`` runs it (``oft``: the adapter's OFT seeding switched on)."""
+def protocol_env_cfg(env_cfg: Mapping, protocol: str | None, num_envs: int | None = None) -> dict:
+    """``env_cfg`` as ``runner.eval_protocol`` runs it (``oft``: the adapter's OFT seeding switched on), with
+    ``runner.eval_num_envs`` simulators when set. An episode's outcome does not depend on which slot or batch
+    runs it (scenes are seeded from (task, init state), actions are greedy), so the sweep's per-episode
+    results are the same at any number of simulators (``tests/runner/test_eval_report.py``)."""
     out = dict(env_cfg)
     if protocol == "oft":
         key, value = OFT_SEEDING[out["adapter"]]
         out[key] = value
+    if num_envs is not None:
+        out["num_envs"] = int(num_envs)
     return out
+
+
+def check_eval_num_envs(runner_cfg: Mapping) -> None:
+    """``runner.eval_num_envs``: null (``env.eval.num_envs``) or a positive number of simulators."""
+    n = runner_cfg.get("eval_num_envs")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ConfigError("runner.eval_num_envs", f"must be null (env.eval.num_envs) or a positive number of "
+                                                  f"simulators, got {n!r}")
 
 
 def check_eval_episodes(runner_cfg: Mapping) -> list[int] | None:

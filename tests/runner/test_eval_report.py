@@ -120,3 +120,26 @@ def test_training_dashboards_curve_png_and_tensorboard_media(tmp_path):
     metrics = [r for r in read_metrics(out / "metrics.jsonl") if "eval/success_rate" in r]
     assert all(r["eval/success_rate_ci95_low"] <= r["eval/success_rate"] <= r["eval/success_rate_ci95_high"]
                for r in metrics)
+
+
+def test_identical_per_episode_outcomes_at_one_and_several_simulator_processes(tmp_path):
+    """The in-process evaluation path at 1 and at 4 simulator processes (runner.eval_num_envs): the same episodes,
+    the same outcomes."""
+    from embodirl.config import compose, validate
+    from embodirl.errors import ConfigError
+
+    runs = {}
+    for n in (1, 4):
+        # dense rewards: each episode's return traces its whole trajectory, so equal returns mean equal episodes
+        cli(["eval", *TOY, "env.eval.processes=true", "env.eval.reward_mode=dense", "env.eval.step_size=0.3",
+             "runner.eval_episodes_per_task=3", "runner.eval_num_videos=0",
+             f"runner.eval_num_envs={n}", f"runner.experiment_name=p{n}"], tmp_path)
+        runs[n] = json.loads((tmp_path / "outputs" / f"p{n}" / "eval_info.json").read_text())["per_episode"]
+    assert len(runs[1]) == len(runs[4]) == 12
+    assert len({round(ep["return"], 6) for ep in runs[1]}) > 6          # episodes that differ from each other
+    for one, four in zip(runs[1], runs[4], strict=True):
+        for key in ("episode_ix", "task_id", "init_state_id", "seed", "success", "length"):
+            assert one[key] == four[key], key
+        assert one["return"] == pytest.approx(four["return"], abs=1e-9)
+    with pytest.raises(ConfigError, match="runner.eval_num_envs"):
+        validate(compose([*TOY, "runner.eval_num_envs=0"]))
