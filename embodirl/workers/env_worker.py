@@ -109,8 +109,9 @@ class EnvWorker:
             self.client.reconnect(actor)
             self.client.mode = mode
         elif stream:
-            # S requests in flight (one per stage) plus a bootstrap request: the ring must hold them all
-            slots = max(self.queue_size, self.S + 1)
+            # per stage a decision and a final-observation value request (a time-limit truncation) in
+            # flight, plus a bootstrap request: the ring must hold them all (its answers use as many slots)
+            slots = max(self.queue_size, 2 * self.S + 1)
             self._set_client(StreamClient(actor, queue_size=slots, mode=mode, tag=f"s{self.slot_offset}"))
         else:
             self._set_client(RayClient(actor, mode=mode))
