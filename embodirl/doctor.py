@@ -56,9 +56,10 @@ ACT_BYTES_PER_TOKEN_LAYER = 34
 CKPT_BYTES_PER_TOKEN_LAYER = 2
 #: tokens of the prompt, proprio and action slots besides the image patches (OpenVLA-OFT: ~30 + 1 + 56)
 TEXT_AND_ACTION_TOKENS = 96
-#: proportional set size of one simulator process after its first reset, measured on this project's 2-core
-#: machine (/proc/<pid>/smaps_rollup): LIBERO-10 1.0-1.2 GiB, ManiSkill PushCube (state, lavapipe) 0.4 GiB
-SIM_PROCESS_BYTES = {"libero": int(1.2 * GIB), "maniskill": int(0.45 * GIB)}
+#: private memory (USS: Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup) of one simulator process after
+#: its first reset, measured on this project's 2-core machine: LIBERO-10 0.9-1.05 GiB, ManiSkill PushCube
+#: (state obs, lavapipe) 0.33 GiB; shared libraries come on top once
+SIM_PROCESS_BYTES = {"libero": int(1.0 * GIB), "maniskill": int(0.35 * GIB)}
 OTHER_SIM_BYTES = int(0.1 * GIB)
 #: the fraction of a device's free memory an estimate may take (allocator fragmentation, CUDA context)
 USABLE_FRACTION = 0.9
@@ -299,21 +300,23 @@ def model_size(cfg: DictConfig) -> ModelSize:
                      tokens=tokens)
 
 
-def available_memory(accelerator: str) -> list[int]:
-    """Free bytes per device: each visible GPU, or this machine's available RAM (one entry)."""
+def available_memory(accelerator: str, *, total: bool = False) -> list[int]:
+    """Free (``total``: all) bytes per device: each visible GPU, or this machine's RAM (one entry)."""
     if accelerator == "gpu":
         import torch
 
-        return [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+        return [torch.cuda.mem_get_info(i)[1 if total else 0] for i in range(torch.cuda.device_count())]
     with open("/proc/meminfo") as f:
         info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return [info.get("MemAvailable", info.get("MemFree", 0))]
+    return [info["MemTotal"] if total else info.get("MemAvailable", info.get("MemFree", 0))]
 
 
 def memory_plan(cfg: DictConfig, size: ModelSize, accelerator: str) -> dict[str, int]:
-    """Estimated peak bytes per component instance: ``actor`` (one learner rank), ``rollout`` (one inference
-    copy, 0 when the learner's own policy acts in this process) and ``env`` (the simulators of one env worker
-    on the CPU; 0 on a GPU)."""
+    """Estimated peak bytes per component instance: ``actor`` (one learner rank: parameters, fp32 master
+    weights, gradients and AdamW moments of the trainable ones, sharded over the ranks, and activations of one
+    micro-batch; evaluation: the policy's parameters), ``rollout`` (one inference copy, 0 when the learner's
+    own policy acts in this process) and ``env`` (one env worker's share of the training and evaluation
+    simulator processes on the CPU; 0 on a GPU)."""
     from embodirl.config import data_parallel_size, decisions_per_episode, use_ray
 
     dp = data_parallel_size(cfg) if accelerator == "cpu" else None
@@ -330,24 +333,33 @@ def memory_plan(cfg: DictConfig, size: ModelSize, accelerator: str) -> dict[str,
                  or cfg.model.get("gradient_checkpointing") else ACT_BYTES_PER_TOKEN_LAYER)
     activations = rows * size.tokens * size.hidden * size.layers * per_layer
     sharded = size.param_bytes + size.trainable * (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES)
-    actor = math.ceil(sharded / dp) + activations
+    only_eval = bool(cfg.runner.only_eval)
+    actor = size.param_bytes if only_eval else math.ceil(sharded / dp) + activations   # eval: the policy only
     in_process = not use_ray(cfg)
-    envs_per_worker = int(cfg.env.train.num_envs) // int(cfg.env_workers.num_workers)
+    workers = int(cfg.env_workers.num_workers)
+    envs_per_worker = int(cfg.env.train.num_envs) // workers
     rollout_batch = envs_per_worker // int(cfg.rollout.pipeline_stage_num)
     rollout = 0 if in_process else size.param_bytes + rollout_batch * size.tokens * size.hidden * 4 * 2
-    sim = SIM_PROCESS_BYTES.get(str(cfg.env.train.adapter), OTHER_SIM_BYTES)
-    env = envs_per_worker * sim if accelerator == "cpu" else 0
+    # simulators: training's, and evaluation's, which stay up between evaluations
+    evaluates = only_eval or bool(cfg.runner.val_check_interval) or bool(cfg.runner.val_before_train)
+    eval_envs = int(cfg.runner.get("eval_num_envs") or cfg.env.eval.num_envs) if evaluates else 0
+    sims = {"train": 0 if only_eval else int(cfg.env.train.num_envs), "eval": eval_envs}
+    per_sim = {k: SIM_PROCESS_BYTES.get(str(cfg.env[k].adapter), OTHER_SIM_BYTES) for k in sims}
+    env = sum(sims[k] * per_sim[k] for k in sims) // workers if accelerator == "cpu" else 0
     return {"actor": actor, "rollout": rollout, "env": env}
 
 
 def check_memory(cfg: DictConfig, *, available: list[int] | None = None, accelerator: str | None = None) -> Check:
+    """The estimate against each device's whole memory (what is free now is reported beside it: other
+    programs' passing use should not make a set-up check fail)."""
     from embodirl.placement import detect_devices
 
     if accelerator is None:
         _, accelerator = detect_devices(1, cfg.cluster.num_gpus_per_node)
     size = model_size(cfg)
     plan = memory_plan(cfg, size, accelerator)
-    free = available if available is not None else available_memory(accelerator)
+    free = available if available is not None else available_memory(accelerator, total=True)
+    free_now = available_memory(accelerator) if available is None else free
     from embodirl.config import data_parallel_size
 
     counts = {"actor": data_parallel_size(cfg) if accelerator == "cpu" else 1,
@@ -360,11 +372,11 @@ def check_memory(cfg: DictConfig, *, available: list[int] | None = None, acceler
         needs = {"actor": plan["actor"], "rollout": plan["rollout"] * max(1, counts["rollout"] // max(1, len(free))),
                  "env": 0}
         device, budget = "GPU", min(free) if free else 0
-    total = max(needs["actor"], needs["rollout"] + needs["env"]) if offload else sum(needs.values())
+    need = max(needs["actor"], needs["rollout"] + needs["env"]) if offload else sum(needs.values())
     parts = ", ".join(f"{c} {needs[c] / GIB:.1f} GiB" for c in ("actor", "rollout", "env") if needs[c])
     detail = (f"{cfg.model.name} ({size.params / 1e6:.2f} M parameters, {size.trainable / 1e6:.2f} M trainable): "
-              f"{parts}; {total / GIB:.1f} of {budget / GIB:.1f} GiB free {device}")
-    if total <= USABLE_FRACTION * budget:
+              f"{parts}; {need / GIB:.1f} of {budget / GIB:.1f} GiB {device} ({min(free_now) / GIB:.1f} GiB free now)")
+    if need <= USABLE_FRACTION * budget:
         return Check("memory", True, detail)
     alone = [c for c in needs if needs[c] > USABLE_FRACTION * budget]
     what = (f"{' and '.join(alone)} alone will not fit" if alone else
