@@ -203,9 +203,9 @@ class RolloutCollector:
         stage.finished_at = None
 
     def _decide(self, t: int, stage: _Stage) -> None:
+        self._take_final_values(stage)      # asked for before this decision (counts its own wait)
         t0 = time.perf_counter()
         out = stage.pending.result()
-        self._take_final_values(stage)
         t1 = time.perf_counter()
         stage.pending = None
         rec = stage.recorder
