@@ -131,3 +131,12 @@ def test_worker_groups_collect_greedy_baselines_in_evaluation_mode(compose_cfg):
         b = groups.collect(starts, seed=3, mode=EVAL)
     torch.testing.assert_close(a[D.ACTION_CHUNK], b[D.ACTION_CHUNK])
     assert not torch.equal(a[D.ACTION_CHUNK][:, 0], sampled[D.ACTION_CHUNK][:, 0])
+
+
+@pytest.mark.slow
+def test_remax_trains_through_the_cli_on_ray_workers(tmp_path):
+    _cli(["train", *TOY, *COMMON, "algorithm.adv_type=remax", "cluster.use_ray=true", "runner.experiment_name=rr"],
+         tmp_path)
+    records = read_metrics(tmp_path / "outputs" / "rr" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["time/baseline_rollout"] > 0 and np.isfinite(r["actor/pg_loss"]) for r in records)
