@@ -231,7 +231,14 @@ class StreamClient:
 
     def _result(self, seq: int, return_value: bool) -> PolicyOutput:
         while seq not in self._answers:
-            msg = self._reader.recv(self.response, timeout=0)
+            try:
+                msg = self._reader.recv(self.response, timeout=0)
+            except FileNotFoundError as exc:
+                # the response ring is gone before this side mapped it: its owner, the rollout worker,
+                # died and its segments were swept (a death like any other: the group restarts it)
+                from embodirl.workers.transport import RolloutWorkerDied
+
+                raise RolloutWorkerDied(f"rollout worker died: its response ring {exc.filename} is gone") from exc
             if msg is None:
                 self._wait()
                 continue

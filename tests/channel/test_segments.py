@@ -47,8 +47,11 @@ def _spawn_owner(mode: str, run: str, own_run: bool = False, **popen):
     env = dict(os.environ, EMBODIRL_SHM_RUN=run)
     if own_run:
         env["OWN_RUN"] = "1"
+    # the default SIGINT disposition, as a terminal's Ctrl-C finds it: a shell without job control runs
+    # background commands (e.g. `bash .ci/run &`) with SIGINT ignored, and children inherit that
     proc = subprocess.Popen([sys.executable, "-c", _OWNER, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=env, text=True, **popen)
+                            env=env, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            **popen)
     names = proc.stdout.readline().split()
     assert len(names) == 3, f"owner printed {names!r}"   # the segment and its two FIFOs
     assert all(n.startswith(f"erl_{run}_{proc.pid}_") for n in names)
