@@ -160,7 +160,7 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     ``check_envs`` also runs the simulator adapters' and policy's own checks (task ids, assets, model
     path), which may import the simulator packages.
     """
-    from embodirl.placement import detect_devices, parse_placement
+    from embodirl.placement import placement_from_config
 
     alg, actor, rollout = cfg.algorithm, cfg.actor, cfg.rollout
     # --- single values -----------------------------------------------------------------------------
@@ -232,11 +232,7 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
                                          f"{OmegaConf.select(cfg, key)} needs Ray; set cluster.use_ray=auto or {key}=1")
 
     # --- placement and data-parallel size --------------------------------------------------------------
-    if num_devices is None:
-        num_devices, accelerator = detect_devices(int(cfg.cluster.num_nodes), cfg.cluster.num_gpus_per_node)
-    spec = cfg.cluster.component_placement
-    spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
-    placement = parse_placement(spec, num_devices, accelerator or "cpu")
+    placement = placement_from_config(cfg.cluster, num_devices, accelerator)
     dp = data_parallel_size(cfg, placement)
     if placement.accelerator == "cpu" and dp > len(placement.devices["actor"]):
         _fail("actor.cpu_world_size", f"{dp} learner ranks need {dp} CPU slots but cluster.component_placement gives "

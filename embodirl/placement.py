@@ -111,3 +111,17 @@ def detect_devices(num_nodes: int = 1, num_gpus_per_node: int | None = None) -> 
     import os
 
     return (os.cpu_count() or 1) * num_nodes, "cpu"
+
+
+def placement_from_config(cluster_cfg, num_devices: int | None = None, accelerator: str | None = None) -> Placement:
+    """``cluster.component_placement`` (a mapping, or its one-line string form) parsed against the devices
+    of ``cluster.num_nodes`` nodes (detected unless ``num_devices`` is given)."""
+    if num_devices is None:
+        num_devices, accelerator = detect_devices(int(cluster_cfg["num_nodes"]), cluster_cfg.get("num_gpus_per_node"))
+    spec = cluster_cfg["component_placement"]
+    if hasattr(spec, "_content"):    # an OmegaConf node
+        from omegaconf import OmegaConf
+
+        spec = OmegaConf.to_container(spec)
+    return parse_placement(spec, num_devices, accelerator or "cpu")
+

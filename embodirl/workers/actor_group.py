@@ -201,26 +201,13 @@ class ActorGroup:
             for w in workers:
                 w.close()
             return
-        import ray
+        from embodirl.workers.groups import _close_workers
 
-        if not kill:
-            try:
-                ray.get([w.close.remote() for w in workers], timeout=30)
-            except Exception as exc:  # noqa: BLE001 - dead ranks cannot close
-                log.debug("closing actor ranks: %s", exc)
-        for w in workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception as exc:  # noqa: BLE001 - already dead
-                log.debug("killing actor rank: %s", exc)
+        # killed at once when a peer died: the survivors wait in a collective and cannot close
+        _close_workers(workers, self.remote, wait_s=0.0 if kill else 30.0)
 
 
 def _placement(cfg: DictConfig):
-    from omegaconf import OmegaConf
+    from embodirl.placement import placement_from_config
 
-    from embodirl.placement import detect_devices, parse_placement
-
-    num_devices, accelerator = detect_devices(int(cfg.cluster.num_nodes), cfg.cluster.get("num_gpus_per_node"))
-    spec = cfg.cluster.component_placement
-    spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
-    return parse_placement(spec, num_devices, accelerator)
+    return placement_from_config(cfg.cluster)

@@ -127,6 +127,7 @@ class RolloutWorkerGroup:
         #: where a restarted worker's weights come from when an actor group publishes: a callable
         #: returning a full WeightHandle (None: the driver-side publisher below)
         self.weight_source = weight_source
+        self._version = 0                # the last version received from the actor group
         self.sync_paths: dict[str, int] = {}   # how the last publication reached the workers
         self.generation = [0] * num_workers   # bumped at every restart of worker r
         self.workers = []
@@ -222,7 +223,7 @@ class RolloutWorkerGroup:
     @property
     def version(self) -> int:
         if self.weight_source is not None:
-            return getattr(self, "_version", 0)
+            return self._version
         return self._driver_publisher().version
 
     def weight_versions(self) -> list[int]:
@@ -676,14 +677,11 @@ def plan_from_config(cfg: DictConfig, layout: RolloutLayout, eval_layout: Rollou
     """The placement plan for this layout (and the evaluation env workers, placed after the training
     ones) plus the learner's ranks (``actor``)."""
     from embodirl.config import data_parallel_size
-    from embodirl.placement import detect_devices, parse_placement
+    from embodirl.placement import placement_from_config
     from embodirl.workers.placement_groups import plan_placement
 
     num_nodes = int(cfg.cluster.num_nodes)
-    num_devices, accelerator = detect_devices(num_nodes, cfg.cluster.get("num_gpus_per_node"))
-    spec = cfg.cluster.component_placement        # a mapping, or its one-line string form
-    spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
-    placement = parse_placement(spec, num_devices, accelerator)
+    placement = placement_from_config(cfg.cluster)
     num_env = layout.num_env_workers + (eval_layout.num_env_workers if eval_layout is not None else 0)
     workers = {"env": num_env, "rollout": layout.num_rollout_workers,
                "actor": data_parallel_size(cfg, placement)}
