@@ -172,7 +172,7 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     _choice(cfg, "algorithm.kl_ctrl.type", KL_CTRL_TYPES)
     _choice(cfg, "rollout.backend", ROLLOUT_BACKENDS)
     _choice(cfg, "runner.resume_mode", RESUME_MODES)
-    from embodirl.runner.evaluation import (  # noqa: PLC0415 - imports the env registry
+    from embodirl.runner.evaluation import (
         check_eval_episodes,
         check_eval_num_envs,
         check_eval_protocol,

@@ -68,7 +68,7 @@ def torch_threads(setting, *, cuda: bool | None = None) -> int | None:
     if setting not in (None, "auto"):
         return int(setting)
     if cuda is None:
-        import torch  # noqa: PLC0415
+        import torch
 
         cuda = torch.cuda.is_available()
     if cuda:
@@ -79,7 +79,7 @@ def torch_threads(setting, *, cuda: bool | None = None) -> int | None:
 
 def set_torch_threads(setting) -> None:
     """Apply :func:`torch_threads` to this process."""
-    import torch  # noqa: PLC0415
+    import torch
 
     n = torch_threads(setting)
     if n is not None and torch.get_num_threads() != n:

@@ -247,7 +247,7 @@ def run_cli(name: str, placement: str, args, out: Path) -> tuple[list[dict], flo
         output, _ = proc.communicate(timeout=args.cli_timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)   # its own session: the CLI, its Ray and workers
-        raise SystemExit(f"{name}: the CLI ran past {args.cli_timeout} s")
+        raise SystemExit(f"{name}: the CLI ran past {args.cli_timeout} s") from None
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"{name}: the CLI exited with {proc.returncode}:\n{output[-3000:]}")

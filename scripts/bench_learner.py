@@ -87,7 +87,7 @@ def build_policy(cfg: dict, device: str):
     return build(cfg["model"], env_spec(cfg["model"]), device=device)
 
 
-def make_batch(cfg: dict, args, device: str) -> "D.TensorDict":
+def make_batch(cfg: dict, args, device: str) -> D.TensorDict:
     """N x T decisions whose actions, log-probs and values come from the policy; random rewards."""
     from embodirl.learner.learner import prepare_batch
     from embodirl.models.base import SamplingParams

@@ -378,8 +378,8 @@ def calibrate_image_size(N: int, rounds: int = 3) -> int:
             obs, _ = env.reset(seed=0)
             policy = make_policy(cfg.model, env.spec)
             zeros = np.zeros((N, int(cfg.model.action_chunk), env.spec.action_dim), np.float32)
-            policy_s = timed(lambda: act(policy, obs, env.spec.task_descriptions, SamplingParams()), 3)
-            env_s = timed(lambda: env.step(zeros), 5)
+            policy_s = timed(lambda: act(policy, obs, env.spec.task_descriptions, SamplingParams()), 3)  # noqa: B023 (called here)
+            env_s = timed(lambda: env.step(zeros), 5)  # noqa: B023 (called here)
             env.close()
             size = int(min(max(size * math.sqrt(policy_s / max(env_s, 1e-6)), 32), 1024))
     finally:

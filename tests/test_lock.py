@@ -4,10 +4,10 @@ direct dependency's range admitting its locked version, and the set-up installin
 from __future__ import annotations
 
 import re
-import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version

@@ -204,7 +204,7 @@ class ShmChannel:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:
             pass
 
     # --- free list -------------------------------------------------------------------------------
@@ -323,7 +323,7 @@ class ShmReader:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:
             pass
 
     def _map(self, info: ChannelInfo) -> _Mapped:

@@ -182,11 +182,11 @@ class SuiteInfo:
         return np.asarray(self.benchmark.get_task_init_states(task_id))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _suite_info(suite: str, assets: str) -> SuiteInfo:
     libero = libero_paths.prepare(assets)
     with contextlib.redirect_stdout(io.StringIO()) as printed:   # the package prints its task order
-        from libero.libero import benchmark  # noqa: PLC0415 - after prepare()
+        from libero.libero import benchmark
 
         bench = benchmark.get_benchmark_dict()[suite]()
     if printed.getvalue().strip():
@@ -235,7 +235,7 @@ class _CameraGate:
     """
 
     def __init__(self, env, camera_names: Sequence[str]):
-        import mujoco  # noqa: PLC0415 - after runtime.configure()
+        import mujoco
 
         self._mujoco = mujoco
         self.env = env                              # robosuite env (LIBERO problem class)
@@ -424,7 +424,7 @@ class LiberoSimEnv(SimEnv):
         while len(self._scenes) >= self.max_cached_tasks:
             _, old = self._scenes.popitem(last=False)
             old.env.close()
-        from libero.libero.envs import OffScreenRenderEnv  # noqa: PLC0415 - heavy, after prepare()
+        from libero.libero.envs import OffScreenRenderEnv
 
         start = time.perf_counter()
         h, w = self.image_size
@@ -592,7 +592,7 @@ class LiberoSimEnv(SimEnv):
         return obs
 
     def _bad_state_warnings(self) -> int:
-        import mujoco  # noqa: PLC0415
+        import mujoco
 
         data = self.libero_env.env.sim.data._data
         return sum(int(data.warning[w].number) for w in (mujoco.mjtWarning.mjWARN_BADQPOS,
@@ -670,7 +670,7 @@ class LiberoAdapter:
     @classmethod
     def make(cls, cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0):
         """``num_envs`` LIBERO simulators, one process each, as a ProcessVectorEnv."""
-        from embodirl.envs.vector import ProcessVectorEnv  # noqa: PLC0415 - keeps this module importable alone
+        from embodirl.envs.vector import ProcessVectorEnv
 
         cls.check_config(cfg)
         plain = dict(cfg)

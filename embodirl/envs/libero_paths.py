@@ -89,7 +89,7 @@ def prepare(assets_path: str | os.PathLike | None = None):
     """Make ``libero.libero`` importable without prompts and using the configured assets."""
     assets = resolve_assets_dir(assets_path)
     write_config(assets)
-    import libero.libero as libero_pkg  # noqa: PLC0415 - must follow write_config
+    import libero.libero as libero_pkg
 
     libero_pkg._assets_path_cache = str(assets)
     return libero_pkg

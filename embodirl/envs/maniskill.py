@@ -162,7 +162,7 @@ def make_maniskill_env(settings: ManiSkillSettings, *, num_envs: int, sim_backen
         raise
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(task: str) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
     """(control modes of the task's robot or None if unknown, sensor camera names) from a throwaway
     state-only CPU scene without a renderer (a fraction of a second)."""
@@ -210,7 +210,7 @@ def check_config(cfg: Mapping, *, probe: bool = True) -> ManiSkillSettings:
             modes, cameras = _probe(settings.task)
         except (ConfigError, FileNotFoundError):   # one-sentence errors (AssetsMissing is a FileNotFoundError)
             raise
-        except Exception as exc:  # noqa: BLE001 - the real construction reports it in full
+        except Exception as exc:
             log.debug("probing %s failed (%s); control mode and cameras are checked at construction",
                       settings.task, exc)
             return settings

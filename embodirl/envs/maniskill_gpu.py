@@ -32,10 +32,21 @@ from collections.abc import Mapping
 import numpy as np
 
 from embodirl.envs.base import ChunkVectorEnv
-from embodirl.envs.maniskill import (CPU_BACKEND, TASK_ID, ManiSkillSettings, ObsConverter, action_bounds,
-                                     draw_init_state, init_state_seed, make_maniskill_env, make_spec,
-                                     resolve_sim_backend, sparse_from_info, step_without_observation,
-                                     success_fail)
+from embodirl.envs.maniskill import (
+    CPU_BACKEND,
+    TASK_ID,
+    ManiSkillSettings,
+    ObsConverter,
+    action_bounds,
+    draw_init_state,
+    init_state_seed,
+    make_maniskill_env,
+    make_spec,
+    resolve_sim_backend,
+    sparse_from_info,
+    step_without_observation,
+    success_fail,
+)
 from embodirl.envs.vector import NO_INIT_STATE, REWARD_TYPES, video_frame
 
 log = logging.getLogger(__name__)

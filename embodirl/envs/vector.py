@@ -322,7 +322,7 @@ def _worker_main(conn, factory_bytes: bytes, runner_kwargs: dict, owner_pid: int
     try:
         runner = EpisodeRunner(cloudpickle.loads(factory_bytes)(), **runner_kwargs)
         conn.send(("ok", runner.spec))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:
         conn.send(("error", _pack_exception(exc)))
         return
     try:
@@ -335,14 +335,14 @@ def _worker_main(conn, factory_bytes: bytes, runner_kwargs: dict, owner_pid: int
                 break
             try:
                 conn.send(("ok", getattr(runner, command)(**kwargs)))
-            except Exception as exc:  # noqa: BLE001 - the parent restarts this sub-env
+            except Exception as exc:
                 conn.send(("error", _pack_exception(exc)))
     except (BrokenPipeError, KeyboardInterrupt):
         pass
     finally:
         try:
             runner.close()
-        except Exception:  # noqa: BLE001 - best effort on the way out
+        except Exception:
             pass
 
 
@@ -371,14 +371,14 @@ class _LocalSubEnv:
                 self._runner = EpisodeRunner(self._factory(), **self._runner_kwargs)
                 return self._runner.spec
             return getattr(self._runner, command)(**kwargs)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise _SubEnvFailure(exc) from exc
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         if self._runner is not None:
             try:
                 self._runner.close()
-            except Exception as exc:  # noqa: BLE001 - a broken simulator may not close cleanly
+            except Exception as exc:
                 log.debug("closing sub-env failed: %s", exc)
             self._runner = None
 
@@ -742,7 +742,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:
             pass
 
     # -- internals -------------------------------------------------------------------------------

@@ -23,8 +23,6 @@ from embodirl.errors import ConfigError
 from embodirl.learner.optim import LR_SCHEDULES
 
 
-
-
 def _get(node: Mapping, path: str, root: str):
     value: Any = node
     for part in path.split("."):

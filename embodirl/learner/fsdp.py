@@ -175,8 +175,14 @@ def wrap_policy(policy: nn.Module, *, device: torch.device, param_dtype: torch.d
     trainable parameters - the sharded master weights the optimizer updates - are kept in fp32 and
     cast for forward/backward; gradients are reduced in ``reduce_dtype``."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                                        fully_shard, register_fsdp_forward_method)
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     if not is_distributed():
         raise RuntimeError("FSDP2 needs an initialised torch.distributed process group")

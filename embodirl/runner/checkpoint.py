@@ -263,14 +263,14 @@ def _load_legacy_rng(path: Path):
     containers and the allow-listed numpy types of the MT19937 key array, so it runs no code from the
     file. None, with a warning, when that fails: the generators then keep this run's seeding."""
     try:
-        from numpy._core.multiarray import _reconstruct   # numpy >= 2
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
     except ImportError:
         from numpy.core.multiarray import _reconstruct
     numpy_types = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _reconstruct]
     try:
         with torch.serialization.safe_globals(numpy_types):
             return torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - anything it refuses or cannot parse: not restored
+    except Exception as exc:
         log.warning("RNG state not restored from %s: an old pickled file that does not load with "
                     "weights_only=True (%s); the generators keep this run's seeding", path, type(exc).__name__)
         log.debug("loading %s failed: %s", path, exc)

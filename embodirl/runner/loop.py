@@ -46,8 +46,8 @@ from embodirl.learner.learner import prepare_batch
 from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import plan_starts
 from embodirl.runner import checkpoint as ckpt
-from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.backends import open_backend
+from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.eval_report import plot_learning_curve, plot_success, print_table, write_eval_info
 from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
 
@@ -186,7 +186,7 @@ class Runner:
         replay buffer, counters); a checkpoint of another model is one sentence naming it."""
         try:
             actors.load(source.resolve())
-        except Exception as exc:  # noqa: BLE001 - remote errors arrive wrapped; the first line says what
+        except Exception as exc:
             written = source / ckpt.CONFIG / "config.yaml"
             hint = (f" (the checkpoint was written with model.name={OmegaConf.load(written).model.name}; use that "
                     f"run's model options, see {written})" if written.is_file() else "")
@@ -220,7 +220,6 @@ class Runner:
 
     def _train(self, backend) -> None:
         cfg, r = self.cfg, self.cfg.runner
-        spec = backend.spec
         actors = backend.make_actors()
         starts_rng = np.random.default_rng(self.seed)
         start_step, env_steps = 0, 0.0

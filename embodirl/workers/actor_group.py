@@ -125,7 +125,7 @@ class ActorGroup:
                 ray.get(probe, timeout=0.1)
             except RayActorError:
                 dead.append(r)
-            except Exception:  # noqa: BLE001 - busy or unknown: not known dead
+            except Exception:
                 pass
         return dead
 

@@ -84,7 +84,7 @@ class ActorWorker:
             import ray
 
             address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        except Exception:  # noqa: BLE001 - not under Ray
+        except Exception:
             address = "127.0.0.1"
         return address, free_port()
 
@@ -225,7 +225,7 @@ class ActorWorker:
 
             try:
                 dist.destroy_process_group()
-            except Exception as exc:  # noqa: BLE001 - a peer already gone
+            except Exception as exc:
                 log.debug("destroying the process group: %s", exc)
 
 

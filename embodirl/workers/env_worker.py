@@ -53,7 +53,7 @@ class EnvWorker:
                  env_builder: Callable | None = None):
         process_env.adopt(process_vars)
         if env_builder is None:
-            from embodirl.envs.registry import make_env as env_builder   # after adopt(): runtime set up
+            from embodirl.envs.registry import make_env as env_builder  # after adopt(): runtime set up
 
         self.env_cfg = dict(env_cfg)
         self.S, self.B, self.T = int(num_stages), int(envs_per_stage), int(num_decisions)
@@ -217,7 +217,7 @@ class EnvWorker:
         for env in self.envs:
             try:
                 env.close()
-            except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            except Exception as exc:
                 log.debug("closing env failed: %s", exc)
         self.envs = []
 

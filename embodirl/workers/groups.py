@@ -256,7 +256,7 @@ class RolloutWorkerGroup:
 
             try:
                 ray.kill(old, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead
+            except Exception:
                 pass
         log.warning("rollout worker %d died%s; restarting it with weights v%d", r, f" ({cause})" if cause else "",
                     self.version)
@@ -296,12 +296,12 @@ def _close_workers(workers: list, remote: bool, wait_s: float = 10.0) -> None:
 
     try:
         ray.get([w.close.remote() for w in workers], timeout=wait_s)
-    except Exception as exc:  # noqa: BLE001 - dead workers cannot close
+    except Exception as exc:
         log.debug("closing workers: %s", exc)
     for w in workers:
         try:
             ray.kill(w, no_restart=True)
-        except Exception as exc:  # noqa: BLE001 - already dead
+        except Exception as exc:
             log.debug("killing worker: %s", exc)
 
 
@@ -436,13 +436,13 @@ class EnvWorkerGroup:
         pid = self.infos[k]["pid"]
         try:
             ray.kill(self.workers[k], no_restart=True)
-        except Exception:  # noqa: BLE001 - already dead
+        except Exception:
             pass
         prefix = segments.process_prefix(pid)
         swept = segments.sweep(prefix)
         try:
             self.rollout.forget_channels(prefix)
-        except Exception as exc:  # noqa: BLE001 - a dead rollout worker is recovered on the next call
+        except Exception as exc:
             log.debug("rollout workers could not unmap %s: %s", prefix, exc)
         first = k * self.layout.slots_per_worker
         log.warning("env worker %d (pid %d) died; replacing it and collecting its %d episodes (slots %d..%d) again%s",

@@ -171,7 +171,7 @@ def remove_placement_groups(groups: dict) -> None:
     for pg in groups.values():
         try:
             remove_placement_group(pg)
-        except Exception as exc:  # noqa: BLE001 - already gone with the cluster
+        except Exception as exc:
             log.debug("removing placement group failed: %s", exc)
 
 

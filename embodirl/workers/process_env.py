@@ -49,6 +49,6 @@ def describe() -> dict:
 
         if ray.is_initialized():
             info["node_id"] = ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 - not under Ray
+    except Exception:
         pass
     return info

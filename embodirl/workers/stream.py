@@ -169,7 +169,7 @@ class StreamServer:
             try:
                 out = self._decide(self._reader.read(ref), self._has_value, "eval" if meta & EVAL_MODE else "train")
                 answer = _response_batch(out.fields, ref.seq, out.weight_version, time.perf_counter() - t0)
-            except Exception:  # noqa: BLE001 - reported to the client, which raises
+            except Exception:
                 log.error("rollout worker failed on a streamed batch:\n%s", traceback.format_exc())
                 answer = dict(stream.template, **{_SEQ: np.array([ref.seq], np.int64),
                                                   _ERROR: np.array([1], np.int64)})
@@ -178,7 +178,7 @@ class StreamServer:
             try:
                 stream.response.send(answer, timeout=SEND_TIMEOUT_S)
                 self.served += 1
-            except Exception as exc:  # noqa: BLE001 - the client stopped reading: drop its stream
+            except Exception as exc:
                 log.warning("dropping the stream of %s: %s", name, exc)
                 self._streams.pop(name, None)
                 stream.response.close()

@@ -77,7 +77,7 @@ def units_loop(x, logprob_type):
                 continue
             def adv_of(h):
                 a = x["adv"]
-                return float(a[n, t]) if a.dim() == 2 else float(a[n, t, h])
+                return float(a[n, t]) if a.dim() == 2 else float(a[n, t, h])  # noqa: B023 (called in this iteration)
             if logprob_type == "token":
                 for l_ in range(L):
                     row.append((float(x["logprob"][n, t, l_] - x["old"][n, t, l_]), adv_of(l_ // A_DIM)))

@@ -14,8 +14,7 @@ from omegaconf import OmegaConf
 
 from embodirl.config import compose
 from embodirl.envs.maniskill import ManiSkillSimEnv, check_config, make_sim_env
-from embodirl.envs.maniskill_gpu import (ManiSkillGPUEnv, end_flags, group_by_init_state,
-                                         transform_rewards)
+from embodirl.envs.maniskill_gpu import ManiSkillGPUEnv, end_flags, group_by_init_state, transform_rewards
 from embodirl.envs.maniskill_tasks import instruction
 from embodirl.envs.registry import check_env_config, make_env
 from embodirl.envs.vector import ProcessVectorEnv
@@ -31,7 +30,7 @@ MAX_CHUNKS_PER_WAYPOINT = 12
 pytestmark = pytest.mark.filterwarnings("ignore:__array_wrap__ must accept context:DeprecationWarning")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _composed(env: str) -> dict:
     return OmegaConf.to_container(compose([f"env={env}"]).env.train, resolve=True)
 

@@ -112,7 +112,6 @@ def test_recorder_without_overlay_keeps_the_frames(tmp_path):
         first = obs["images"][1, 0].transpose(1, 2, 0)
         rec.on_reset(info)
         done = np.zeros(2, bool)
-        lengths = 0
         while not done[1]:
             obs, reward, terminated, truncated, info = venv.step(oracle_actions(obs, 3, 7, STEP))
             done |= terminated | truncated

@@ -120,7 +120,7 @@ class TinyTokenPolicy(Policy):
 
 
 def token_batch(N: int = 8, T: int = 4, seed: int = 0, policy: TinyTokenPolicy | None = None, group_size: int = 4,
-                p_terminated: float = 0.8) -> "D.TensorDict":
+                p_terminated: float = 0.8) -> D.TensorDict:
     """A random trajectory batch for :class:`TinyTokenPolicy` with behaviour log-probs and values from
     ``policy`` (or random ones), episodes ending at random decisions, and a success flag."""
     g = torch.Generator().manual_seed(seed)

@@ -190,7 +190,8 @@ def test_target_kl_stops_the_update_early():
     policy, batch = state_policy_and_batch()
     base = {"global_batch_size": 2, "optim.lr": 0.05}
     full = Learner(copy.deepcopy(policy), learner_cfg(ppo(update_epochs=6), base), task_table=[]).step(batch)
-    assert full["learner/optimizer_steps"].item() == 24  # 8 rows / 2 per step x 6 epochs and full["learner/early_stopped"].item() == 0
+    assert full["learner/optimizer_steps"].item() == 24  # 8 rows / 2 per step x 6 epochs
+    assert full["learner/early_stopped"].item() == 0
     stopping = Learner(copy.deepcopy(policy), learner_cfg(ppo(update_epochs=6, target_kl=1e-4), base), task_table=[])
     out = stopping.step(batch)
     steps = out["learner/optimizer_steps"].item()

@@ -28,7 +28,7 @@ def toy_env(num_envs: int):
     return make_env(cfg, num_envs=num_envs, seed=0)
 
 
-def collect(env, policy: StateMLPPolicy, *, seed: int) -> "D.TensorDict":
+def collect(env, policy: StateMLPPolicy, *, seed: int) -> D.TensorDict:
     """One batch of episodes ``[N, T]``; groups of G envs share a task and an init state."""
     torch.manual_seed(seed)
     T = -(-env.spec.max_episode_steps // H)

@@ -37,7 +37,7 @@ def observation(batch=3, cameras=2, seed=0, state_dim=8):
 
 def perturb_adapters(policy, scale=0.5):
     with torch.no_grad():
-        for name, param in policy.named_parameters():
+        for _name, param in policy.named_parameters():
             if param.requires_grad:
                 param.add_(scale * torch.randn_like(param))
 
@@ -282,6 +282,6 @@ def test_adapted_lm_head_computes_only_the_action_rows():
         assert len(calls) == 1  # only whole() ran the head
         with policy.reference_mode():
             torch.testing.assert_close(core.action_logits(hidden), whole())
-            torch.testing.assert_close(core.action_logits(hidden),
-                                       torch.nn.functional.linear(hidden, head.base_layer.weight[tok.first_id:tok.end_id]).float())
+            rows = head.base_layer.weight[tok.first_id:tok.end_id]
+            torch.testing.assert_close(core.action_logits(hidden), torch.nn.functional.linear(hidden, rows).float())
     hook.remove()

@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from embodirl.envs.base import EnvSpec
-from embodirl.models.openvla_oft.weights import public_weights
 from embodirl.models.openvla_oft.config import build_config, load_preset
 from embodirl.models.openvla_oft.modeling import build_model
+from embodirl.models.openvla_oft.weights import public_weights
 
 
 def timm_vit_features(sd, prefix, pixels, *, depth, heads, patch, dino):
     """timm ViT patch features from the output of block ``depth - 2`` (0-based), prefix tokens dropped."""
-    p = lambda name: sd[prefix + name]  # noqa: E731
+    p = lambda name: sd[prefix + name]
     x = F.conv2d(pixels, p("patch_embed.proj.weight"), p("patch_embed.proj.bias"), stride=patch)
     x = x.flatten(2).transpose(1, 2)                                    # (N, P, D)
     N, _, D = x.shape

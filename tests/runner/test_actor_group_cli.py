@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_vla_cli import CLEANUP_DEADLINE_S, TOY, _session_members, cli
 
 from embodirl.channel import segments
 from embodirl.runner.metrics_logger import read_metrics
-
-from test_vla_cli import CLEANUP_DEADLINE_S, TOY, _session_members, cli
 
 RUN_TIMEOUT_S = 600.0
 # one optimizer step per epoch (global batch = the rollout), several micro-batches: a step's gradient is

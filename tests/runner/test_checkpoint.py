@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
-from embodirl.workers.actor_group import ActorGroup
 from embodirl.models.registry import make_policy
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.loop import Runner
+from embodirl.workers.actor_group import ActorGroup
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=64, task_descriptions=["pick up the bowl", "open the drawer"],
                camera_names=["agentview", "wrist"], image_size=(56, 56), state_dim=8, name="libero_like")

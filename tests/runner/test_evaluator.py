@@ -50,5 +50,5 @@ def test_greedy_sweeps_are_identical(tmp_path):
     with Evaluator(env_cfg, seed=3, episodes_per_task=1) as evaluator:
         a = evaluator.run(policy, out_dir=tmp_path, step=0)
         b = evaluator.run(policy, out_dir=tmp_path, step=1)
-    strip = lambda info: [(e["task_id"], e["success_rate"], e["avg_return"], e["avg_length"]) for e in info["per_task"]]  # noqa: E731
+    strip = lambda info: [(e["task_id"], e["success_rate"], e["avg_return"], e["avg_length"]) for e in info["per_task"]]
     assert strip(a) == strip(b)

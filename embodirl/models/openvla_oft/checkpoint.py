@@ -57,7 +57,6 @@ from embodirl.models.openvla_oft.adapters import (
 )
 from embodirl.models.openvla_oft.config import OFTConfig
 from embodirl.models.openvla_oft.lora import LORA_INIT
-from embodirl.models.processor import LLAMA_PAD_ID
 from embodirl.models.openvla_oft.weights import (
     COMPONENT_PATTERN,
     DEFAULT_MAX_SHARD_BYTES,
@@ -77,6 +76,7 @@ from embodirl.models.openvla_oft.weights import (
     weight_files,
     write_weight_files,
 )
+from embodirl.models.processor import LLAMA_PAD_ID
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from embodirl.models.openvla_oft.autoconfig import configure
 from embodirl.models.openvla_oft.config import OFTConfig, build_config
 from embodirl.models.openvla_oft.lora import ADAPTER_NAME, apply_lora, peft_parameter_names
 from embodirl.models.openvla_oft.modeling import OpenVLAOFT, build_model
-from embodirl.models.openvla_oft.weights import canonical_parameters
 from embodirl.models.openvla_oft.sampling import log_prob_and_entropy, sample
+from embodirl.models.openvla_oft.weights import canonical_parameters
 from embodirl.models.processor import DINO_MEAN, DINO_STD, SIGLIP_MEAN, SIGLIP_STD, ImageProcessor, PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,8 @@ class OpenVLAOFTPolicy(Policy):
             temperature = 1.0 if sampling.deterministic else sampling.temperature
             logprob, _ = log_prob_and_entropy(out.action_logits, tok.ids_to_index(tokens), temperature, False)
         elif sampling.deterministic:
-            # OFT's evaluation (also rollout.temperature=0): argmax over the whole vocabulary, clipped into the action bins (modeling.py)
+            # OFT's evaluation (also rollout.temperature=0): argmax over the whole vocabulary, clipped into the
+            # action bins (modeling.py)
             tokens = self.core.greedy_action_ids(out.action_hidden)                   # (B, L)
             logprob, _ = log_prob_and_entropy(out.action_logits, tok.ids_to_index(tokens), 1.0, False)
             normalized = tok.decode(tokens).reshape(B, H, A)                           # (B, H, A)
