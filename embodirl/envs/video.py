@@ -1,5 +1,5 @@
-"""Episode videos: one mp4 per finished episode of selected envs, or one tiled grid of several envs,
-with an optional caption (task, step, chunk reward, success) under the picture.
+"""Episode videos: one mp4 per finished episode of selected envs, with an optional caption (task, step,
+chunk reward, success) under the picture.
 
 :class:`VideoRecorder` consumes what :class:`~embodirl.envs.vector.ProcessVectorEnv` returns for its
 recorded envs (``record_env_ids``): ``info["frames"][i]`` holds one ``[h, w, 3]`` uint8 frame per
@@ -51,25 +51,6 @@ def episode_video_name(step: int | None, env_name: str, task_id: int, episode: i
     env_part = "" if env_id is None else f"_env{env_id}"
     outcome = "success" if success else "fail"
     return str(Path(step_folder(step)) / f"{env_name}{env_part}_task{task_id}_ep{episode}_{outcome}.mp4")
-
-
-def grid_video_name(step: int | None, env_name: str) -> str:
-    return str(Path(step_folder(step)) / f"{env_name}_grid.mp4")
-
-
-def tile(frames: Sequence[np.ndarray | None], cols: int | None = None) -> np.ndarray:
-    """Frames ``[h, w, 3]`` (same size; None = black) -> one grid ``[rows*h, cols*w, 3]``, row-major."""
-    shape = next(f.shape for f in frames if f is not None)
-    n = len(frames)
-    cols = cols or math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    h, w, c = shape
-    grid = np.zeros((rows * h, cols * w, c), np.uint8)                  # (rows*h, cols*w, 3)
-    for k, frame in enumerate(frames):
-        if frame is not None:
-            r, q = divmod(k, cols)
-            grid[r * h:(r + 1) * h, q * w:(q + 1) * w] = frame
-    return grid
 
 
 def _font(size: int = CAPTION_FONT_PX):
@@ -161,7 +142,7 @@ def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: floa
 class _Episode:
     """The recording in progress for one env."""
 
-    writer: VideoWriter | None           # None in grid mode
+    writer: VideoWriter
     task_id: int
     step: int = 0                        # low-level steps so far
     success: bool = False
@@ -171,7 +152,7 @@ class _Episode:
 @dataclass
 class VideoRecorder:
     """Accumulates frames of ``env_ids`` across chunks and episode boundaries and writes one mp4 per
-    finished episode (``grid=False``) or one tiled mp4 of all of them per :meth:`flush` (``grid=True``).
+    finished episode.
 
     Call :meth:`on_reset` with ``venv.reset``'s info and :meth:`on_step` with ``venv.step``'s outputs;
     :meth:`flush` at the end of a rollout writes what is open (unfinished episodes are named by
@@ -185,7 +166,6 @@ class VideoRecorder:
     task_descriptions: Sequence[str]
     fps: float = 10
     overlay: bool = True
-    grid: bool = False
     env_offset: int = 0
     step: int | None = 0                 # None: files straight in out_dir (no step_<n> folder)
     written: list[Path] = field(default_factory=list)
@@ -195,19 +175,15 @@ class VideoRecorder:
         self.env_ids = [int(i) for i in self.env_ids]
         self._episodes: dict[int, _Episode] = {}
         self._episode_index = {i: 0 for i in self.env_ids}
-        # grid mode: frames of each panel not yet in the grid video, and the panel's last frame
-        self._grid_writer: VideoWriter | None = None
-        self._panel_pending: dict[int, list[np.ndarray]] = {i: [] for i in self.env_ids}
-        self._panel_last: dict[int, np.ndarray | None] = {i: None for i in self.env_ids}
 
     @classmethod
-    def for_env(cls, venv, out_dir: str | os.PathLike, video_cfg: Mapping, *, env_offset: int = 0, step: int | None = 0,
-                grid: bool = False) -> VideoRecorder:
+    def for_env(cls, venv, out_dir: str | os.PathLike, video_cfg: Mapping, *, env_offset: int = 0, step: int | None = 0
+                ) -> VideoRecorder:
         """A recorder of ``venv.record_env_ids`` named after ``venv.spec`` with an env config's ``video``
         settings (``fps``, ``overlay``)."""
         return cls(out_dir, env_ids=venv.record_env_ids, env_name=venv.spec.name,
                    task_descriptions=venv.spec.task_descriptions, fps=video_cfg["fps"], overlay=video_cfg["overlay"],
-                   grid=grid, env_offset=env_offset, step=step)
+                   env_offset=env_offset, step=step)
 
     def set_step(self, step: int) -> None:
         self.step = step
@@ -219,7 +195,6 @@ class VideoRecorder:
             frames = info["frames"][i]
             if frames:
                 self._begin(i, int(info["task_id"][i]), frames[0])
-        self._grid_append()
 
     def on_step(self, reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict) -> list[Path]:
         """Add one chunk's frames; returns the files written by episodes that ended here."""
@@ -237,38 +212,27 @@ class VideoRecorder:
                 episode.success |= bool(info["success"][i])
                 for frame in frames:
                     episode.step += 1
-                    self._add(i, episode, frame, float(chunk_reward[i]))
+                    self._add(episode, frame, float(chunk_reward[i]))
                 if done[i]:
                     written += self._finish(i, episode)
             reset_frames = info.get("reset_frames", [None] * len(done))[i]
             if reset_frames:
                 self._begin(i, int(info["task_id"][i]), reset_frames[0])
-        self._grid_append()
         return written
 
     def flush(self) -> list[Path]:
-        """Write the open episodes (per-env mode) or the grid video (grid mode)."""
+        """Write the open episodes (unfinished ones are named by their success so far)."""
         written: list[Path] = []
         for i, episode in list(self._episodes.items()):
             if not episode.finished:
                 written += self._finish(i, episode)
         self._episodes.clear()
-        if self._grid_writer is not None:
-            path = self._grid_writer.finish(self.out_dir / grid_video_name(self.step, self.env_name))
-            self._grid_writer = None
-            self._panel_last = {i: None for i in self.env_ids}
-            if path is not None:
-                written.append(path)
-                self.written.append(path)
         return written
 
     def close(self) -> None:
         for episode in self._episodes.values():
             self._discard(episode)
         self._episodes.clear()
-        if self._grid_writer is not None:
-            self._grid_writer.discard()
-            self._grid_writer = None
 
     # -- internals -------------------------------------------------------------------------------
     def _lines(self, episode: _Episode, chunk_reward: float | None) -> list[str]:
@@ -284,27 +248,20 @@ class VideoRecorder:
     def _begin(self, i: int, task_id: int, frame: np.ndarray) -> None:
         if i in self._episodes and not self._episodes[i].finished:
             self._discard(self._episodes[i])          # a reset in the middle of an episode
-        writer = None if self.grid else VideoWriter(self.out_dir / step_folder(self.step), self.fps)
+        writer = VideoWriter(self.out_dir / step_folder(self.step), self.fps)
         episode = _Episode(writer, task_id)
         self._episodes[i] = episode
-        self._add(i, episode, frame, None)
+        self._add(episode, frame, None)
 
-    def _add(self, i: int, episode: _Episode, frame: np.ndarray, chunk_reward: float | None) -> None:
-        rendered = self._render(episode, frame, chunk_reward)
-        if self.grid:
-            self._panel_pending[i].append(rendered)
-        else:
-            episode.writer.append(rendered)
+    def _add(self, episode: _Episode, frame: np.ndarray, chunk_reward: float | None) -> None:
+        episode.writer.append(self._render(episode, frame, chunk_reward))
 
     @staticmethod
     def _discard(episode: _Episode) -> None:
-        if episode.writer is not None:
-            episode.writer.discard()
+        episode.writer.discard()
 
     def _finish(self, i: int, episode: _Episode) -> list[Path]:
         episode.finished = True
-        if self.grid:
-            return []
         name = episode_video_name(self.step, self.env_name, episode.task_id, self._episode_index[i], episode.success,
                                   env_id=self.env_offset + i)
         self._episode_index[i] += 1
@@ -314,24 +271,3 @@ class VideoRecorder:
         self.written.append(path)
         log.debug("wrote %s (%d frames)", path, episode.writer.num_frames)
         return [path]
-
-    def _grid_append(self) -> None:
-        """Grid mode: turn the panels' new frames into grid frames; a panel with fewer new frames
-        than the others (its episode ended, or its chunk stopped early) repeats its last frame."""
-        if not self.grid:
-            return
-        count = max(len(pending) for pending in self._panel_pending.values())
-        if count == 0:
-            return
-        if self._grid_writer is None:
-            self._grid_writer = VideoWriter(self.out_dir / step_folder(self.step), self.fps)
-        for t in range(count):
-            row = []
-            for i in self.env_ids:
-                pending = self._panel_pending[i]
-                if t < len(pending):
-                    self._panel_last[i] = pending[t]
-                row.append(self._panel_last[i])
-            self._grid_writer.append(tile(row))
-        for pending in self._panel_pending.values():
-            pending.clear()

@@ -1,4 +1,4 @@
-"""Videos: file names, mp4 round trips, captions, tiling, and VideoRecorder driven by a real batch."""
+"""Videos: file names, mp4 round trips, captions and VideoRecorder driven by a real batch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import functools
 
 import imageio.v2 as imageio
 import numpy as np
-import pytest
 import yaml
 
 from embodirl.envs.toy import ToySimEnv, oracle_actions
@@ -17,7 +16,6 @@ from embodirl.envs.video import (
     caption,
     caption_size,
     episode_video_name,
-    tile,
     write_video,
 )
 from embodirl.paths import config_dir
@@ -72,13 +70,6 @@ def test_caption_draws_text_under_an_enlarged_frame():
     assert caption(np.zeros((300, 400, 3), np.uint8), ["x"]).shape[1] == 400   # wide frames keep their size
 
 
-def test_tile():
-    frames = [np.full((4, 6, 3), k + 1, np.uint8) for k in range(3)]
-    grid = tile(frames)
-    assert grid.shape == (8, 12, 3)
-    assert grid[0, 0, 0] == 1 and grid[0, 6, 0] == 2 and grid[4, 0, 0] == 3 and grid[4, 6, 0] == 0
-
-
 def test_recorder_writes_one_file_per_episode(tmp_path):
     with toy_venv(3, record=[0, 2], auto_reset=True) as venv:
         rec = VideoRecorder.for_env(venv, tmp_path, dict(fps=10, overlay=True), step=7)
@@ -123,22 +114,6 @@ def test_recorder_without_overlay_keeps_the_frames(tmp_path):
         assert rec.flush() == []
 
 
-def test_recorder_grid(tmp_path):
-    with toy_venv(3, record=[0, 1, 2]) as venv:
-        rec = recorder(tmp_path, venv, grid=True, overlay=False, step=3)
-        obs, info = venv.reset(seed=0, task_ids=[0, 1, 2], init_state_ids=[5, 6, 7])
-        rec.on_reset(info)
-        count = 1
-        for _ in range(3):
-            obs, reward, terminated, truncated, info = venv.step(oracle_actions(obs, 4, 7, STEP))
-            assert rec.on_step(reward, terminated, truncated, info) == []
-            count += info["steps"].max()
-        (path,) = rec.flush()
-    assert path.name == "toy_reach_grid.mp4" and path.parent.name == "step_3"
-    frames = read(path)
-    assert len(frames) == count and frames[0].shape == (96, 96, 3)
-
-
 def test_restarted_episode_is_discarded(tmp_path):
     with toy_venv(2, record=[0, 1], auto_reset=True) as venv:
         rec = recorder(tmp_path, venv, overlay=False)
@@ -159,15 +134,13 @@ def test_restarted_episode_is_discarded(tmp_path):
     assert not [p for p in tmp_path.rglob(".partial*")]
 
 
-@pytest.mark.parametrize("grid", [False, True])
-def test_flush_names_unfinished_episodes_by_success_so_far(tmp_path, grid):
+def test_flush_names_unfinished_episodes_by_success_so_far(tmp_path):
     with toy_venv(1, record=[0]) as venv:
-        rec = recorder(tmp_path, venv, grid=grid, overlay=True)
+        rec = recorder(tmp_path, venv, overlay=True)
         obs, info = venv.reset(seed=0)
         rec.on_reset(info)
         obs, reward, terminated, truncated, info = venv.step(np.zeros((1, 4, 7), np.float32))
         rec.on_step(reward, terminated, truncated, info)
         (path,) = rec.flush()
-    expected = "toy_reach_grid.mp4" if grid else f"toy_reach_env0_task{info['task_id'][0]}_ep0_fail.mp4"
-    assert path.name == expected
+    assert path.name == f"toy_reach_env0_task{info['task_id'][0]}_ep0_fail.mp4"
     assert len(read(path)) == 5
