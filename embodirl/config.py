@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from embodirl.errors import AssetsMissing, ConfigError
 from embodirl.paths import config_dir
+from embodirl.placement import data_parallel_size, placement_from_config, use_ray
+from embodirl.plain import to_plain
 
 GROUPS = ("env", "model", "algorithm")
-ADV_TYPES = ("gae", "grpo", "rloo", "reinforce_plus_plus", "remax")
-GROUPED_ADV_TYPES = ("grpo", "rloo")  # need several trajectories from one init state
-CRITIC_ADV_TYPES = ("gae",)
 REWARD_TYPES = ("chunk_level", "action_level")
 LOGPROB_TYPES = ("token", "action", "chunk")
 LOSS_AGG_FUNCS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -29,15 +28,7 @@ KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 ROLLOUT_BACKENDS = ("huggingface", "vllm")
 RESUME_MODES = ("auto", "disable")
-RAY_MODELS = ("openvla_oft",)          # cluster.use_ray=auto runs model.name openvla_oft* through Ray worker groups
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def to_plain(cfg: Mapping) -> dict:
-    """A DictConfig (resolved) or any mapping as nested plain dicts, for code that takes plain configs."""
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    return {k: to_plain(v) if isinstance(v, Mapping) else v for k, v in dict(cfg).items()}
 
 
 def available_options(group: str, root: Path | None = None) -> list[str]:
@@ -123,32 +114,6 @@ def _positive(cfg: DictConfig, key: str, *, allow_zero: bool = False, integer: b
     return value
 
 
-def decisions_per_episode(cfg: DictConfig, env_key: str = "env.train") -> int:
-    """T: decisions per rollout (``rollout.max_decisions`` or ceil(max_episode_steps / H))."""
-    H = int(cfg.model.action_chunk)
-    steps = int(OmegaConf.select(cfg, f"{env_key}.max_episode_steps"))
-    explicit = cfg.rollout.get("max_decisions")
-    return int(explicit) if explicit else math.ceil(steps / H)
-
-
-def use_ray(cfg: DictConfig) -> bool:
-    """Whether the runner collects through Ray worker groups (``cluster.use_ray``; ``auto``: for VLA
-    models, several env or rollout workers, several nodes or a given Ray address) or in process."""
-    choice = cfg.cluster.get("use_ray", "auto")
-    if choice != "auto":
-        return bool(choice)
-    return (str(cfg.model.name).startswith(RAY_MODELS) or int(cfg.env_workers.num_workers) > 1
-            or int(cfg.rollout.num_workers) > 1 or int(cfg.cluster.num_nodes) > 1
-            or int(cfg.actor.get("cpu_world_size", 1) or 1) > 1 or bool(cfg.cluster.get("ray_address")))
-
-
-def data_parallel_size(cfg: DictConfig, placement=None) -> int:
-    """Learner ranks: accelerators given to the actor, or ``actor.cpu_world_size`` on CPU."""
-    if placement is not None and placement.accelerator == "gpu":
-        return len(placement.devices["actor"])
-    return int(cfg.actor.get("cpu_world_size", 1) or 1)
-
-
 def _ids(ids: Sequence[int]) -> str:
     return ",".join(map(str, ids))
 
@@ -160,11 +125,11 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     ``check_envs`` also runs the simulator adapters' and policy's own checks (task ids, assets, model
     path), which may import the simulator packages.
     """
-    from embodirl.placement import placement_from_config
+    from embodirl.algorithms.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, GROUPED_ESTIMATORS
 
     alg, actor, rollout = cfg.algorithm, cfg.actor, cfg.rollout
     # --- single values -----------------------------------------------------------------------------
-    adv_type = _choice(cfg, "algorithm.adv_type", ADV_TYPES)
+    adv_type = _choice(cfg, "algorithm.adv_type", sorted(ADVANTAGE_ESTIMATORS))
     _choice(cfg, "algorithm.reward_type", REWARD_TYPES)
     _choice(cfg, "algorithm.logprob_type", LOGPROB_TYPES)
     _choice(cfg, "algorithm.loss_agg_func", LOSS_AGG_FUNCS)
@@ -262,7 +227,7 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     if not cfg.runner.only_eval and rollout_batch % global_bs:
         _fail("actor.global_batch_size", f"the rollout batch env.train.num_envs x rollout.rollout_epoch = {rollout_batch} "
                                          f"trajectories is not divisible by actor.global_batch_size = {global_bs}")
-    if adv_type in GROUPED_ADV_TYPES:
+    if adv_type in GROUPED_ESTIMATORS:
         if G < 2:
             _fail("algorithm.group_size", f"adv_type={adv_type} compares trajectories within a group: set group_size >= 2")
         if not cfg.env.train.get("use_fixed_reset_state_ids", False):
@@ -323,10 +288,10 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
         _fail("env.train.reward_type", f"'{cfg.env.train.reward_type}' differs from algorithm.reward_type "
                                        f"'{alg.reward_type}'; set both to the same value")
     value_type = cfg.model.get("value_type")
-    if adv_type in CRITIC_ADV_TYPES and value_type is None:
+    if adv_type in CRITIC_ESTIMATORS and value_type is None:
         _fail("model.value_type", f"adv_type={adv_type} needs a value head: set model.value_type to chunk_level or "
                                   "action_level")
-    if alg.reward_type == "action_level" and value_type == "chunk_level" and adv_type in CRITIC_ADV_TYPES:
+    if alg.reward_type == "action_level" and value_type == "chunk_level" and adv_type in CRITIC_ESTIMATORS:
         _fail("model.value_type", "action_level rewards with GAE need action_level values; set model.value_type=action_level")
 
     # --- model path ---------------------------------------------------------------------------------

@@ -222,8 +222,8 @@ def check_dependencies(path: Path | None = None) -> Check:
 # checkpoint
 # --------------------------------------------------------------------------------------------------
 def check_checkpoint(cfg: DictConfig) -> Check:
-    from embodirl.config import to_plain
     from embodirl.models.registry import get_policy_builder
+    from embodirl.plain import to_plain
     from embodirl.runner.checkpoint import eval_model_path
 
     path = eval_model_path(cfg.runner) or cfg.model.get("path")
@@ -276,9 +276,9 @@ class ModelSize:
 
 def model_size(cfg: DictConfig) -> ModelSize:
     """Parameter counts of ``cfg.model`` built on torch's meta device (no memory, no weights loaded)."""
-    from embodirl.config import to_plain
     from embodirl.envs.base import EnvSpec
     from embodirl.models.registry import make_policy
+    from embodirl.plain import to_plain
 
     model = dict(to_plain(cfg.model))
     model.update(path=None, base_path=None, device="meta")
@@ -317,7 +317,8 @@ def memory_plan(cfg: DictConfig, size: ModelSize, accelerator: str) -> dict[str,
     micro-batch; evaluation: the policy's parameters), ``rollout`` (one inference copy, 0 when the learner's
     own policy acts in this process) and ``env`` (one env worker's share of the training and evaluation
     simulator processes on the CPU; 0 on a GPU)."""
-    from embodirl.config import data_parallel_size, decisions_per_episode, use_ray
+    from embodirl.placement import data_parallel_size, use_ray
+    from embodirl.rollout.records import decisions_per_episode
 
     dp = data_parallel_size(cfg) if accelerator == "cpu" else None
     if dp is None:
@@ -360,7 +361,7 @@ def check_memory(cfg: DictConfig, *, available: list[int] | None = None, acceler
     plan = memory_plan(cfg, size, accelerator)
     free = available if available is not None else available_memory(accelerator, total=True)
     free_now = available_memory(accelerator) if available is None else free
-    from embodirl.config import data_parallel_size
+    from embodirl.placement import data_parallel_size
 
     counts = {"actor": data_parallel_size(cfg) if accelerator == "cpu" else 1,
               "rollout": int(cfg.rollout.num_workers), "env": int(cfg.env_workers.num_workers)}
@@ -391,8 +392,7 @@ def check_memory(cfg: DictConfig, *, available: list[int] | None = None, acceler
 # Ray
 # --------------------------------------------------------------------------------------------------
 def check_ray(cfg: DictConfig) -> Check:
-    from embodirl.config import use_ray
-    from embodirl.placement import parse_placement
+    from embodirl.placement import parse_placement, use_ray
 
     if not use_ray(cfg):
         return Check("ray", True, "not used: this config runs in one process (simulators in sub-processes)")

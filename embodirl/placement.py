@@ -125,3 +125,25 @@ def placement_from_config(cluster_cfg, num_devices: int | None = None, accelerat
         spec = OmegaConf.to_container(spec)
     return parse_placement(spec, num_devices, accelerator or "cpu")
 
+
+
+#: ``cluster.use_ray=auto`` runs models whose ``model.name`` starts with one of these through Ray worker groups
+RAY_MODELS = ("openvla_oft",)
+
+
+def use_ray(cfg) -> bool:
+    """Whether the runner collects through Ray worker groups (``cluster.use_ray``; ``auto``: for VLA
+    models, several env or rollout workers, several nodes or a given Ray address) or in process."""
+    choice = cfg.cluster.get("use_ray", "auto")
+    if choice != "auto":
+        return bool(choice)
+    return (str(cfg.model.name).startswith(RAY_MODELS) or int(cfg.env_workers.num_workers) > 1
+            or int(cfg.rollout.num_workers) > 1 or int(cfg.cluster.num_nodes) > 1
+            or int(cfg.actor.get("cpu_world_size", 1) or 1) > 1 or bool(cfg.cluster.get("ray_address")))
+
+
+def data_parallel_size(cfg, placement: Placement | None = None) -> int:
+    """Learner ranks: accelerators given to the actor, or ``actor.cpu_world_size`` on CPU."""
+    if placement is not None and placement.accelerator == "gpu":
+        return len(placement.devices["actor"])
+    return int(cfg.actor.get("cpu_world_size", 1) or 1)

@@ -151,7 +151,7 @@ def rank_memory(worker) -> dict:
 def time_group(mode: str, world: int, args, spec) -> dict:
     import ray
 
-    from embodirl.config import to_plain
+    from embodirl.plain import to_plain
     from embodirl.workers import process_env
     from embodirl.workers.actor_group import ActorGroup
 
@@ -276,8 +276,8 @@ def part_placement(args) -> list[str]:
 
 # --- part 3: the full-size preset, one rank in this process ----------------------------------------------------
 def part_full(args) -> list[str]:
-    from embodirl.config import to_plain
     from embodirl.learner.learner import prepare_batch
+    from embodirl.plain import to_plain
     from embodirl.workers.actor_worker import ActorWorker, build_policy, free_port
     from tests.learner.helpers import oft_batch, oft_spec
 

@@ -3,8 +3,9 @@
 import pytest
 from omegaconf import OmegaConf
 
-from embodirl.config import available_options, compose, decisions_per_episode, validate
+from embodirl.config import available_options, compose, validate
 from embodirl.errors import ConfigError
+from embodirl.rollout.records import decisions_per_episode
 
 
 def _check(cfg):

@@ -12,11 +12,13 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from embodirl.config import compose, data_parallel_size, decisions_per_episode, validate
+from embodirl.config import compose, validate
 from embodirl.errors import ConfigError
 from embodirl.learner.config import LearnerConfig
 from embodirl.models.openvla_oft.config import build_config, load_preset
 from embodirl.models.registry import get_policy_builder
+from embodirl.placement import data_parallel_size
+from embodirl.rollout.records import decisions_per_episode
 
 #: every leaf the recipe sets outside `model` (on top of config.yaml and algorithm/ppo.yaml)
 RECIPE = {

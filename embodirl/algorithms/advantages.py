@@ -101,6 +101,8 @@ Estimator = Callable[[AdvantageInputs, AdvantageParams], tuple[torch.Tensor, tor
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
 #: estimators that need the critic's ``value`` field
 CRITIC_ESTIMATORS = ("gae",)
+#: estimators that compare trajectories within a group sharing an init state (``algorithm.group_size`` >= 2)
+GROUPED_ESTIMATORS = ("grpo", "rloo")
 
 
 def register_advantage(name: str):

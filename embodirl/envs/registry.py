@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from embodirl.config import to_plain
+from embodirl.plain import to_plain
 from embodirl.registry import LazyRegistry
 
 ADAPTERS = LazyRegistry("simulator adapter", "env.adapter", {

@@ -18,9 +18,9 @@ from typing import Any
 
 from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
 from embodirl.algorithms.losses import LossParams
-from embodirl.config import to_plain as plain
 from embodirl.errors import ConfigError
 from embodirl.learner.optim import LR_SCHEDULES
+from embodirl.plain import to_plain as plain
 
 
 def _get(node: Mapping, path: str, root: str):

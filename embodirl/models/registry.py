@@ -24,7 +24,7 @@ def get_policy_builder(name: str, key: str = "model.name"):
 
 
 def make_policy(model_cfg: Mapping, env_spec):
-    from embodirl.config import to_plain
+    from embodirl.plain import to_plain
 
     plain = to_plain(model_cfg)
     return get_policy_builder(plain["name"])(plain, env_spec)

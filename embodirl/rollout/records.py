@@ -24,6 +24,7 @@ Nothing here knows about processes or Ray: the in-process collector and the env 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -33,6 +34,16 @@ from embodirl import data as D
 
 OBS_FIELDS = (D.IMAGES, D.STATE, D.TASK_ID)
 POLICY_FIELDS = (D.ACTION_CHUNK, D.ACTION_TOKENS, D.ACTION_SAMPLE, D.LOGPROB_BEHAVIOR, D.VALUE)
+
+def decisions_per_episode(cfg, env_key: str = "env.train") -> int:
+    """T: decisions per rollout (``rollout.max_decisions`` or ceil(max_episode_steps / H))."""
+    from omegaconf import OmegaConf
+
+    H = int(cfg.model.action_chunk)
+    steps = int(OmegaConf.select(cfg, f"{env_key}.max_episode_steps"))
+    explicit = cfg.rollout.get("max_decisions")
+    return int(explicit) if explicit else math.ceil(steps / H)
+
 _DTYPES = {
     D.IMAGES: np.uint8, D.STATE: np.float32, D.TASK_ID: np.int64, D.ACTION_CHUNK: np.float32,
     D.ACTION_TOKENS: np.int64, D.ACTION_SAMPLE: np.float32, D.LOGPROB_BEHAVIOR: np.float32,

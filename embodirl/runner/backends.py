@@ -38,12 +38,15 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from embodirl import data as D
-from embodirl.config import CRITIC_ADV_TYPES, decisions_per_episode, to_plain, use_ray
+from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
 from embodirl.envs.registry import make_env
 from embodirl.models.base import SamplingParams
 from embodirl.models.registry import make_policy
+from embodirl.placement import use_ray
+from embodirl.plain import to_plain
 from embodirl.rollout.collector import RolloutCollector, RolloutStats
 from embodirl.rollout.inference import PolicyInference
+from embodirl.rollout.records import decisions_per_episode
 from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
 from embodirl.runner.evaluation import Evaluator, check_eval_episodes, eval_schedule, protocol_env_cfg, select_episodes
@@ -60,7 +63,7 @@ def open_backend(cfg: DictConfig, *, train: bool = True) -> InProcessBackend | R
 
 
 def _returns_value(cfg: DictConfig) -> bool:
-    return cfg.algorithm.adv_type in CRITIC_ADV_TYPES
+    return cfg.algorithm.adv_type in CRITIC_ESTIMATORS
 
 
 def _train_env_cfg(cfg: DictConfig) -> dict:

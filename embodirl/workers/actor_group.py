@@ -29,8 +29,9 @@ import torch
 from omegaconf import DictConfig
 
 from embodirl import data as D
-from embodirl.config import data_parallel_size, to_plain
 from embodirl.learner import sharding
+from embodirl.placement import data_parallel_size
+from embodirl.plain import to_plain
 from embodirl.workers.actor_worker import ActorWorker
 from embodirl.workers.transport import pack_trajectory
 

@@ -40,9 +40,11 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from embodirl import data as D
+from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
 from embodirl.channel import segments
-from embodirl.config import CRITIC_ADV_TYPES, decisions_per_episode, to_plain
 from embodirl.errors import ConfigError
+from embodirl.plain import to_plain
+from embodirl.rollout.records import decisions_per_episode
 from embodirl.rollout.starts import EpisodeStarts, plan_starts
 from embodirl.workers import process_env
 from embodirl.workers.env_worker import EnvWorker
@@ -665,7 +667,7 @@ def _env_group(cfg: DictConfig, env_key: str, layout: RolloutLayout, *, remote: 
                placement_offset: int = 0) -> EnvWorkerGroup:
     train = env_key == "env.train"
     channel = cfg.rollout.get("channel") or {}
-    return_value = train and cfg.model.get("value_type") is not None and cfg.algorithm.adv_type in CRITIC_ADV_TYPES
+    return_value = train and cfg.model.get("value_type") is not None and cfg.algorithm.adv_type in CRITIC_ESTIMATORS
     return EnvWorkerGroup(OmegaConf.select(cfg, env_key), layout, remote=remote, return_value=return_value,
                           seed=int(cfg.runner.seed) + (0 if train else EVAL_SEED_OFFSET),
                           use_shm=bool(channel.get("shm", True)), queue_size=int(channel.get("queue_size", 4)),
@@ -676,8 +678,7 @@ def _env_group(cfg: DictConfig, env_key: str, layout: RolloutLayout, *, remote: 
 def plan_from_config(cfg: DictConfig, layout: RolloutLayout, eval_layout: RolloutLayout | None = None):
     """The placement plan for this layout (and the evaluation env workers, placed after the training
     ones) plus the learner's ranks (``actor``)."""
-    from embodirl.config import data_parallel_size
-    from embodirl.placement import placement_from_config
+    from embodirl.placement import data_parallel_size, placement_from_config
     from embodirl.workers.placement_groups import plan_placement
 
     num_nodes = int(cfg.cluster.num_nodes)

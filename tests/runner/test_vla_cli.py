@@ -153,8 +153,9 @@ TOY = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "
 
 
 def test_use_ray_choice_and_its_checks(compose_cfg):
-    from embodirl.config import use_ray, validate
+    from embodirl.config import validate
     from embodirl.errors import ConfigError
+    from embodirl.placement import use_ray
 
     assert not use_ray(compose_cfg())                                     # the default job stays in process
     assert use_ray(compose_cfg("model=openvla_oft_tiny"))

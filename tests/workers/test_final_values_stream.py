@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from embodirl import data as D
-from embodirl.config import to_plain
+from embodirl.plain import to_plain
 from embodirl.workers import process_env
 from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.rollout_worker import EVAL, RolloutWorker, sampling_from_config

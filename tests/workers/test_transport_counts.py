@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from embodirl.config import to_plain
+from embodirl.plain import to_plain
 from embodirl.workers import process_env
 from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.rollout_worker import RolloutWorker, sampling_from_config
