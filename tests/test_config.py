@@ -39,6 +39,17 @@ def test_tiny_preset_inherits_full_preset(compose_cfg):
     assert cfg.model.llm.hidden_size < 4096 and cfg.model.llm.vocab_size == 32064
 
 
+def test_tiny_and_full_models_never_share_an_output_folder(compose_cfg):
+    """The folder is named by the options chosen, not by model.name (both presets build ``openvla_oft``), so an
+    evaluation of the tiny model never leaves a checkpoint folder a full-size run would resume from."""
+    tiny = compose_cfg("env=libero_10", "model=openvla_oft_tiny")
+    full = compose_cfg("env=libero_10", "model=openvla_oft")
+    assert tiny.model.name == full.model.name == "openvla_oft"
+    assert tiny.runner.output_dir == "outputs/libero_10_openvla_oft_tiny"
+    assert full.runner.output_dir == "outputs/libero_10_openvla_oft"
+    assert compose_cfg().runner.output_dir == "outputs/maniskill_pushcube_state_mlp"
+
+
 def test_options_hide_shared_bases():
     envs = available_options("env")
     assert "libero_10" in envs and "maniskill_pickcube" in envs
@@ -80,9 +91,9 @@ def test_options_hide_shared_bases():
       "algorithm.filter_groups.min_success=0.9", "algorithm.filter_groups.max_success=0.1"],
      "algorithm.filter_groups.min_success", "0 <= min_success < max_success <= 1"),
     (["actor.optim.lr_schedule=step"], "actor.optim.lr_schedule", "unknown schedule"),
-    (["actor.optim.lr_schedule=linear", "runner.max_steps=null", "runner.max_epochs=3"],
+    (["actor.optim.lr_schedule=linear", "actor.optim.lr_decay_steps=null"],
      "actor.optim.lr_decay_steps", "positive number of training steps"),
-    (["algorithm.target_kl=-1"], "algorithm.target_kl", "must be positive or null"),
+    (["algorithm.early_stop_kl=-1"], "algorithm.early_stop_kl", "must be positive or null"),
 ])
 def test_malformed_configs_rejected_with_one_sentence(compose_cfg, overrides, key, fragment):
     cfg = compose_cfg(*overrides)

@@ -39,7 +39,7 @@ class LearnerConfig:
     algorithm: dict
     loss: LossParams
     update_epochs: int
-    target_kl: float | None
+    early_stop_kl: float | None
     micro_batch_size: int
     global_batch_size: int
     optim: dict
@@ -66,7 +66,7 @@ class LearnerConfig:
                     "clip_ratio_c", "value_clip", "huber_delta", "loss_agg_func", "entropy_bonus", "value_coef",
                     "kl_beta", "kl_penalty", "use_kl_loss", "kl_ctrl.type", "kl_ctrl.target_kl", "kl_ctrl.horizon",
                     "filter_groups.enable", "filter_groups.min_success", "filter_groups.max_success",
-                    "update_epochs", "target_kl"):
+                    "update_epochs", "early_stop_kl"):
             _get(alg, key, "algorithm")
         for key in ("lr", "value_lr", "weight_decay", "betas", "eps", "warmup_steps", "clip_grad", "lr_schedule",
                     "min_lr_ratio"):
@@ -80,7 +80,7 @@ class LearnerConfig:
             raise ConfigError("actor.fsdp.enabled", f"must be auto, true or false, got {enabled!r}")
         out = cls(
             algorithm=alg, loss=loss, update_epochs=int(alg["update_epochs"]),
-            target_kl=None if alg["target_kl"] is None else float(alg["target_kl"]),
+            early_stop_kl=None if alg["early_stop_kl"] is None else float(alg["early_stop_kl"]),
             micro_batch_size=int(_get(actor, "micro_batch_size", "actor")),
             global_batch_size=int(_get(actor, "global_batch_size", "actor")),
             optim=dict(actor["optim"]), fsdp_enabled=enabled,
@@ -104,8 +104,9 @@ class LearnerConfig:
                                                          f"over {world_size} learner ranks")
         if self.update_epochs < 1:
             raise ConfigError("algorithm.update_epochs", "must be at least 1")
-        if self.target_kl is not None and self.target_kl <= 0:
-            raise ConfigError("algorithm.target_kl", f"must be positive or null (no early stopping), got {self.target_kl}")
+        if self.early_stop_kl is not None and self.early_stop_kl <= 0:
+            raise ConfigError("algorithm.early_stop_kl", f"must be positive or null (no early stopping), "
+                                                         f"got {self.early_stop_kl}")
         schedule = str(self.optim["lr_schedule"])
         if schedule not in LR_SCHEDULES:
             raise ConfigError("actor.optim.lr_schedule", f"unknown schedule {schedule!r}; choose one of "

@@ -14,7 +14,7 @@ path and tests.
 Inside :meth:`Learner.update`, for ``update_epochs`` epochs the rows are shuffled and cut into
 optimizer steps of ``global_batch_size / world_size`` rows per rank, each run as micro-batches of
 ``micro_batch_size`` rows with gradient accumulation (the update stops early after an optimizer step
-whose approximate KL to the behaviour policy exceeds ``algorithm.target_kl``). Only valid decisions go through the policy
+whose approximate KL to the behaviour policy exceeds ``algorithm.early_stop_kl``). Only valid decisions go through the policy
 (their outputs are scattered back to ``[n, T, ...]``); the loss normalisers are counted on the whole
 optimizer step over all ranks before any forward pass, so the summed gradient equals the full-batch
 gradient (:mod:`embodirl.algorithms.aggregation`). The learner works with or without
@@ -194,7 +194,7 @@ class Learner:
         self.policy.train()
         refresh_lr(self.scheduler)  # the decay follows the training step
         generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.version)
-        target_kl = self.cfg.target_kl
+        early_stop_kl = self.cfg.early_stop_kl
         step_metrics: list[dict[str, torch.Tensor]] = []
         steps_per_epoch = math.ceil(N / rows_per_step)
         stopped = False
@@ -228,7 +228,7 @@ class Learner:
                         sums[key] = sums.get(key, 0.0) + value
                 step_metrics.append(self._optimizer_step(sums))
                 # KL early stopping (the global approx_kl, so every rank stops at the same step)
-                if target_kl is not None and float(step_metrics[-1]["actor/approx_kl"]) > target_kl:
+                if early_stop_kl is not None and float(step_metrics[-1]["actor/approx_kl"]) > early_stop_kl:
                     stopped = True
                     break
         self.version += 1

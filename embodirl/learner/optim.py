@@ -3,7 +3,7 @@ linear warm-up, and global-norm gradient clipping that works on FSDP2 (DTensor) 
 
 Reads ``actor.optim.{lr, value_lr, weight_decay, betas, eps, warmup_steps, clip_grad, lr_schedule,
 lr_decay_steps, min_lr_ratio}``. Warm-up counts optimizer steps; the decay counts training steps
-(learner updates), so that early stopping on ``algorithm.target_kl`` does not stretch it.
+(learner updates), so that early stopping on ``algorithm.early_stop_kl`` does not stretch it.
 """
 
 from __future__ import annotations

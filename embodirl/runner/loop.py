@@ -246,8 +246,6 @@ class Runner:
         kl_active = float(cfg.algorithm.kl_beta) > 0
         offload = bool(cfg.actor.get("enable_offload", False))
         max_steps = int(r.max_steps)
-        if r.max_epochs is not None:
-            max_steps = min(max_steps, int(r.max_epochs))
         progress = None
         if r.progress_bar:
             from tqdm import tqdm

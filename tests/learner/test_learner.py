@@ -186,13 +186,13 @@ def test_lr_decays_over_training_steps_and_resumes(kind, expected):
     assert seen == pytest.approx([1e-3 * f for f in expected], rel=1e-6)
 
 
-def test_target_kl_stops_the_update_early():
+def test_early_stop_kl_stops_the_update_early():
     policy, batch = state_policy_and_batch()
     base = {"global_batch_size": 2, "optim.lr": 0.05}
     full = Learner(copy.deepcopy(policy), learner_cfg(ppo(update_epochs=6), base), task_table=[]).step(batch)
     assert full["learner/optimizer_steps"].item() == 24  # 8 rows / 2 per step x 6 epochs
     assert full["learner/early_stopped"].item() == 0
-    stopping = Learner(copy.deepcopy(policy), learner_cfg(ppo(update_epochs=6, target_kl=1e-4), base), task_table=[])
+    stopping = Learner(copy.deepcopy(policy), learner_cfg(ppo(update_epochs=6, early_stop_kl=1e-4), base), task_table=[])
     out = stopping.step(batch)
     steps = out["learner/optimizer_steps"].item()
     # the first step's KL is 0 (nothing changed yet), so at least two steps run; a large lr stops it soon
@@ -210,9 +210,9 @@ def test_bad_schedule_settings_name_their_key(over, key):
         Learner(StateMLPPolicy(state_dim=4, action_dim=2, action_chunk=1), learner_cfg(ppo(), over), task_table=[])
 
 
-def test_bad_target_kl_names_its_key():
-    with pytest.raises(ConfigError, match=r"algorithm\.target_kl"):
-        Learner(StateMLPPolicy(state_dim=4, action_dim=2, action_chunk=1), learner_cfg(ppo(target_kl=0.0)),
+def test_bad_early_stop_kl_names_its_key():
+    with pytest.raises(ConfigError, match=r"algorithm\.early_stop_kl"):
+        Learner(StateMLPPolicy(state_dim=4, action_dim=2, action_chunk=1), learner_cfg(ppo(early_stop_kl=0.0)),
                 task_table=[])
 
 
