@@ -1,6 +1,8 @@
 """Lifting single simulators (:class:`~embodirl.envs.base.SimEnv`) into a batch
 (:class:`~embodirl.envs.base.ChunkVectorEnv`): one process per simulator, chunk execution with episode
-bookkeeping, and recovery from crashed simulators.
+bookkeeping, and recovery from crashed simulators. The batch is this module; the episode semantics of one
+simulator are :mod:`embodirl.envs.episodes`, the sub-process transport :mod:`embodirl.envs.subproc`, the
+crash restart :mod:`embodirl.envs.recovery` (their public names are importable from here too).
 
 Usage (an adapter's ``make``)::
 
@@ -71,406 +73,25 @@ of its command pipe and, while busy in a step, a watchdog thread ends it when th
 from __future__ import annotations
 
 import atexit
-import logging
 import multiprocessing as mp
-import os
-import pickle
-import select
-import sys
-import threading
-import time
-import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from multiprocessing.connection import wait as wait_connections
 
 import cloudpickle
 import numpy as np
-import psutil
 
 from embodirl.envs.base import ChunkVectorEnv, EnvSpec, SimEnv
+from embodirl.envs.episodes import NO_INIT_STATE, REWARD_TYPES, EpisodeRunner, ResetOut, video_frame
+from embodirl.envs.recovery import DEFAULT_MAX_RESTARTS, Recovery, SubEnvCrashed, SubEnvSlot
+from embodirl.envs.subproc import START_METHODS, LocalSubEnv, ProcessSubEnv, SubEnvFailure
 
-log = logging.getLogger(__name__)
-
-REWARD_TYPES = ("chunk_level", "action_level")
-START_METHODS = ("forkserver", "spawn")  # fork breaks EGL/MuJoCo and SAPIEN contexts
-DEFAULT_MAX_RESTARTS = 3
 DEFAULT_START_TIMEOUT_S = 600.0   # building a LIBERO scene on a busy 2-core machine takes seconds
-CLOSE_TIMEOUT_S = 10.0
-NO_INIT_STATE = -1               # init_state_id of an episode whose init state is random
-OWNER_POLL_S = 1.0               # owner-liveness poll where pidfd_open is unavailable
 
+__all__ = [
+    "DEFAULT_MAX_RESTARTS", "DEFAULT_START_TIMEOUT_S", "NO_INIT_STATE", "REWARD_TYPES", "START_METHODS",
+    "EpisodeRunner", "ProcessVectorEnv", "SubEnvCrashed", "video_frame",
+]
 
-class SubEnvCrashed(RuntimeError):
-    """A sub-environment kept failing after ``max_restarts`` consecutive restarts."""
-
-
-class _SubEnvFailure(Exception):
-    """Internal: one sub-env's command failed (exception, death, timeout); carries the cause."""
-
-    def __init__(self, cause: BaseException):
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.cause = cause
-
-
-# --------------------------------------------------------------------------------------------------
-# chunk execution and episode bookkeeping for ONE simulator (runs where the simulator lives)
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class _ResetOut:
-    obs: dict[str, np.ndarray]
-    task_id: int
-    init_state_id: int
-    frame: np.ndarray | None = None      # [h, w, 3] first video frame when recording
-
-
-@dataclass
-class _StepOut:
-    obs: dict[str, np.ndarray]           # after the chunk (and after an auto-reset)
-    rewards: np.ndarray                  # float32 [steps], scaled (and relative) step rewards
-    terminated: bool
-    truncated: bool
-    success: bool
-    episode_return: float
-    episode_length: int
-    frames: list[np.ndarray] | None = None
-    final_obs: dict[str, np.ndarray] | None = None   # set when auto-reset happened
-    reset: _ResetOut | None = None
-
-    @property
-    def steps(self) -> int:
-        return int(self.rewards.shape[0])
-
-
-def video_frame(images: np.ndarray) -> np.ndarray:
-    """Camera images ``[V, C, h, w]`` uint8 -> one video frame ``[h, V*w, 3]`` (cameras side by side)."""
-    return np.concatenate([np.ascontiguousarray(img.transpose(1, 2, 0)) for img in images], axis=1)
-
-
-def _check_finite(obs: dict[str, np.ndarray], rewards: np.ndarray | None = None) -> None:
-    # MuJoCo instabilities surface as NaN/inf states long before they raise; treat them as crashes.
-    for key, value in obs.items():
-        if np.issubdtype(np.asarray(value).dtype, np.floating) and not np.all(np.isfinite(value)):
-            raise FloatingPointError(f"non-finite values in observation '{key}'")
-    if rewards is not None and not np.all(np.isfinite(rewards)):
-        raise FloatingPointError("non-finite step reward")
-
-
-class EpisodeRunner:
-    """Runs one :class:`SimEnv` episode by episode: time limit, ``ignore_terminations``, reward
-    scaling / relative rewards, success-so-far, episode totals, auto-reset and video frames. Lives in
-    the simulator's process so that a whole ``step`` (including an auto-reset) is one round trip."""
-
-    def __init__(self, env: SimEnv, *, auto_reset: bool, ignore_terminations: bool, reward_coef: float,
-                 use_rel_reward: bool):
-        self.env = env
-        self.spec = env.spec
-        self.auto_reset = auto_reset
-        self.ignore_terminations = ignore_terminations
-        self.reward_coef = float(reward_coef)
-        self.use_rel_reward = use_rel_reward
-        self._started = False
-
-    # -- episode state ---------------------------------------------------------------------------
-    def _begin(self, obs: dict[str, np.ndarray], task_id: int, init_state_id: int) -> None:
-        self._started = True
-        self.obs = obs
-        self.task_id = task_id
-        self.init_state_id = init_state_id
-        self.elapsed = 0
-        self.prev_reward = 0.0
-        self.success = False
-        self.episode_return = 0.0
-        self.terminated = False
-        self.truncated = False
-
-    def _frame(self, obs: dict[str, np.ndarray]) -> np.ndarray | None:
-        if "images" in obs:
-            return video_frame(obs["images"])
-        return self.env.render_frame()
-
-    def reset(self, task_id: int | None = None, init_state_id: int | None = None, seed: int | None = None,
-              render: bool = False) -> _ResetOut:
-        obs = self.env.reset(task_id=task_id, init_state_id=init_state_id, seed=seed)
-        _check_finite(obs)
-        chosen = init_state_id if init_state_id is not None else self.env.init_state_id
-        chosen = NO_INIT_STATE if chosen is None else int(chosen)
-        self._begin(obs, int(obs["task_id"]), chosen)
-        return _ResetOut(obs, self.task_id, chosen, self._frame(obs) if render else None)
-
-    def step(self, actions: np.ndarray, render_all: bool = False) -> _StepOut:
-        """Execute ``actions`` ``[H, A]`` within the time limit (see module docstring)."""
-        if not self._started:
-            raise RuntimeError("step() before reset()")
-        if self.terminated or self.truncated:   # ended, no auto-reset: stays ended until reset
-            return self._out(np.zeros(0, np.float32), [] if render_all else None)
-        budget = self.spec.max_episode_steps - self.elapsed
-        todo = actions[:budget]                              # (h<=H, A): cut at the time limit
-        raw: list[np.ndarray] = []
-        frames: list[np.ndarray] | None = [] if render_all else None
-        executed = 0
-        while executed < len(todo):
-            res = self.env.step_chunk(todo[executed:], render_all=render_all)
-            if res.steps <= 0:
-                raise RuntimeError(f"{type(self.env).__name__}.step_chunk executed no step")
-            step_rewards = np.asarray(res.rewards, np.float32)[: res.steps]
-            _check_finite(res.obs, step_rewards)
-            raw.append(step_rewards)
-            executed += res.steps
-            self.obs = res.obs
-            self.success |= bool(res.success)
-            if frames is not None:
-                if res.frames is not None:
-                    frames.extend(video_frame(f) for f in res.frames[: res.steps])
-                elif (frame := self._frame(res.obs)) is not None:
-                    frames.append(frame)
-            if res.truncated:                                # the simulator's own limit
-                self.truncated = True
-                break
-            if res.terminated and not self.ignore_terminations:
-                self.terminated = True
-                break
-            # with ignore_terminations the chunk's remaining actions still execute
-        self.elapsed += executed
-        if self.elapsed >= self.spec.max_episode_steps and not self.terminated:
-            self.truncated = True
-        rewards = self._transform(np.concatenate(raw) if raw else np.zeros(0, np.float32))
-        self.episode_return += float(rewards.sum())
-        out = self._out(rewards, frames)
-        if self.auto_reset and (self.terminated or self.truncated):
-            out.final_obs = out.obs
-            out.reset = self.reset(render=render_all)
-            out.obs = out.reset.obs
-        return out
-
-    def _transform(self, raw: np.ndarray) -> np.ndarray:
-        scaled = self.reward_coef * raw                      # (steps,)
-        if not self.use_rel_reward or scaled.size == 0:
-            return scaled.astype(np.float32)
-        previous = np.concatenate([[self.prev_reward], scaled[:-1]])
-        self.prev_reward = float(scaled[-1])
-        return (scaled - previous).astype(np.float32)
-
-    def _out(self, rewards: np.ndarray, frames: list[np.ndarray] | None) -> _StepOut:
-        return _StepOut(obs=self.obs, rewards=rewards, terminated=self.terminated, truncated=self.truncated,
-                        success=self.success, episode_return=self.episode_return, episode_length=self.elapsed,
-                        frames=frames)
-
-    def close(self) -> None:
-        self.env.close()
-
-
-# --------------------------------------------------------------------------------------------------
-# where a sub-env lives: in this process, or in a child process behind a pipe
-# --------------------------------------------------------------------------------------------------
-def _pack_exception(exc: BaseException) -> tuple:
-    """An exception as (class, args, attributes, traceback) - rebuilt without calling ``__init__``, so
-    exceptions with custom constructors (``ConfigError(key, message)``) cross the pipe intact."""
-    payload = (type(exc), exc.args, dict(getattr(exc, "__dict__", {})), traceback.format_exc())
-    try:
-        pickle.dumps(payload)
-    except Exception:  # unpicklable class or attributes: keep the message
-        payload = (RuntimeError, (f"{type(exc).__name__}: {exc}",), {}, payload[3])
-    return payload
-
-
-def _unpack_exception(payload: tuple) -> BaseException:
-    cls, args, state, remote_tb = payload
-    exc = cls.__new__(cls)
-    exc.args = args
-    exc.__dict__.update(state)
-    exc.add_note(f"raised in a simulator sub-process:\n{remote_tb}")
-    return exc
-
-
-def _exit_with_owner(owner_pid: int) -> None:
-    """Exit this sub-process as soon as the process that owns the vector env exits, even while a
-    simulator step is running (an idle worker also sees the end of its pipe). A thread waits on a
-    pidfd of the owner; the kernel's parent-death signal cannot be used because under ``forkserver``
-    the parent is the fork server, which lives as long as any of its children."""
-    try:
-        fd = os.pidfd_open(owner_pid)
-    except (AttributeError, OSError):   # kernel < 5.3: poll instead
-        fd = None
-    if not psutil.pid_exists(owner_pid):
-        os._exit(1)
-
-    def watch() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-        else:
-            while psutil.pid_exists(owner_pid):
-                time.sleep(OWNER_POLL_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="embodirl-owner-watch", daemon=True).start()
-
-
-def _worker_main(conn, factory_bytes: bytes, runner_kwargs: dict, owner_pid: int) -> None:
-    """Sub-process main loop: build the env, then answer ``(command, kwargs)`` messages until
-    ``close`` or the end of the pipe."""
-    _exit_with_owner(owner_pid)
-    from embodirl import runtime
-
-    runtime.configure()   # before the factory imports mujoco / sapien
-    # one simulator per process: single-threaded torch (ManiSkill) avoids thread pools spinning
-    # against the other simulators on the same cores
-    os.environ["OMP_NUM_THREADS"] = "1"
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
-    try:
-        runner = EpisodeRunner(cloudpickle.loads(factory_bytes)(), **runner_kwargs)
-        conn.send(("ok", runner.spec))
-    except BaseException as exc:
-        conn.send(("error", _pack_exception(exc)))
-        return
-    try:
-        while True:
-            try:
-                command, kwargs = conn.recv()
-            except (EOFError, OSError):    # parent gone
-                break
-            if command == "close":
-                break
-            try:
-                conn.send(("ok", getattr(runner, command)(**kwargs)))
-            except Exception as exc:
-                conn.send(("error", _pack_exception(exc)))
-    except (BrokenPipeError, KeyboardInterrupt):
-        pass
-    finally:
-        try:
-            runner.close()
-        except Exception:
-            pass
-
-
-class _LocalSubEnv:
-    """A sub-env in the calling process (``processes=False``): commands run at ``recv``."""
-
-    pid = None
-
-    def __init__(self, factory: Callable[[], SimEnv], runner_kwargs: dict):
-        self._factory = factory
-        self._runner_kwargs = runner_kwargs
-        self._runner: EpisodeRunner | None = None
-        self._pending: tuple[str, dict] | None = None
-
-    def start(self) -> None:
-        self._pending = ("__build__", {})
-
-    def send(self, command: str, kwargs: dict) -> None:
-        self._pending = (command, kwargs)
-
-    def recv(self, timeout: float | None = None):
-        command, kwargs = self._pending
-        self._pending = None
-        try:
-            if command == "__build__":
-                self._runner = EpisodeRunner(self._factory(), **self._runner_kwargs)
-                return self._runner.spec
-            return getattr(self._runner, command)(**kwargs)
-        except Exception as exc:
-            raise _SubEnvFailure(exc) from exc
-
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        if self._runner is not None:
-            try:
-                self._runner.close()
-            except Exception as exc:
-                log.debug("closing sub-env failed: %s", exc)
-            self._runner = None
-
-    kill = close
-
-
-class _ProcessSubEnv:
-    """A sub-env in its own process, driven over a pipe."""
-
-    def __init__(self, ctx, factory_bytes: bytes, runner_kwargs: dict, name: str):
-        self._ctx = ctx
-        self._factory_bytes = factory_bytes
-        self._runner_kwargs = runner_kwargs
-        self._name = name
-        self.process = None
-        self.conn = None
-        self._close_requested = False
-        self._pending_failure: _SubEnvFailure | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def start(self) -> None:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        self.process = self._ctx.Process(target=_worker_main, name=self._name, daemon=True,
-                                         args=(child_conn, self._factory_bytes, self._runner_kwargs, os.getpid()))
-        self.process.start()
-        child_conn.close()   # so that the child's death reads as EOF here
-        self.conn = parent_conn
-
-    def send(self, command: str, kwargs: dict) -> None:
-        try:
-            self.conn.send((command, kwargs))
-        except (BrokenPipeError, OSError) as exc:
-            self._pending_failure = _SubEnvFailure(ChildProcessError(f"{self._name} is gone ({exc})"))
-        else:
-            self._pending_failure = None
-
-    def recv(self, timeout: float | None = None):
-        if self._pending_failure is not None:
-            failure, self._pending_failure = self._pending_failure, None
-            raise failure
-        ready = wait_connections([self.conn, self.process.sentinel], timeout)
-        if not ready:
-            raise _SubEnvFailure(TimeoutError(f"{self._name} did not answer within {timeout:g} s"))
-        try:
-            status, payload = self.conn.recv()
-        except (EOFError, OSError) as exc:
-            self.process.join(1.0)
-            raise _SubEnvFailure(ChildProcessError(
-                f"{self._name} died (exit code {self.process.exitcode})")) from exc
-        if status == "error":
-            cause = _unpack_exception(payload)
-            raise _SubEnvFailure(cause) from cause
-        return payload
-
-    def request_close(self) -> None:
-        """Ask the sub-process to close its simulator and exit (does not wait)."""
-        if self.process is None or self._close_requested:
-            return
-        self._close_requested = True
-        try:
-            self.conn.send(("close", {}))
-        except (BrokenPipeError, OSError, ValueError):
-            pass
-
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        if self.process is None:
-            return
-        self.request_close()
-        self.process.join(timeout)
-        self.kill()
-
-    def kill(self) -> None:
-        if self.process is None:
-            return
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(CLOSE_TIMEOUT_S)
-        try:
-            self.conn.close()
-            self.process.close()
-        except (OSError, ValueError):
-            pass
-        self.process = None
-        self.conn = None
-
-
-# --------------------------------------------------------------------------------------------------
-# the batch
-# --------------------------------------------------------------------------------------------------
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -478,18 +99,6 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 def _close_all() -> None:
     for venv in list(_LIVE):
         venv.close()
-
-
-@dataclass
-class _Slot:
-    """What the parent remembers about one sub-env, to restart it into the same episode."""
-
-    handle: _LocalSubEnv | _ProcessSubEnv
-    obs: dict[str, np.ndarray] | None = None
-    task_id: int | None = None
-    init_state_id: int | None = None
-    seed: int | None = None
-    failures: int = 0                       # consecutive failures (a successful command clears it)
 
 
 class ProcessVectorEnv(ChunkVectorEnv):
@@ -526,10 +135,8 @@ class ProcessVectorEnv(ChunkVectorEnv):
         self.reward_type = reward_type
         self.auto_reset = auto_reset
         self.processes = processes
-        self.max_restarts = max_restarts
         self.step_timeout = step_timeout
         self.start_timeout = start_timeout
-        self.num_restarts = 0
         self.record_env_ids = record_env_ids
         self._closed = False
         self._runner_kwargs = dict(auto_reset=auto_reset, ignore_terminations=ignore_terminations,
@@ -538,7 +145,8 @@ class ProcessVectorEnv(ChunkVectorEnv):
         if processes:
             self._ctx = mp.get_context(start_method)
             self._factory_bytes = [cloudpickle.dumps(fn) for fn in self.env_fns]
-        self._slots = [_Slot(self._new_handle(i)) for i in range(self.num_envs)]
+        self._recovery = Recovery(max_restarts)
+        self._slots = [SubEnvSlot(self._new_handle(i)) for i in range(self.num_envs)]
         _LIVE.add(self)
         try:
             for slot in self._slots:
@@ -585,6 +193,15 @@ class ProcessVectorEnv(ChunkVectorEnv):
         self._record = ids
 
     @property
+    def num_restarts(self) -> int:
+        """Restarts of all sub-envs since construction."""
+        return self._recovery.num_restarts
+
+    @property
+    def max_restarts(self) -> int:
+        return self._recovery.max_restarts
+
+    @property
     def pids(self) -> list[int | None]:
         """Process id of each sub-env (None in-process)."""
         return [slot.handle.pid for slot in self._slots]
@@ -592,37 +209,19 @@ class ProcessVectorEnv(ChunkVectorEnv):
     # -- construction / restarts -----------------------------------------------------------------
     def _new_handle(self, i: int):
         if not self.processes:
-            return _LocalSubEnv(self.env_fns[i], self._runner_kwargs)
-        return _ProcessSubEnv(self._ctx, self._factory_bytes[i], self._runner_kwargs, f"embodirl-env-{i}")
+            return LocalSubEnv(self.env_fns[i], self._runner_kwargs)
+        return ProcessSubEnv(self._ctx, self._factory_bytes[i], self._runner_kwargs, f"embodirl-env-{i}")
 
     def _recv_start(self, i: int) -> EnvSpec:
         try:
             return self._slots[i].handle.recv(self.start_timeout)
-        except _SubEnvFailure as failure:
+        except SubEnvFailure as failure:
             # construction errors reach the user unchanged (adapters raise one-sentence errors)
             raise failure.cause from None
 
-    def _restart(self, i: int, failure: _SubEnvFailure, render: bool) -> _ResetOut:
-        """Replace sub-env ``i`` by a new one from its factory and reset it into the same episode."""
-        slot = self._slots[i]
-        while True:
-            slot.failures += 1
-            if slot.failures > self.max_restarts:
-                raise SubEnvCrashed(f"sub-environment {i} failed {slot.failures} times in a row "
-                                    f"(max_restarts={self.max_restarts}); last error: {failure}") from failure.cause
-            self.num_restarts += 1
-            log.warning("restarting sub-environment %d (restart %d in a row, %d in total): %s",
-                        i, slot.failures, self.num_restarts, failure)
-            slot.handle.kill()
-            slot.handle = self._new_handle(i)
-            try:
-                slot.handle.start()
-                slot.handle.recv(self.start_timeout)
-                slot.handle.send("reset", dict(task_id=slot.task_id, init_state_id=slot.init_state_id,
-                                               seed=slot.seed, render=render))
-                return slot.handle.recv(self.step_timeout)
-            except _SubEnvFailure as again:
-                failure = again
+    def _restart(self, i: int, failure: SubEnvFailure, render: bool) -> ResetOut:
+        return self._recovery.restart(i, self._slots[i], failure, new_handle=self._new_handle, render=render,
+                                      start_timeout=self.start_timeout, step_timeout=self.step_timeout)
 
     def _gather(self, env_ids: Sequence[int], command: str, kwargs: Sequence[dict]) -> dict[int, object]:
         """Send ``command`` to every env first, then collect: sub-processes work in parallel."""
@@ -632,7 +231,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
         for i in env_ids:
             try:
                 results[i] = self._slots[i].handle.recv(self.step_timeout)
-            except _SubEnvFailure as failure:
+            except SubEnvFailure as failure:
                 results[i] = failure
         return results
 
@@ -660,7 +259,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
         frames: list = [None] * self.num_envs
         for i in ids:
             out = results[i]
-            if isinstance(out, _SubEnvFailure):
+            if isinstance(out, SubEnvFailure):
                 out = self._restart(i, out, render=i in self._record)
                 restarted[i] = True
             else:
@@ -696,7 +295,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
         reset_frames: list = [None] * B
         for i in ids:
             out = results[i]
-            if isinstance(out, _SubEnvFailure):
+            if isinstance(out, SubEnvFailure):
                 reset_out = self._restart(i, out, render=i in self._record)
                 self._accept_reset(i, reset_out)
                 restarted[i] = True
@@ -734,7 +333,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
         self._closed = True
         _LIVE.discard(self)
         for slot in getattr(self, "_slots", []):
-            if isinstance(slot.handle, _ProcessSubEnv):
+            if isinstance(slot.handle, ProcessSubEnv):
                 slot.handle.request_close()    # ask everyone first, then wait: closing is parallel too
         for slot in getattr(self, "_slots", []):
             slot.handle.close()
@@ -758,7 +357,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
             raise ValueError(f"{name} has {arr.shape[0]} entries for {n} envs to reset")
         return [None if v is None or int(v) < 0 else int(v) for v in arr.tolist()]
 
-    def _accept_reset(self, i: int, out: _ResetOut) -> None:
+    def _accept_reset(self, i: int, out: ResetOut) -> None:
         slot = self._slots[i]
         slot.obs = out.obs
         slot.task_id = out.task_id
