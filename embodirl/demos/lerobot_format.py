@@ -43,7 +43,7 @@ import math
 import shutil
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -129,7 +129,6 @@ class EpisodeData:
     states: np.ndarray | None          # float32 [T, S]
     task: str
     episode_index: int = -1
-    extras: dict = field(default_factory=dict)
 
 
 def camera_key(name: str) -> str:
@@ -237,9 +236,9 @@ class LeRobotWriter:
         return sum(e["length"] for e in self.episodes)
 
     def add_episode(self, *, images: Mapping[str, np.ndarray], actions: np.ndarray, task: str,
-                    states: np.ndarray | None = None) -> int:
-        """Append one episode (``images``: camera -> uint8 [T, h, w, 3]; ``actions`` [T, A]; ``states`` [T, S]).
-        Returns its episode index."""
+                    states: np.ndarray | None = None, extra: Mapping | None = None) -> int:
+        """Append one episode (``images``: camera -> uint8 [T, h, w, 3]; ``actions`` [T, A]; ``states`` [T, S];
+        ``extra``: more JSON fields for its ``meta/episodes.jsonl`` row, e.g. the init state). Returns its index."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -277,7 +276,7 @@ class LeRobotWriter:
         for key, frames in images.items():
             encode_video(self.root / VIDEO_PATH.format(episode_chunk=ep // CHUNK_SIZE, video_key=key, episode_index=ep),
                          frames, self.fps, self.video_codec)
-        self.episodes.append({"episode_index": ep, "tasks": [task], "length": t})
+        self.episodes.append({"episode_index": ep, "tasks": [task], "length": t, **dict(extra or {})})
         stats = {ACTION_KEY: FeatureStats.of(actions).to_json()}
         if states is not None:
             stats[STATE_KEY] = FeatureStats.of(states).to_json()
@@ -393,10 +392,10 @@ class LeRobotDataset:
 
     All metadata and parquet frames are read (and checked) at construction; videos are decoded on first use.
 
-    Attributes: ``info`` (meta/info.json), ``fps``, ``camera_keys``, ``action_dim``, ``state_dim`` (None without
-    proprio), ``num_episodes``, ``episode_lengths`` (int64 [E]), ``episode_starts`` (int64 [E], global index of
-    each episode's frame 0), ``tasks`` (task_index -> instruction), ``stats`` (feature key -> :class:`FeatureStats`,
-    computed from the frames for ``action`` and the state feature).
+    Attributes: ``info`` (meta/info.json), ``episodes_meta`` (meta/episodes.jsonl rows), ``fps``, ``camera_keys``,
+    ``action_dim``, ``state_dim`` (None without proprio), ``num_episodes``, ``episode_lengths`` (int64 [E]),
+    ``episode_starts`` (int64 [E], global index of each episode's frame 0), ``tasks`` (task_index -> instruction),
+    ``stats`` (feature key -> :class:`FeatureStats`, computed from the frames for ``action`` and the state feature).
     """
 
     def __init__(self, root: str | Path, *, action_chunk: int = 1, action_key: str = ACTION_KEY,
@@ -439,6 +438,7 @@ class LeRobotDataset:
             raise DatasetError(f"{self.root / EPISODES_PATH} lists no episodes")
         self.chunks_size = int(info.get("chunks_size", CHUNK_SIZE))
         self.episode_indices = np.array([int(r["episode_index"]) for r in episodes], np.int64)
+        self.episodes_meta = episodes            # the rows of meta/episodes.jsonl, by episode_index
         self._load_frames(episodes)
         self._video_cache: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
         self._video_cache_size = max(1, int(video_cache_episodes))

@@ -1,0 +1,185 @@
+"""``embodirl demos [overrides]``: scripted-expert demonstrations of a ManiSkill task as a LeRobot dataset.
+
+The primary config is ``config/demos.yaml`` (its ``env`` group is the tree ``embodirl train`` uses). Each attempt
+``k`` resets the adapter's own simulator (:class:`~embodirl.envs.maniskill.ManiSkillSimEnv`) to init state
+``seed + k`` (ManiSkill episode seed), lets the task's expert (:mod:`embodirl.demos.experts`) act one control
+step at a time, and records the adapter's observation before each step (camera images, the flattened
+state as proprio) with the action taken and the env's instruction. Successful episodes are written with
+:class:`~embodirl.demos.lerobot_format.LeRobotWriter` (``meta/episodes.jsonl`` keeps each episode's
+``init_state_id``, so that its actions replay in the adapter from the same seed); failed attempts are dropped.
+A summary (attempts, expert success rate, demos per minute, dataset size) goes to ``meta/generation.json``
+and the console.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from embodirl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+CONFIG_NAME = "demos"
+KEYS = ("num_episodes", "seed", "max_attempts", "stop_at_success", "output_dir", "overwrite", "video_codec",
+        "progress_bar", "env")
+
+
+def compose(overrides: Sequence[str] = ()):
+    """``config/demos.yaml`` composed with Hydra ``overrides``; Hydra errors become one-sentence ConfigErrors."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from embodirl.config import check_group_overrides
+    from embodirl.paths import config_dir
+
+    check_group_overrides(overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = hydra_compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        container = OmegaConf.to_container(cfg, resolve=False)
+        container.pop("hydra", None)
+        container = OmegaConf.to_container(OmegaConf.create(container), resolve=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        text = " ".join(str(exc).split()).split(" full_key:")[0].rstrip(".")
+        raise ConfigError("", f"{text}.") from None
+    finally:
+        GlobalHydra.instance().clear()
+    return container
+
+
+def validate(cfg: Mapping) -> dict:
+    """The demo keys checked in one sentence each, and the env config checked by the ManiSkill adapter.
+    Returns the env config (``env.train``)."""
+    from embodirl.demos.experts import CONTROL_MODES, EXPERTS
+    from embodirl.demos.lerobot_format import VIDEO_CODECS
+    from embodirl.envs.maniskill import check_config
+
+    unknown = sorted(set(cfg) - set(KEYS))
+    if unknown:
+        raise ConfigError(unknown[0], f"is not a demos key; config/demos.yaml lists them ({', '.join(KEYS[:-1])})")
+    for key in ("num_episodes", "seed"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < (1 if key == "num_episodes" else 0):
+            raise ConfigError(key, f"must be an integer >= {1 if key == 'num_episodes' else 0}, got {cfg[key]!r}")
+    attempts = cfg["max_attempts"]
+    if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < cfg["num_episodes"]):
+        raise ConfigError("max_attempts", f"must be null or an integer >= num_episodes ({cfg['num_episodes']}), "
+                          f"got {cfg['max_attempts']!r}")
+    if cfg["video_codec"] not in VIDEO_CODECS:
+        raise ConfigError("video_codec", f"'{cfg['video_codec']}' is not supported; choose one of {', '.join(VIDEO_CODECS)}")
+    for key in ("stop_at_success", "overwrite", "progress_bar"):
+        if not isinstance(cfg[key], bool):
+            raise ConfigError(key, f"must be true or false, got {cfg[key]!r}")
+    env = dict(cfg["env"]["train"])
+    if env.get("adapter") != "maniskill":
+        raise ConfigError("env", f"demos are generated for ManiSkill env options only; '{env.get('adapter')}' is not one")
+    if env["task"] not in EXPERTS:
+        raise ConfigError("env.task", f"no demonstration expert for {env['task']}; experts exist for {', '.join(EXPERTS)}")
+    if env["control_mode"] not in CONTROL_MODES:
+        raise ConfigError("env.control_mode", f"the experts act in {', '.join(CONTROL_MODES)}, not "
+                          f"'{env['control_mode']}'; use env.control_mode={CONTROL_MODES[0]}")
+    check_config(env)
+    out = Path(cfg["output_dir"])
+    if out.exists() and any(out.iterdir()) and not cfg["overwrite"]:
+        raise ConfigError("output_dir", f"{out} already exists and is not empty; choose another output_dir or overwrite=true")
+    return env
+
+
+def _folder_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def generate(cfg: Mapping, env_cfg: Mapping) -> dict:
+    """Run the expert until ``num_episodes`` successes (or ``max_attempts``); write the dataset. Returns the summary."""
+    from tqdm import tqdm
+
+    from embodirl.demos.experts import EXPERTS
+    from embodirl.demos.lerobot_format import LeRobotWriter
+    from embodirl.envs.maniskill import ManiSkillSimEnv
+
+    n_target, seed0 = int(cfg["num_episodes"]), int(cfg["seed"])
+    max_attempts = cfg["max_attempts"] if cfg["max_attempts"] is not None else 2 * n_target + 10
+    env_cfg = dict(env_cfg)
+    env_cfg["num_init_states"] = None                       # attempts name their init state themselves
+    out = Path(cfg["output_dir"])
+    start = time.time()
+    env = ManiSkillSimEnv(env_cfg, seed=seed0)
+    spec, base = env.spec, env.unwrapped
+    rgb = env.settings.obs_mode == "rgb"
+    cameras = {c: spec.image_size for c in spec.camera_names} if rgb else {}
+    writer = LeRobotWriter(out, fps=int(base.control_freq), cameras=cameras, action_dim=spec.action_dim,
+                           state_dim=spec.state_dim, robot_type=str(base.robot_uids), video_codec=cfg["video_codec"],
+                           overwrite=bool(cfg["overwrite"]))
+    instruction = spec.task_descriptions[0]
+    attempts, lengths = 0, []
+    bar = tqdm(total=n_target, desc=f"demos {spec.name}", unit="demo", disable=not cfg["progress_bar"])
+    try:
+        while len(lengths) < n_target and attempts < max_attempts:
+            init_state = seed0 + attempts
+            attempts += 1
+            obs = env.reset(init_state_id=init_state)
+            expert = EXPERTS[spec.name](base)
+            frames, states, actions, success = [], [], [], False
+            for _ in range(spec.max_episode_steps):
+                action = expert(base)
+                frames.append(obs.get("images"))
+                states.append(obs["state"])
+                actions.append(action)
+                result = env.step_chunk(action[None])
+                obs, success = result.obs, success or result.success
+                if (success and cfg["stop_at_success"]) or result.truncated or (result.terminated and not success):
+                    break
+            if not success:
+                continue
+            images = {}
+            if rgb:
+                stacked = np.stack(frames)                                   # (T, V, 3, h, w)
+                images = {c: np.ascontiguousarray(stacked[:, v].transpose(0, 2, 3, 1)) for v, c in enumerate(cameras)}
+            writer.add_episode(images=images, actions=np.stack(actions), states=np.stack(states), task=instruction,
+                               extra={"init_state_id": init_state})
+            lengths.append(len(actions))
+            bar.update(1)
+            bar.set_postfix(success_rate=f"{len(lengths) / attempts:.2f}", mean_len=f"{np.mean(lengths):.1f}")
+    finally:
+        bar.close()
+        env.close()
+    writer.close()
+    minutes = (time.time() - start) / 60
+    summary = {"task": spec.name, "instruction": instruction, "episodes": len(lengths), "attempts": attempts,
+               "expert_success_rate": len(lengths) / max(attempts, 1), "frames": int(sum(lengths)),
+               "mean_episode_length": float(np.mean(lengths)) if lengths else 0.0, "minutes": minutes,
+               "demos_per_minute": len(lengths) / minutes if minutes > 0 else 0.0,
+               "cameras": list(cameras), "image_size": list(spec.image_size) if rgb else None,
+               "control_mode": env.settings.control_mode, "video_codec": cfg["video_codec"],
+               "dataset_bytes": _folder_bytes(out), "seed": seed0}
+    (out / "meta" / "generation.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(overrides: Sequence[str]) -> int:
+    """The CLI entry: compose, validate (ConfigError before any simulator starts), generate. Exit status."""
+    cfg = compose(overrides)
+    env_cfg = validate(cfg)
+    from embodirl import runtime
+
+    runtime.configure()
+    summary = generate(cfg, env_cfg)
+    print(f"embodirl demos: {summary['episodes']} demos of {summary['task']} in {summary['attempts']} attempts "
+          f"(expert success {summary['expert_success_rate']:.0%}), {summary['frames']} frames, "
+          f"{summary['demos_per_minute']:.1f} demos/min, {summary['dataset_bytes'] / 1e6:.1f} MB -> {cfg['output_dir']}")
+    if summary["episodes"] < int(cfg["num_episodes"]):
+        print(f"embodirl demos: only {summary['episodes']} of {cfg['num_episodes']} episodes succeeded within "
+              f"{summary['attempts']} attempts (max_attempts)")
+        return 1
+    return 0
