@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: embodirl {train,eval,doctor} [hydra overrides] [--cfg job] [-m]
+USAGE = """usage: embodirl {train,eval,doctor,demos} [hydra overrides] [--cfg job] [-m]
 
   embodirl train                                   the default job (see README)
   embodirl train env=libero_10 model=openvla_oft   choose a task family and a policy
@@ -18,8 +18,9 @@ USAGE = """usage: embodirl {train,eval,doctor} [hydra overrides] [--cfg job] [-m
   embodirl train --cfg job env=libero_10           print the composed config
   embodirl train -m actor.optim.lr=1e-4,3e-4       a sweep (one output dir per job)
   embodirl doctor env=libero_10 model=openvla_oft  check the set-up for a config (exit 0: all pass)
+  embodirl demos env=maniskill_pushcube_rgb num_episodes=50   expert demos as a LeRobot dataset (config/demos.yaml)
 """
-COMMANDS = ("train", "eval", "doctor")
+COMMANDS = ("train", "eval", "doctor", "demos")
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--experimental-rerun"}
@@ -62,6 +63,14 @@ def main(argv: list[str] | None = None) -> None:
     from embodirl.config import check_group_overrides, compose, validate
     from embodirl.errors import AssetsMissing, ConfigError
 
+    if command == "demos":
+        from embodirl.demos import generate
+
+        try:
+            code = generate.main(overrides)
+        except (ConfigError, AssetsMissing) as exc:
+            _fail(str(exc))
+        sys.exit(code)
     if command == "doctor":
         from embodirl import doctor
 
