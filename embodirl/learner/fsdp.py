@@ -30,7 +30,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 #: methods of a policy that run its forward computation outside ``forward`` (FSDP2 must see them)
-FORWARD_METHODS = ("evaluate", "act")
+FORWARD_METHODS = ("evaluate", "act", "supervised")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 

@@ -49,6 +49,13 @@ log = logging.getLogger(__name__)
 REPLAY_MAX_IMPORTANCE_WEIGHT = 1.0
 
 
+def _take(value, rows: torch.Tensor):
+    """Rows of a batch field: a list (instructions) or an array/tensor."""
+    if isinstance(value, (list, tuple)):
+        return [value[i] for i in rows.tolist()]
+    return torch.as_tensor(value)[rows]
+
+
 def prepare_batch(batch: TensorDict, algorithm: Mapping, *, kl_coef: float = 0.0
                   ) -> tuple[TensorDict, dict[str, torch.Tensor]]:
     """Driver-side preparation of a whole rollout batch (before it is cut into learner shards):
@@ -241,6 +248,44 @@ class Learner:
         metrics["learner/skipped_empty_steps"] = torch.tensor(float(skipped))
         self.kl_ctrl.update(self._measured_kl(metrics), N * self.world_size)
         metrics["actor/kl_coef"] = torch.tensor(self.kl_coef)
+        metrics["learner/version"] = torch.tensor(float(self.version))
+        return metrics
+
+    def sft_update(self, batch: Mapping, *, micro_batch_size: int, token_loss: bool = True, stop_token: bool = True,
+                   l1_head: bool = False) -> dict[str, torch.Tensor]:
+        """One supervised optimizer step (``embodirl sft``) on this rank's samples, through the same optimizer,
+        gradient clipping, LR schedule and FSDP2 wrapping as :meth:`update`. ``batch``: ``images``, ``state``
+        (optional), ``instruction`` (list of strings) and ``actions`` (normalised chunks ``[B, H, A]``); the
+        losses are the policy's ``supervised`` sums over the labels of all ranks (so the summed rank gradients
+        are the whole batch's), ``token_loss`` the action-token cross-entropy, ``l1_head`` OFT's L1 regression
+        loss. Bumps :attr:`version`; metrics are global over ranks."""
+        actions = torch.as_tensor(batch["actions"])
+        B = actions.shape[0]
+        L = actions[0].numel()
+        norms = fsdp.all_reduce_(torch.tensor([B * (L + int(stop_token)), B * L], dtype=torch.float32,
+                                              device=self.device))
+        self.policy.train()
+        refresh_lr(self.scheduler)
+        sums: dict[str, torch.Tensor] = {}
+        for rows in torch.arange(B).split(int(micro_batch_size)):
+            obs = {key: _take(batch[key], rows) for key in (D.IMAGES, D.STATE, "instruction")
+                   if batch.get(key) is not None}
+            out = self.policy.supervised(obs, actions[rows], stop_token=stop_token, l1_head=l1_head)
+            loss = out["ce_sum"] / norms[0] if token_loss else out["ce_sum"].new_zeros(())
+            if l1_head:
+                loss = loss + out["l1_head_sum"] / norms[1]
+            loss.backward()
+            for key, value in out.items():
+                sums[f"sft/{key}"] = sums.get(f"sft/{key}", 0.0) + value.detach().float()
+        raw = self._optimizer_step(sums)
+        self.version += 1
+        metrics = {k: v for k, v in raw.items() if not k.startswith("sft/")}
+        metrics["sft/loss"] = raw["sft/ce_sum"] / raw["sft/labels"]
+        metrics["sft/token_accuracy"] = raw["sft/correct"] / raw["sft/tokens"]
+        metrics["sft/action_l1"] = raw["sft/l1_sum"] / raw["sft/tokens"]
+        if l1_head:
+            metrics["sft/l1_head_loss"] = raw["sft/l1_head_sum"] / raw["sft/tokens"]
+        metrics["sft/samples"] = raw["sft/tokens"] / L
         metrics["learner/version"] = torch.tensor(float(self.version))
         return metrics
 

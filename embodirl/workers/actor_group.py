@@ -173,6 +173,24 @@ class ActorGroup:
         return self._gather([self.workers[0].full_update.remote(consumer_nodes=list(consumer_nodes),
                                                                 consumer_gpus=list(consumer_gpus))], "full_update")[0]
 
+    # --- supervised fine-tuning (embodirl sft) --------------------------------------------------------
+    def set_statistics(self, statistics: Mapping) -> None:
+        self._call_all("set_statistics", [(dict(statistics),)] * self.world_size)
+
+    def sft_train(self, batch: Mapping, options: Mapping) -> dict[str, float]:
+        """One supervised step: ``batch`` (a dict of per-sample fields) cut into equal contiguous shards, one
+        per rank; rank 0's metrics (global over ranks)."""
+        n = len(batch["actions"])
+        if n % self.world_size:
+            raise ValueError(f"{n} samples cannot be split evenly over {self.world_size} learner ranks")
+        size = n // self.world_size
+        shards = [{k: (v[r * size:(r + 1) * size] if v is not None else None) for k, v in batch.items()}
+                  for r in range(self.world_size)]
+        return self._call_all("sft_train", [(s, dict(options)) for s in shards])[0]
+
+    def export(self, directory, step: int, marker: Mapping | None = None) -> None:
+        self._call_all("export", [(str(directory), int(step), dict(marker or {}))] * self.world_size)
+
     # --- state --------------------------------------------------------------------------------------
     def save(self, learner_dir, policy_dir) -> None:
         self._call_all("save", [(str(learner_dir), str(policy_dir))] * self.world_size)

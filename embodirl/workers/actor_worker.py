@@ -183,6 +183,32 @@ class ActorWorker:
             self.learner.load_state_dict({**state, "trainable": self.policy.trainable_state_dict()})
         return self.learner.version
 
+    # --- supervised fine-tuning (embodirl sft) -------------------------------------------------------
+    def set_statistics(self, statistics: Mapping) -> None:
+        """The dataset statistics the policy (un-)normalises actions and proprio with (every rank)."""
+        self.policy.set_statistics(statistics)
+
+    def sft_train(self, shard: Mapping, options: Mapping) -> dict[str, float]:
+        """One supervised optimizer step on this rank's samples (:meth:`Learner.sft_update`); global metrics."""
+        self.onload()
+        return {k: float(v) for k, v in self.learner.sft_update(shard, **options).items()}
+
+    def export(self, directory: str, step: int, marker: Mapping | None = None) -> None:
+        """The trained policy in the public OpenVLA-OFT/peft layout (collective gather; rank 0 writes). Under
+        FSDP2 rank 0 writes it from a seeded copy of the policy (the same frozen base) with the gathered
+        trainable tensors."""
+        tensors = self.learner.gather_trainable()
+        if self.rank != 0:
+            return
+        policy = self.policy
+        if self.learner.use_fsdp:
+            live = policy
+            policy = build_policy(self.cfg["model"], self.spec, int(self.cfg["runner"]["seed"]))
+            policy.load_trainable_state_dict(tensors)
+            if live.statistics is not None:
+                policy.set_statistics(live.statistics)
+        policy.save_pretrained(directory, step=step, marker=marker)
+
     # --- collocated placement -----------------------------------------------------------------------
     def offload(self) -> None:
         """Parameters, gradients and optimizer state to host memory (GPU ranks; a no-op on CPU)."""

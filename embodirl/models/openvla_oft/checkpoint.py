@@ -87,6 +87,9 @@ PROPRIO, ACTION_HEAD, VALUE_HEAD, REFERENCE_PROPRIO = "proprio_projector", "acti
 #: our section inside config.json
 MARKER = "embodirl"
 FORMAT_VERSION = 1
+#: ``config.json["embodirl"]`` key: true when the action tokens were trained (``embodirl sft``'s token loss);
+#: read by autoconfig's RL-ready check
+TOKENS_TRAINED = "action_tokens_trained"
 LIVE_ADAPTER = "lora_adapter"
 HASH_TOKENIZER = "hash_words"
 #: files of a source checkpoint that a save carries over untouched (remote code, generation/processor settings)
@@ -262,14 +265,17 @@ def _load_heads(core: torch.nn.Module, cfg: OFTConfig, directory: Path, loaded: 
 # --- saving ----------------------------------------------------------------------------------------
 def save(core: torch.nn.Module, cfg: OFTConfig, directory: str | os.PathLike, *, step: int,
          model_cfg: Mapping, statistics: Mapping | None, tokenizer, image_config: Mapping,
-         source: LoadedCheckpoint | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write the checkpoint layout described in the module docstring; atomic (temp dir + rename)."""
+         source: LoadedCheckpoint | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+         marker: Mapping | None = None) -> Path:
+    """Write the checkpoint layout described in the module docstring; atomic (temp dir + rename).
+    ``marker``: entries added to ``config.json["embodirl"]`` (e.g. :data:`TOKENS_TRAINED` from ``embodirl sft``);
+    a source checkpoint's :data:`TOKENS_TRAINED` record is carried over."""
     final = Path(directory).expanduser().resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         _write(core, cfg, tmp, final, step=step, model_cfg=model_cfg, statistics=statistics, tokenizer=tokenizer,
-               image_config=image_config, source=source, max_shard_bytes=max_shard_bytes)
+               image_config=image_config, source=source, max_shard_bytes=max_shard_bytes, marker=marker)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -280,7 +286,7 @@ def save(core: torch.nn.Module, cfg: OFTConfig, directory: str | os.PathLike, *,
 
 
 def _write(core, cfg: OFTConfig, out: Path, final: Path, *, step, model_cfg, statistics, tokenizer, image_config,
-           source, max_shard_bytes) -> None:
+           source, max_shard_bytes, marker=None) -> None:
     write_weight_files(public_weights(core, cfg), out, max_shard_bytes)
     has_adapter = bool(lora_modules(core))
     config = dict(source.config) if source is not None else dict(PRISMATIC_CONFIG)
@@ -295,6 +301,10 @@ def _write(core, cfg: OFTConfig, out: Path, final: Path, *, step, model_cfg, sta
                       "adapter": LIVE_ADAPTER if has_adapter else None,
                       "tokenizer": "files" if tokenizer is not None else HASH_TOKENIZER,
                       "model": dict(model_cfg)}
+    inherited = ((source.config.get(MARKER) or {}) if source is not None else {}).get(TOKENS_TRAINED)
+    if inherited is not None:
+        config[MARKER][TOKENS_TRAINED] = inherited
+    config[MARKER].update(dict(marker or {}))
     with open(out / CONFIG_FILE, "w") as f:
         json.dump(config, f, indent=2)
     if statistics:

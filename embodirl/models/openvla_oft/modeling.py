@@ -52,12 +52,14 @@ class OFTOutput:
 
     ``action_logits`` float32 ``[B, L, num_bins]`` (action ids only, untempered), ``action_hidden``
     ``[B, L, D]`` final hidden states at the read positions, ``prompt_hidden`` ``[B, D]`` (the prompt's
-    last token, the value head's input).
+    last token, the value head's input), ``stop_hidden`` ``[B, D]`` at the last action slot (where
+    ``</s>`` is read: the stop-token label of OFT's fine-tuning).
     """
 
     action_logits: torch.Tensor
     action_hidden: torch.Tensor
     prompt_hidden: torch.Tensor
+    stop_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -202,7 +204,8 @@ class OpenVLAOFT(nn.Module):
         L = self.cfg.tokens_per_decision
         first_slot = hidden.shape[1] - NUM_SUFFIX_TOKENS - L
         read = hidden[:, first_slot - 1: first_slot - 1 + L]     # (B, L, D): one position early
-        return OFTOutput(action_logits=self.action_logits(read), action_hidden=read, prompt_hidden=read[:, 0])
+        return OFTOutput(action_logits=self.action_logits(read), action_hidden=read, prompt_hidden=read[:, 0],
+                         stop_hidden=hidden[:, first_slot - 1 + L])
 
     # --- heads -----------------------------------------------------------------------------------
     def values(self, prompt_hidden: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from embodirl import data as D
 from embodirl.errors import ConfigError
@@ -34,7 +35,15 @@ from embodirl.models.openvla_oft.lora import ADAPTER_NAME, apply_lora, peft_para
 from embodirl.models.openvla_oft.modeling import OpenVLAOFT, build_model
 from embodirl.models.openvla_oft.sampling import log_prob_and_entropy, sample
 from embodirl.models.openvla_oft.weights import canonical_parameters
-from embodirl.models.processor import DINO_MEAN, DINO_STD, SIGLIP_MEAN, SIGLIP_STD, ImageProcessor, PromptTokenizer
+from embodirl.models.processor import (
+    DINO_MEAN,
+    DINO_STD,
+    LLAMA_STOP_ID,
+    SIGLIP_MEAN,
+    SIGLIP_STD,
+    ImageProcessor,
+    PromptTokenizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +202,55 @@ class OpenVLAOFTPolicy(Policy):
             result[D.VALUE] = self.core.values(out.prompt_hidden)
         return result
 
+    def supervised(self, obs: dict, actions: torch.Tensor, *, stop_token: bool = True,
+                   l1_head: bool = False) -> dict[str, torch.Tensor]:
+        """OpenVLA-OFT's fine-tuning loss on one batch, as sums over its labels (with autograd).
+
+        ``actions``: normalised action chunks float ``[B, H, A]`` in [-1, 1]; they are discretised into the
+        ``L = H * A`` action tokens the RL path samples and scores (the same parallel-decoding forward as
+        :meth:`act` / :meth:`evaluate`). As ``vla-scripts/finetune.py`` of moojink/openvla-oft trains it: the
+        causal-LM cross-entropy over the *whole* vocabulary at the L read positions, plus ``</s>`` read at the
+        last action slot when ``stop_token`` (OFT's ``predict_stop_token``), and the token accuracy / L1 of
+        the decoded greedy actions over the action positions (OFT's ``compute_token_accuracy`` /
+        ``compute_actions_l1_loss``). ``l1_head``: also OFT's L1 regression loss of the continuous head.
+
+        Returns float32 scalars: ``ce_sum``, ``labels`` (label count), ``correct`` and ``tokens`` (action
+        positions), ``l1_sum`` (|decoded greedy - target| summed over the action positions), and with
+        ``l1_head`` ``l1_head_sum`` (summed over the ``B * H * A`` values)."""
+        out = self.core(**self.prepare_inputs(obs))
+        B, L, _ = out.action_logits.shape
+        tok = self.action_tokenizer
+        target = torch.as_tensor(actions, dtype=torch.float32, device=self.device).reshape(B, L)
+        labels = tok.encode(target)                                                    # (B, L) action ids
+        head = self.core.language_model.lm_head
+        logits = head(out.action_hidden).float()                                        # (B, L, V)
+        ce = F.cross_entropy(logits.reshape(B * L, -1), labels.reshape(-1), reduction="sum")
+        count = B * L
+        if stop_token:
+            stop_logits = head(out.stop_hidden).float()                                 # (B, V)
+            stop = torch.full((B,), LLAMA_STOP_ID, dtype=torch.int64, device=stop_logits.device)
+            ce = ce + F.cross_entropy(stop_logits, stop, reduction="sum")
+            count += B
+        with torch.no_grad():
+            predicted = logits.argmax(-1).clamp(tok.first_id, tok.end_id - 1)          # (B, L)
+            result = {"correct": (predicted == labels).sum().float(),
+                      "l1_sum": (tok.decode(predicted) - tok.decode(labels)).abs().sum().float()}
+        result.update(ce_sum=ce, labels=torch.tensor(float(count)), tokens=torch.tensor(float(B * L)))
+        if l1_head:
+            predicted_actions = self.core.regress_actions(out.action_hidden)           # (B, H, A)
+            result["l1_head_sum"] = (predicted_actions.reshape(B, L) - target).abs().sum()
+        return result
+
+    def set_statistics(self, statistics: Mapping) -> None:
+        """Use ``statistics`` (``dataset_statistics.json``'s content) for (un-)normalising actions and proprio
+        from now on, and write them with :meth:`save_pretrained` (``embodirl sft``: the statistics of its
+        dataset)."""
+        self.statistics = dict(statistics)
+        device = self.device
+        self.unnorm_key, action, proprio = self._normalizers()
+        self.action_normalizer = action.to(device)
+        self.proprio_normalizer = proprio.to(device) if proprio is not None else None
+
     @contextlib.contextmanager
     def reference_mode(self):
         """Adapters off: the policy as loaded (LoRA layers bypassed, original heads)."""
@@ -239,12 +297,14 @@ class OpenVLAOFTPolicy(Policy):
                                  "model.lora / model size")
         self._load_trainable_file(folder, {n for n, p in self.named_parameters() if p.requires_grad} - adapter)
 
-    def save_pretrained(self, directory, *, step: int = 0, max_shard_bytes: int = ckpt.DEFAULT_MAX_SHARD_BYTES):
-        """Write the public OpenVLA-OFT layout plus the value head (see :mod:`.checkpoint`)."""
+    def save_pretrained(self, directory, *, step: int = 0, max_shard_bytes: int = ckpt.DEFAULT_MAX_SHARD_BYTES,
+                        marker: Mapping | None = None):
+        """Write the public OpenVLA-OFT layout plus the value head (see :mod:`.checkpoint`); ``marker``: entries
+        for ``config.json["embodirl"]``."""
         return ckpt.save(self.core, self.cfg, directory, step=step, model_cfg=self.model_cfg,
                          statistics=self.statistics, tokenizer=self.prompts.tokenizer,
                          image_config=self.images.to_config(), source=self._loaded,
-                         max_shard_bytes=max_shard_bytes)
+                         max_shard_bytes=max_shard_bytes, marker=marker)
 
 
 def build_policy(model_cfg: Mapping, env_spec=None, *, device: torch.device | str | None = None) -> OpenVLAOFTPolicy:
