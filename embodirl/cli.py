@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: embodirl {train,eval,doctor,demos} [hydra overrides] [--cfg job] [-m]
+USAGE = """usage: embodirl {train,eval,doctor,demos,sft} [hydra overrides] [--cfg job] [-m]
 
   embodirl train                                   the default job (see README)
   embodirl train env=libero_10 model=openvla_oft   choose a task family and a policy
@@ -19,8 +19,9 @@ USAGE = """usage: embodirl {train,eval,doctor,demos} [hydra overrides] [--cfg jo
   embodirl train -m actor.optim.lr=1e-4,3e-4       a sweep (one output dir per job)
   embodirl doctor env=libero_10 model=openvla_oft  check the set-up for a config (exit 0: all pass)
   embodirl demos env=maniskill_pushcube_rgb num_episodes=50   expert demos as a LeRobot dataset (config/demos.yaml)
+  embodirl sft env=maniskill_pushcube_rgb model=openvla_oft_tiny data.path=<dataset>   action-token SFT (config/sft.yaml)
 """
-COMMANDS = ("train", "eval", "doctor", "demos")
+COMMANDS = ("train", "eval", "doctor", "demos", "sft")
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--experimental-rerun"}
@@ -70,6 +71,18 @@ def main(argv: list[str] | None = None) -> None:
             code = generate.main(overrides)
         except (ConfigError, AssetsMissing) as exc:
             _fail(str(exc))
+        sys.exit(code)
+    if command == "sft":
+        from embodirl.errors import RunFailed
+        from embodirl.sft import cli as sft_cli
+
+        try:
+            code = sft_cli.main(overrides)
+        except (ConfigError, AssetsMissing) as exc:
+            _fail(str(exc))
+        except RunFailed as exc:
+            print(f"embodirl: {exc}", file=sys.stderr)
+            sys.exit(EXIT_RUN_FAILED)
         sys.exit(code)
     if command == "doctor":
         from embodirl import doctor
