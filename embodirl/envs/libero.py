@@ -26,24 +26,10 @@ The protocol (OpenVLA-OFT ``experiments/robot/libero/run_libero_eval.py``), and 
   reward LIBERO itself returns). With ``ignore_terminations`` the chunk is not cut at success and every
   step on which the goal holds earns 1.0 (the vector env reports success-so-far).
 
-Four departures make the same episodes cheaper; each is tested to change no observation (a test
-drives a stock ``OffScreenRenderEnv`` the OFT way next to the adapter and compares bit for bit):
+Three patches to robosuite internals make the same episodes cheaper without changing an observation
+(rendering at decisions only, a cheap soft reset, no repeated forward pass: :mod:`embodirl.envs.libero_patches`).
+One more departure is the protocol's own:
 
-* **Render at decisions only.** Within an action chunk the H-1 intermediate steps run physics only:
-  robosuite's camera sensors are gated (they return a blank image while closed) and only the chunk's
-  last step renders, unless ``render_all`` (video). robosuite samples all observables at one substep
-  of every control step whose phase depends on the reset history, so the gate swaps the sensors'
-  output, never their timing; the image at the chunk's end is bit-identical to rendering every step.
-  A chunk cut short by success renders the terminal image from a copy of the simulator taken at that
-  step's sampling substep (``mj_copyData``), so early ends are bit-identical too.
-* **Cheap reset.** LIBERO's default hard reset rebuilds the MuJoCo model and the renderer (seconds).
-  Here the env is built with ``hard_reset=False`` and kept per task: a reset is robosuite's soft reset
-  (``sim.reset()`` and the usual re-initialisation) plus zeroing the gripper's accumulated command
-  (``gripper.current_action``, which a hard reset re-creates and a soft one would keep), then
-  ``set_init_state`` - the resulting episode equals a hard reset's step for step.
-* **No repeated forward pass.** Within ``env.step`` robosuite runs MuJoCo's forward pass before the
-  controller, and the OSC controller runs it again on the same state; the controllers get a ``sim``
-  whose ``forward`` is skipped during steps (about a third less physics time per step).
 * **Deterministic scene.** Each reset re-samples the placement of fixtures (cabinets, stoves: up to
   about 1 cm) from numpy's global RNG, which the init-state vector does not cover; OFT inherits that
   randomness from ``env.seed(0)`` and the reset order. Here numpy's global RNG is seeded from
@@ -62,29 +48,34 @@ vector env then replaces the sub-env.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
 
 import numpy as np
 
 from embodirl import runtime
 from embodirl.envs import libero_paths
 from embodirl.envs.base import ChunkResult, EnvSpec, SimEnv
+from embodirl.envs.episodes import REWARD_TYPES
+from embodirl.envs.libero_patches import (
+    EEF_POS,
+    EEF_QUAT,
+    GRIPPER_QPOS,
+    Scene,
+    bad_state_warnings,
+    build_scene,
+    global_numpy_seed,
+)
+from embodirl.envs.libero_suite import SUITE_NUM_TASKS, SuiteInfo, eval_schedule, suite_info, task_pool
 from embodirl.envs.registry import register_adapter
 from embodirl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# task count per suite (libero/libero/benchmark/libero_suite_task_map.py; a test checks it)
-SUITE_NUM_TASKS = {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10, "libero_10": 10, "libero_90": 90}
 # config camera name -> robosuite camera; LIBERO's scenes all define these (the slow test checks)
 CAMERAS = {
     "agentview": "agentview",
@@ -106,10 +97,6 @@ SCENE_SEED = 20_231_031         # numpy's global RNG is seeded from (SCENE_SEED,
 #: once per task, then the trials' resets in init-state order)
 SCENE_SEEDINGS = ("per_start", "oft")
 OFT_TASK_SEED = 0
-REWARD_TYPES = ("chunk_level", "action_level")
-# robosuite observables the adapter reads; the others (object poses) are switched off to save time
-EEF_POS, EEF_QUAT, GRIPPER_QPOS = "robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos"
-_PROPRIO_OBSERVABLES = (EEF_POS, EEF_QUAT, GRIPPER_QPOS)
 
 
 class SimulationUnstable(RuntimeError):
@@ -153,216 +140,6 @@ def scene_seed(task_id: int, init_state_id: int) -> int:
     return int(np.random.SeedSequence([SCENE_SEED, task_id, init_state_id]).generate_state(1)[0])
 
 
-@contextlib.contextmanager
-def _global_numpy_seed(seed: int):
-    """LIBERO's samplers draw from numpy's global RNG: seed it for the block, then put the caller's back."""
-    state = np.random.get_state()
-    np.random.seed(seed)
-    try:
-        yield
-    finally:
-        np.random.set_state(state)
-
-
-# --------------------------------------------------------------------------------------------------
-# the suite's static facts
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SuiteInfo:
-    """Tasks of one LIBERO suite in the package's order (task order 0, as OFT uses)."""
-
-    name: str
-    descriptions: list[str]
-    bddl_files: list[Path]
-    num_init_states: list[int]
-    benchmark: object               # libero.libero.benchmark.Benchmark
-
-    def init_states(self, task_id: int) -> np.ndarray:
-        """float64 ``[K, D]`` flattened MuJoCo states (time, qpos, qvel) of task ``task_id``."""
-        return np.asarray(self.benchmark.get_task_init_states(task_id))
-
-
-@functools.cache
-def _suite_info(suite: str, assets: str) -> SuiteInfo:
-    libero = libero_paths.prepare(assets)
-    with contextlib.redirect_stdout(io.StringIO()) as printed:   # the package prints its task order
-        from libero.libero import benchmark
-
-        bench = benchmark.get_benchmark_dict()[suite]()
-    if printed.getvalue().strip():
-        log.debug("libero: %s", printed.getvalue().strip())
-    bddl_root = Path(libero.get_libero_path("bddl_files"))
-    tasks = [bench.get_task(i) for i in range(bench.get_num_tasks())]
-    return SuiteInfo(
-        name=suite,
-        descriptions=[task.language for task in tasks],
-        bddl_files=[bddl_root / task.problem_folder / task.bddl_file for task in tasks],
-        num_init_states=[len(bench.get_task_init_states(i)) for i in range(len(tasks))],
-        benchmark=bench,
-    )
-
-
-def suite_info(cfg: Mapping) -> SuiteInfo:
-    """The suite an env config names (assets resolved as :mod:`libero_paths` says)."""
-    assets = libero_paths.resolve_assets_dir(cfg.get("assets_path"))
-    return _suite_info(cfg["suite"], str(assets))
-
-
-def task_pool(cfg: Mapping) -> list[int]:
-    """Task ids the config uses (``task_ids``; null = the whole suite)."""
-    ids = cfg.get("task_ids")
-    return [int(t) for t in ids] if ids is not None else list(range(SUITE_NUM_TASKS[cfg["suite"]]))
-
-
-def eval_schedule(cfg: Mapping) -> list[tuple[int, int]]:
-    """The evaluation sweep as ordered ``(task_id, init_state_id)`` pairs: for every task of the pool,
-    trial k uses init state k (``num_trials_per_task`` trials), or the listed ``init_state_ids``."""
-    explicit = cfg.get("init_state_ids")
-    trials = [int(i) for i in explicit] if explicit is not None else list(range(int(cfg["num_trials_per_task"])))
-    return [(task, init) for task in task_pool(cfg) for init in trials]
-
-
-# --------------------------------------------------------------------------------------------------
-# rendering only where needed
-# --------------------------------------------------------------------------------------------------
-class _CameraGate:
-    """Wraps a robosuite env's camera sensors so that they render only while ``open``.
-
-    Closed, a sensor returns a blank image of the right shape; robosuite's observable timing is
-    untouched. With ``keep_snapshot`` a closed gate also copies the simulator data (and the site colours
-    LIBERO toggles) at the sampling substep, so that :meth:`render_snapshot` can later produce exactly
-    the images the sensors would have returned then.
-    """
-
-    def __init__(self, env, camera_names: Sequence[str]):
-        import mujoco
-
-        self._mujoco = mujoco
-        self.env = env                              # robosuite env (LIBERO problem class)
-        self.names = [f"{cam}_image" for cam in camera_names]
-        self.open = True
-        self.keep_snapshot = False
-        self._real = {}
-        self._blank = {}
-        self._snapshot = None
-        self._backup = None
-        self._snapshot_time = None
-        self._snapshot_rgba = None
-        self.install()
-
-    def install(self) -> None:
-        """Wrap the camera observables' sensors."""
-        for name in self.names:
-            observable = self.env._observables[name]
-            real = observable._sensor
-            self._real[name] = real
-            self._blank[name] = np.zeros(observable._data_shape, np.uint8)           # (h, w, 3)
-
-            def gated(obs_cache, _name=name, _real=real):
-                if self.open:
-                    self.make_current()
-                    return _real(obs_cache)
-                if self.keep_snapshot:
-                    self._take_snapshot()
-                return self._blank[_name]
-
-            gated.__modality__ = real.__modality__
-            # set directly: Observable.set_sensor would call (and so render) the sensor once
-            observable._sensor = gated
-
-    def make_current(self) -> None:
-        """Make this scene's GL context current before it renders.
-
-        robosuite 1.4 makes a context current only when it is created, and rendering uses whatever
-        context is current in the thread. With several scenes in one process (the task cache), or after
-        another robosuite env closed its context, a render would otherwise draw with a foreign or freed
-        context: black or wrong images.
-        """
-        context = getattr(self.env.sim, "_render_context_offscreen", None)
-        if context is not None:
-            context.gl_ctx.make_current()
-
-    def _take_snapshot(self) -> None:
-        sim = self.env.sim
-        data = sim.data._data
-        if self._snapshot_time == data.time:        # cameras sample at the same substep: copy once
-            return
-        model = sim.model._model
-        if self._snapshot is None:
-            self._snapshot = self._mujoco.MjData(model)
-        self._mujoco.mj_copyData(self._snapshot, model, data)
-        self._snapshot_rgba = np.array(sim.model.site_rgba)
-        self._snapshot_time = data.time
-
-    def forget_snapshot(self) -> None:
-        self._snapshot_time = None
-
-    @property
-    def has_snapshot(self) -> bool:
-        return self._snapshot_time is not None
-
-    def render_snapshot(self) -> dict[str, np.ndarray]:
-        """Camera images ``{observable: [h, w, 3]}`` of the last snapshot; the simulator is left as it was."""
-        if not self.has_snapshot:
-            raise RuntimeError("no camera snapshot to render")
-        mujoco, sim = self._mujoco, self.env.sim
-        model, data = sim.model._model, sim.data._data
-        if self._backup is None:
-            self._backup = mujoco.MjData(model)
-        mujoco.mj_copyData(self._backup, model, data)
-        rgba = np.array(sim.model.site_rgba)
-        try:
-            mujoco.mj_copyData(data, model, self._snapshot)
-            sim.model.site_rgba[:] = self._snapshot_rgba
-            self.make_current()
-            return {name: np.asarray(self._real[name]({})) for name in self.names}
-        finally:
-            mujoco.mj_copyData(data, model, self._backup)
-            sim.model.site_rgba[:] = rgba
-
-
-class _ControllerSim:
-    """What a robosuite controller sees as its ``sim``: the real one, except that ``forward()`` is
-    skipped while ``in_step``. Inside ``env.step`` robosuite calls ``sim.forward()`` right before
-    ``_pre_action``, whose controller update calls it again on the same state; MuJoCo's forward pass is
-    a pure function of the state, so the second call only costs time (about a third of a physics step).
-    Outside steps (controller construction at reset) every call goes through."""
-
-    def __init__(self, sim):
-        self._sim = sim
-        self.in_step = False
-
-    def forward(self) -> None:
-        if not self.in_step:
-            self._sim.forward()
-
-    def __getattr__(self, name: str):
-        return getattr(self._sim, name)
-
-
-@dataclass
-class _Scene:
-    """One task's built simulator and the adapter's hooks into it."""
-
-    env: object                        # libero OffScreenRenderEnv
-    gate: _CameraGate | None           # None without cameras
-    controller_sim: _ControllerSim
-
-    @contextlib.contextmanager
-    def stepping(self):
-        """Around ``env.step`` calls: controllers skip their redundant forward pass (:class:`_ControllerSim`)."""
-        self.controller_sim.in_step = True
-        try:
-            yield
-        finally:
-            self.controller_sim.in_step = False
-
-    def attach_controllers(self) -> None:
-        """robosuite builds new controllers on every reset: give them the skipping sim."""
-        for robot in self.env.env.robots:
-            robot.controller.sim = self.controller_sim
-
-
 # --------------------------------------------------------------------------------------------------
 # one simulator
 # --------------------------------------------------------------------------------------------------
@@ -402,7 +179,7 @@ class LiberoSimEnv(SimEnv):
             num_init_states=list(self.suite.num_init_states),
             action_low=[-1.0] * (ACTION_DIM - 1) + [0.0], action_high=[1.0] * ACTION_DIM, name=self.suite.name)
         self.rng = np.random.default_rng(seed)
-        self._scenes: OrderedDict[int, _Scene] = OrderedDict()
+        self._scenes: OrderedDict[int, Scene] = OrderedDict()
         self._init_states: dict[int, np.ndarray] = {}
         self.task_id: int | None = None
         self.init_state_id: int | None = None
@@ -417,27 +194,16 @@ class LiberoSimEnv(SimEnv):
         """The ``OffScreenRenderEnv`` of the current task (None before the first reset)."""
         return self._scenes[self.task_id].env if self.task_id in self._scenes else None
 
-    def _scene(self, task_id: int) -> _Scene:
+    def _scene(self, task_id: int) -> Scene:
         if task_id in self._scenes:
             self._scenes.move_to_end(task_id)
             return self._scenes[task_id]
         while len(self._scenes) >= self.max_cached_tasks:
             _, old = self._scenes.popitem(last=False)
             old.env.close()
-        from libero.libero.envs import OffScreenRenderEnv
-
         start = time.perf_counter()
-        h, w = self.image_size
-        env = OffScreenRenderEnv(
-            bddl_file_name=str(self.suite.bddl_files[task_id]), camera_names=list(self._rs_cameras),
-            use_camera_obs=bool(self._rs_cameras), camera_heights=h, camera_widths=w,
-            hard_reset=False, ignore_done=True)   # episode limits are ours; robosuite's horizon would raise
-        inner = env.env
-        for name, observable in inner._observables.items():
-            if name not in _PROPRIO_OBSERVABLES and not name.endswith("_image"):
-                observable.set_enabled(False)      # object-pose sensors: unused, they cost time every step
-        gate = _CameraGate(inner, self._rs_cameras) if self._rs_cameras else None
-        scene = self._scenes[task_id] = _Scene(env, gate, _ControllerSim(inner.sim))
+        scene = self._scenes[task_id] = build_scene(str(self.suite.bddl_files[task_id]), self._rs_cameras,
+                                                    self.image_size)
         log.info("built LIBERO %s task %d in %.1f s", self.suite.name, task_id, time.perf_counter() - start)
         return scene
 
@@ -480,10 +246,9 @@ class LiberoSimEnv(SimEnv):
         if self.scene_seeding == "oft":
             self._oft_reset(env, task_id, init_state_id)
         else:
-            with _global_numpy_seed(scene_seed(task_id, init_state_id)):   # fixture placement (module docstring)
+            with global_numpy_seed(scene_seed(task_id, init_state_id)):   # fixture placement (module docstring)
                 env.reset()
-        for robot in env.env.robots:                # a hard reset would re-create the gripper model
-            robot.gripper.current_action = np.zeros(robot.gripper.dof)
+        scene.clear_gripper_commands()              # a hard reset would re-create the gripper model
         scene.attach_controllers()
         if gate is not None:
             gate.open = self.num_settle_steps == 0      # without settle steps this is the first observation
@@ -592,12 +357,7 @@ class LiberoSimEnv(SimEnv):
         return obs
 
     def _bad_state_warnings(self) -> int:
-        import mujoco
-
-        data = self.libero_env.env.sim.data._data
-        return sum(int(data.warning[w].number) for w in (mujoco.mjtWarning.mjWARN_BADQPOS,
-                                                          mujoco.mjtWarning.mjWARN_BADQVEL,
-                                                          mujoco.mjtWarning.mjWARN_BADQACC))
+        return bad_state_warnings(self.libero_env.env.sim)
 
     def _check_stable(self) -> None:
         # MuJoCo resets the data (and counts a warning) when qpos/qvel/qacc go bad, so a blown-up
@@ -681,6 +441,6 @@ class LiberoAdapter:
 
 
 __all__ = [
-    "CAMERAS", "LiberoAdapter", "LiberoSimEnv", "SimulationUnstable", "SuiteInfo", "eval_schedule",
-    "proprio_state", "quat_to_axis_angle", "scene_seed", "suite_info", "to_libero_action",
+    "CAMERAS", "SUITE_NUM_TASKS", "LiberoAdapter", "LiberoSimEnv", "SimulationUnstable", "SuiteInfo", "eval_schedule",
+    "proprio_state", "quat_to_axis_angle", "scene_seed", "suite_info", "task_pool", "to_libero_action",
 ]
