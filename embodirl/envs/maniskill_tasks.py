@@ -75,11 +75,6 @@ def _registry() -> dict:
     return REGISTERED_ENVS
 
 
-def available_tasks() -> list[str]:
-    """Every task id ManiSkill has registered (offline-usable or not)."""
-    return sorted(_registry())
-
-
 def task_spec(task: str, key: str = "env.task"):
     """The ManiSkill :class:`mani_skill.utils.registration.EnvSpec` of ``task``."""
     registry = _registry()

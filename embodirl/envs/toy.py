@@ -76,14 +76,6 @@ def init_position(init_state_id: int) -> np.ndarray:
     return radius * np.array([math.cos(angle), math.sin(angle)])
 
 
-def _to_pixels(xy: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """World ``[..., 2]`` in [-1, 1] -> pixel (row, col) floats; y points up in the image."""
-    h, w = size
-    col = (xy[..., 0] + 1.0) * 0.5 * (w - 1)
-    row = (1.0 - xy[..., 1]) * 0.5 * (h - 1)
-    return np.stack([row, col], axis=-1)
-
-
 def _to_world(rc: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     h, w = size
     x = rc[..., 1] / (w - 1) * 2.0 - 1.0

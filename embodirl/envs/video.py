@@ -157,7 +157,7 @@ class VideoRecorder:
     Call :meth:`on_reset` with ``venv.reset``'s info and :meth:`on_step` with ``venv.step``'s outputs;
     :meth:`flush` at the end of a rollout writes what is open (unfinished episodes are named by
     their success so far). ``env_ids`` are local indices of the vector env; names use
-    ``env_offset + i``. ``step`` is the training step in the folder name (:meth:`set_step`).
+    ``env_offset + i``. ``step`` is the training step in the folder name.
     """
 
     out_dir: str | os.PathLike
@@ -184,9 +184,6 @@ class VideoRecorder:
         return cls(out_dir, env_ids=venv.record_env_ids, env_name=venv.spec.name,
                    task_descriptions=venv.spec.task_descriptions, fps=video_cfg["fps"], overlay=video_cfg["overlay"],
                    env_offset=env_offset, step=step)
-
-    def set_step(self, step: int) -> None:
-        self.step = step
 
     # -- frames in -------------------------------------------------------------------------------
     def on_reset(self, info: dict) -> None:
