@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         rest = [*rest, "runner.only_eval=true"]
     overrides, multirun = _split(rest)
 
-    from embodirl.config import check_group_overrides, compose, validate
+    from embodirl.config import check_group_overrides, compose, sweep_jobs, validate
     from embodirl.errors import AssetsMissing, ConfigError
 
     if command == "demos":
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
             validate(cfg)
             if not any(a.startswith("-") for a in rest):    # a run (not --cfg/--info): rendering and memory
                 preflight(cfg)                                 # are checked before any worker starts
+        else:                                                  # every sweep job's types and rules, before the first
+            for job in sweep_jobs(overrides):
+                validate(compose(job), check_envs=False)
     except (ConfigError, AssetsMissing, PreflightFailed) as exc:
         _fail(str(exc))
     _hydra_main(rest)

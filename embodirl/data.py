@@ -68,6 +68,12 @@ SUCCESS = "success"
 GROUP_ID = "group_id"
 INIT_STATE_ID = "init_state_id"
 WEIGHT_VERSION = "weight_version"
+
+#: reward (and value) granularity: one per decision ``[N, T]`` or one per action ``[N, T, H]``
+#: (``algorithm.reward_type``, ``env.*.reward_type``, ``model.value_type``)
+CHUNK_LEVEL = "chunk_level"
+ACTION_LEVEL = "action_level"
+REWARD_TYPES = (CHUNK_LEVEL, ACTION_LEVEL)
 ADVANTAGE = "advantage"
 RETURNS = "returns"
 LOGPROB_REF = "logprob_ref"

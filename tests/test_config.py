@@ -77,7 +77,7 @@ def test_options_hide_shared_bases():
     (["rollout.pipeline_stage_num=3"], "env.train.num_envs", "cannot be split"),
     (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
     (["model.path=/nonexistent/ckpt"], "model.path", "does not exist"),
-    (["rollout.backend=vllm"], "rollout.backend", "not available"),
+    (["rollout.backend=vllm"], "rollout.backend", "'vllm' is not one of huggingface"),
     (["algorithm.reward_type=action_level"], "env.train.reward_type", "differs"),
     (["env.train.num_envs=0"], "env.train.num_envs", "positive integer"),
     (["actor.cpu_world_size=2", "actor.global_batch_size=9", "actor.micro_batch_size=1"],
@@ -90,10 +90,10 @@ def test_options_hide_shared_bases():
     (["algorithm=grpo", "env.train.use_fixed_reset_state_ids=true", "algorithm.filter_groups.enable=true",
       "algorithm.filter_groups.min_success=0.9", "algorithm.filter_groups.max_success=0.1"],
      "algorithm.filter_groups.min_success", "0 <= min_success < max_success <= 1"),
-    (["actor.optim.lr_schedule=step"], "actor.optim.lr_schedule", "unknown schedule"),
+    (["actor.optim.lr_schedule=step"], "actor.optim.lr_schedule", "'step' is not one of constant, linear, cosine"),
     (["actor.optim.lr_schedule=linear", "actor.optim.lr_decay_steps=null"],
      "actor.optim.lr_decay_steps", "positive number of training steps"),
-    (["algorithm.early_stop_kl=-1"], "algorithm.early_stop_kl", "must be positive or null"),
+    (["algorithm.early_stop_kl=-1"], "algorithm.early_stop_kl", "must be a positive number or null"),
 ])
 def test_malformed_configs_rejected_with_one_sentence(compose_cfg, overrides, key, fragment):
     cfg = compose_cfg(*overrides)
@@ -109,7 +109,7 @@ def test_malformed_configs_rejected_with_one_sentence(compose_cfg, overrides, ke
     ("env=nope", "unknown env 'nope'; available: "),
     ("model=gpt", "unknown model 'gpt'; available: "),
     ("env=libero_10,nope", "unknown env 'nope'"),
-    ("actor.optim.nonexistent=1", "Could not override 'actor.optim.nonexistent'"),
+    ("actor.optim.nonexistent=1", "actor.optim.nonexistent: unknown key"),
 ])
 def test_unknown_choices_and_keys(override, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -60,9 +60,7 @@ REWARD_BASELINE = "reward_baseline"
 #: added to standard deviations before dividing (GRPO, whitening)
 STD_EPS = 1e-6
 
-CHUNK_LEVEL = "chunk_level"
-ACTION_LEVEL = "action_level"
-REWARD_TYPES = (CHUNK_LEVEL, ACTION_LEVEL)
+CHUNK_LEVEL, ACTION_LEVEL, REWARD_TYPES = D.CHUNK_LEVEL, D.ACTION_LEVEL, D.REWARD_TYPES
 
 
 @dataclass

@@ -32,6 +32,8 @@ LOW_VAR_KL_LOG_RATIO_CLAMP = 20.0
 ADAPTIVE_ERROR_CLIP = 0.2
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+#: ``algorithm.kl_ctrl.type``: a fixed coefficient or the adaptive controller (:class:`KLController`)
+KL_CONTROLLERS = ("fixed", "adaptive")
 
 
 def register_kl(name: str):
@@ -102,8 +104,8 @@ class KLController:
 
     def __init__(self, initial: float, *, kind: str = "fixed", target_kl: float | None = None,
                  horizon: float | None = None):
-        if kind not in ("fixed", "adaptive"):
-            raise ValueError(f"unknown kl_ctrl.type '{kind}'; available: fixed, adaptive")
+        if kind not in KL_CONTROLLERS:
+            raise ValueError(f"unknown kl_ctrl.type '{kind}'; available: {', '.join(KL_CONTROLLERS)}")
         if kind == "adaptive" and (not target_kl or not horizon):
             raise ValueError("an adaptive KL coefficient needs a positive target_kl and horizon")
         self.value = float(initial)

@@ -23,7 +23,7 @@ from embodirl.models.registry import register_policy
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
 _LOG_2PI = math.log(2.0 * math.pi)
-VALUE_TYPES = ("chunk_level", "action_level")
+VALUE_TYPES = D.REWARD_TYPES        # one value per chunk or per action
 
 
 def _mlp(sizes: list[int], activation: str, out_gain: float) -> nn.Sequential:

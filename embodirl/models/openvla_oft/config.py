@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from embodirl import data as D
 from embodirl.errors import ConfigError
 from embodirl.models.action_tokenizer import LLAMA_BASE_VOCAB_SIZE
 from embodirl.models.normalization import BOUNDS_KEYS
@@ -30,7 +31,7 @@ from embodirl.models.processor import LLAMA_BOS_ID, LLAMA_PAD_ID, LLAMA_STOP_ID
 
 log = logging.getLogger(__name__)
 
-VALUE_TYPES = ("chunk_level", "action_level")
+VALUE_TYPES = D.REWARD_TYPES        # one value per chunk or per action
 #: heads that ``lora.modules_to_save`` can make fully trainable (the L1 action head is evaluation-only)
 TRAINABLE_HEADS = ("value_head", "proprio_projector")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2")

@@ -1,0 +1,153 @@
+"""One typed schema for the whole configuration (Hydra structured configs).
+
+:class:`Config` is registered in Hydra's ConfigStore as ``embodirl_schema`` and heads ``config/config.yaml``'s
+defaults list, so Hydra composes the YAML options on top of it: the YAML tree holds every value, the schema
+every type, range and choice (:mod:`.sections`, :mod:`.envs`, :mod:`.models`). :func:`check` runs on a
+composed config (also a plain one, as a sweep job hands it over) and raises one
+:class:`~embodirl.errors.ConfigError` sentence naming the first bad key:
+
+1. types and unknown keys (also keys added with ``+``), section by section;
+2. ranges and choice lists of every field;
+3. each section's cross-field rules (``rules`` next to its fields), then the env and model rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from embodirl.errors import ConfigError
+from embodirl.schema.envs import ENV_SCHEMAS, env_rules, env_schema
+from embodirl.schema.fields import check_fields, required, section
+from embodirl.schema.models import MODEL_SCHEMAS, model_rules, model_schema
+from embodirl.schema.sections import SECTIONS, Actor, Algorithm, Cluster, EnvWorkers, Rollout, Runner
+
+__all__ = ["ENV_SCHEMAS", "MODEL_SCHEMAS", "SCHEMA_NAME", "SECTIONS", "Config", "check", "error", "register", "typed",
+           "unknown_key"]
+
+SCHEMA_NAME = "embodirl_schema"
+
+
+@dataclass
+class Config:
+    """The composed config. ``env`` (``train``/``eval``) and ``model`` are typed per adapter and per policy
+    when checked (:func:`check`), since their keys depend on the option chosen."""
+
+    runner: Runner = section(Runner)
+    algorithm: Algorithm = section(Algorithm)
+    rollout: Rollout = section(Rollout)
+    env_workers: EnvWorkers = section(EnvWorkers)
+    actor: Actor = section(Actor)
+    cluster: Cluster = section(Cluster)
+    env: Any = required()
+    model: Any = required()
+
+
+def register() -> None:
+    """Store :class:`Config` in Hydra's ConfigStore (idempotent); ``config.yaml`` lists it first."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+
+
+_CONVERT = re.compile(r"Value '(.*)' of type '\w+' could not be converted to (\w+)")
+_KINDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+def _declared(schema: type, prefix: str, key: str) -> list[str]:
+    """Keys of the (nested) section that holds ``key``, for a did-you-mean hint."""
+    parts = key[len(prefix) + 1:].split(".")[:-1] if prefix else key.split(".")[:-1]
+    for part in parts:
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        factory = fields[part].default_factory if part in fields else None
+        if not dataclasses.is_dataclass(factory):
+            return []
+        schema = factory
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def unknown_key(key: str, schema: type | None = None, prefix: str = "") -> ConfigError:
+    """One sentence for a key no section declares, with the closest declared key when there is one."""
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, _declared(schema or Config, prefix, key), n=1)
+    hint = f" (did you mean {key.rsplit('.', 1)[0]}.{close[0]}?)" if close and "." in key else (
+        f" (did you mean {close[0]}?)" if close else "")
+    return ConfigError(key, f"unknown key{hint}; every key and its default is in config/ (embodirl train --cfg job)")
+
+
+def error(exc: OmegaConfBaseException, schema: type | None = None, prefix: str = "") -> ConfigError:
+    """An OmegaConf type or key error (merging onto ``schema`` at ``prefix``) as one sentence naming the key."""
+    full_key = str(getattr(exc, "full_key", "") or "")
+    key = f"{prefix}.{full_key}" if prefix and full_key else (full_key or prefix)
+    first = str(exc).splitlines()[0].strip().rstrip(".")
+    if isinstance(exc, ConfigKeyError) or first.startswith("Key '"):
+        return unknown_key(key, schema, prefix)
+    match = _CONVERT.search(first)
+    if match:
+        return ConfigError(key, f"must be {_KINDS.get(match.group(2), match.group(2).lower())}, got '{match.group(1)}'")
+    return ConfigError(key, first[0].lower() + first[1:] if first else type(exc).__name__)
+
+
+def typed(schema: type, node: Any, prefix: str = "", *, closed: bool = True) -> DictConfig:
+    """``node`` merged onto ``schema``: a wrong type, an undeclared key (``closed``) or a missing key is a
+    :class:`ConfigError` naming it. An open schema types only the keys it declares."""
+    if not closed:
+        names = {f.name for f in dataclasses.fields(schema)}
+        node = {k: v for k, v in (OmegaConf.to_container(node) if isinstance(node, DictConfig) else dict(node)).items()
+                if k in names}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+    except OmegaConfBaseException as exc:
+        raise error(exc, schema, prefix) from None
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"{prefix}.{missing[0]}" if prefix else missing[0],
+                          "is missing from the configuration (see config/config.yaml and the option files)")
+    return merged
+
+
+@dataclass
+class Context:
+    """What several sections' rules need: the device placement and what follows from it."""
+
+    placement: Any
+    dp: int
+    use_ray: bool
+
+
+def check(cfg: DictConfig, *, num_devices: int | None = None, accelerator: str | None = None) -> Context:
+    """Types, ranges, choices and cross-field rules of a composed config (see the module docstring)."""
+    from embodirl.placement import data_parallel_size, placement_from_config, use_ray
+
+    typed(Config, {k: v for k, v in cfg.items() if k not in ("env", "model")} | {"env": {}, "model": {}})
+    if not isinstance(cfg.get("env"), DictConfig | dict) or set(cfg.env.keys()) != {"train", "eval"}:
+        raise ConfigError("env", "must hold exactly train and eval (an env option fills both)")
+    schemas = {}
+    for group in ("train", "eval"):
+        schema, closed = env_schema(cfg.env[group], f"env.{group}")
+        typed(schema, cfg.env[group], f"env.{group}", closed=closed)
+        schemas[f"env.{group}"] = schema
+    model, closed = model_schema(cfg.model)
+    typed(model, cfg.model, "model", closed=closed)
+
+    for name, schema in SECTIONS.items():
+        check_fields(schema, cfg[name], name)
+    for key, schema in schemas.items():
+        check_fields(schema, OmegaConf.select(cfg, key), key)
+    check_fields(model, cfg.model, "model")
+
+    placement = placement_from_config(cfg.cluster, num_devices, accelerator)
+    ctx = Context(placement=placement, dp=data_parallel_size(cfg, placement), use_ray=use_ray(cfg))
+    for schema in SECTIONS.values():
+        rules = getattr(schema, "rules", None)
+        if rules is not None:
+            rules(cfg, ctx)
+    env_rules(cfg)
+    model_rules(cfg)
+    return ctx
