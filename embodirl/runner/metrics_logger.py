@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 # Shown on the console line, in this order, when present.
 CONSOLE_KEYS = ("train/success_rate", "eval/success_rate", "train/return", "train/episode_length",
+                "sft/loss", "sft/token_accuracy", "sft/action_l1",
                 "actor/pg_loss", "critic/value_loss", "actor/approx_kl", "actor/entropy",
                 "time/step", "env/steps_per_s")
 

@@ -21,7 +21,9 @@ model key              read from the checkpoint                                 
 A value set explicitly that contradicts the checkpoint is a :class:`~embodirl.errors.ConfigError` naming the
 key and the file. :func:`check_run` adds the rule that needs the whole run config: RL (which scores and
 updates action tokens) from a checkpoint that acts through an L1 head is refused, since that checkpoint's
-action tokens were never trained.
+action tokens were never trained, unless its ``config.json`` records ``embodirl.action_tokens_trained: true``
+(``embodirl sft`` with the token loss; RL then needs ``model.use_l1_regression=false`` to act through the tokens);
+a checkpoint recording ``false`` is refused as well. The refusals name ``embodirl sft`` as the fix.
 
 Only local directories and hub ids already in the Hugging Face cache are read before workers start; a hub id
 still to be downloaded is configured by :func:`configure` with ``download=True`` when the policy is built.
@@ -47,6 +49,10 @@ TOKEN_CHECKPOINT_IMAGES = 1
 #: an SFT checkpoint trained with action tokens, named in the refusal of RL from an L1 checkpoint
 TOKEN_CHECKPOINT_EXAMPLE = "Haozhan72/Openvla-oft-SFT-libero10-traj1"
 AUTO = "remove the setting (null reads it from the checkpoint)"
+#: config.json["embodirl"] key written by ``embodirl sft`` (checkpoint.TOKENS_TRAINED)
+TOKENS_TRAINED = "action_tokens_trained"
+#: what the RL-ready refusals tell the user to run
+SFT_COMMAND = "embodirl sft env=<env> model=<model> model.path=<this checkpoint> data.path=<LeRobot dataset>"
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class CheckpointContents:
     recorded_images: int | None        # config.json's num_images_in_input, when written there
     statistics_file: Path | None
     statistics_keys: tuple[str, ...]
+    tokens_trained: bool | None = None  # config.json's embodirl.action_tokens_trained (embodirl sft writes it)
 
     @property
     def num_images(self) -> int:
@@ -113,10 +120,12 @@ def inspect(path: str, *, download: bool = False) -> CheckpointContents | None:
         statistics_file, keys = directory / STATS_FILENAME, tuple(sorted(_json(directory / STATS_FILENAME)))
     elif config.get("norm_stats"):
         statistics_file, keys = directory / CONFIG_FILE, tuple(sorted(config["norm_stats"]))
+    trained = (config.get("embodirl") or {}).get(TOKENS_TRAINED)
     return CheckpointContents(directory=directory, action_head=_component(directory, ACTION_HEAD),
                               proprio_projector=_component(directory, PROPRIO),
                               recorded_images=int(recorded) if isinstance(recorded, int) else None,
-                              statistics_file=statistics_file, statistics_keys=keys)
+                              statistics_file=statistics_file, statistics_keys=keys,
+                              tokens_trained=trained if isinstance(trained, bool) else None)
 
 
 def apply(model_cfg: Mapping, contents: CheckpointContents) -> dict:
@@ -129,7 +138,7 @@ def apply(model_cfg: Mapping, contents: CheckpointContents) -> dict:
     if l1 is True and head is None:
         raise ConfigError("model.use_l1_regression", f"is true but {d} has no {ACTION_HEAD}--<step>_checkpoint.pt "
                                                      f"(the checkpoint decodes action tokens); {AUTO}")
-    if l1 is False and head is not None:
+    if l1 is False and head is not None and not contents.tokens_trained:
         raise ConfigError("model.use_l1_regression", f"is false but {head} is the L1 action head {d} was trained to "
                                                      f"act with (its action tokens were never trained); {AUTO}")
     use_proprio = out.get("use_proprio")
@@ -143,7 +152,7 @@ def apply(model_cfg: Mapping, contents: CheckpointContents) -> dict:
     if images is not None and contents.recorded_images is not None and int(images) != contents.recorded_images:
         raise ConfigError(f"model.{NUM_IMAGES_KEY}", f"is {images} but {d / CONFIG_FILE} records "
                                                      f"{NUM_IMAGES_KEY}={contents.recorded_images}; {AUTO}")
-    out["use_l1_regression"] = head is not None
+    out["use_l1_regression"] = head is not None and l1 is not False
     out["use_proprio"] = proprio is not None
     if images is None:
         out[NUM_IMAGES_KEY] = contents.num_images
@@ -168,14 +177,25 @@ def check_run(run_cfg: Mapping, model_path: str | None) -> None:
     if contents is None:
         return
     training = not run_cfg["runner"].get("only_eval", False)
-    if training and contents.action_head is not None:
+    adv = run_cfg["algorithm"].get("adv_type")
+    if training and contents.action_head is not None and contents.tokens_trained:
+        if model.get("use_l1_regression") is not False:
+            raise ConfigError("model.use_l1_regression", f"{contents.directory} has trained action tokens and OFT's L1 "
+                                                         f"head ({contents.action_head.name}), and RL "
+                                                         f"(algorithm.adv_type={adv}) samples the tokens; set "
+                                                         "model.use_l1_regression=false so the policy acts through "
+                                                         "them")
+    elif training and contents.action_head is not None:
         key = "model.use_l1_regression" if model.get("use_l1_regression") is False else "model.path"
-        adv = run_cfg["algorithm"].get("adv_type")
         raise ConfigError(key, f"{contents.directory} acts through OFT's L1 regression head "
                                f"({contents.action_head.name}), so its action tokens were never trained and RL over "
-                               f"them (algorithm.adv_type={adv}) would start from an untrained token policy; start "
-                               f"RL from a checkpoint fine-tuned with action tokens (e.g. {TOKEN_CHECKPOINT_EXAMPLE}), "
-                               "or evaluate this one with `embodirl eval`")
+                               f"them (algorithm.adv_type={adv}) would start from an untrained token policy; train "
+                               f"them first with `{SFT_COMMAND}` (or start from a checkpoint fine-tuned with action "
+                               f"tokens, e.g. {TOKEN_CHECKPOINT_EXAMPLE}), or evaluate this one with `embodirl eval`")
+    elif training and contents.tokens_trained is False:
+        raise ConfigError("model.path", f"{contents.directory / CONFIG_FILE} records that its action tokens were never "
+                                        f"trained, so RL over them (algorithm.adv_type={adv}) would start from an "
+                                        f"untrained token policy; train them first with `{SFT_COMMAND}`")
     apply(model, contents)
     _check_unnorm_key(run_cfg, model, contents)
 

@@ -1,0 +1,35 @@
+"""``embodirl sft [overrides]``: compose and check (one sentence, exit 2, before anything starts), then train."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def main(overrides: Sequence[str]) -> int:
+    """The CLI entry; raises ConfigError for bad input (the caller prints it and exits 2)."""
+    from embodirl import runtime
+    from embodirl.config import validate
+    from embodirl.demos.lerobot_format import DatasetError, LeRobotDataset
+    from embodirl.envs.registry import make_env
+    from embodirl.errors import ConfigError
+    from embodirl.plain import to_plain
+    from embodirl.sft import config as sft_config
+
+    cfg = sft_config.compose(overrides)
+    sft_config.check(cfg)
+    validate(sft_config.main_config(cfg))
+    try:
+        dataset = LeRobotDataset(cfg.data.path, action_chunk=int(cfg.model.action_chunk))
+    except DatasetError as exc:
+        raise ConfigError("data.path", str(exc)) from None
+    runtime.configure()
+    runtime.set_torch_threads(cfg.runner.torch_threads)
+    probe = make_env(to_plain(cfg.env.train), num_envs=1, seed=int(cfg.runner.seed))
+    spec = probe.spec
+    probe.close()
+    camera_keys = sft_config.check_dataset(cfg, dataset, spec)
+    from embodirl.sft.loop import run
+
+    model_dir = run(cfg, dataset, spec, camera_keys)
+    print(f"embodirl sft: checkpoint {model_dir} (embodirl train|eval model.path={model_dir})", flush=True)
+    return 0

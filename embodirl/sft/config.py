@@ -1,0 +1,150 @@
+"""``embodirl sft``'s configuration: ``config.yaml`` composed with the command line's group and key overrides,
+plus ``config/sft.yaml`` (its ``sft`` / ``data`` sections, set with ``sft.<key>=`` / ``data.<key>=``, and its
+``runner`` values for the keys the command line leaves alone), then checked in one sentence per problem
+before any simulator or learner starts (:func:`check`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from embodirl.errors import ConfigError
+from embodirl.paths import config_dir
+
+SFT_FILE = "sft.yaml"
+OWN_SECTIONS = ("sft", "data")
+SFT_MODELS = ("openvla_oft",)
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def compose(overrides: Sequence[str]) -> DictConfig:
+    """The SFT run's config (see module docstring)."""
+    from embodirl.config import compose as compose_main
+
+    own = [o for o in overrides if _key(o).split(".")[0] in OWN_SECTIONS]
+    rest = [o for o in overrides if o not in own]
+    cfg = compose_main(rest)
+    defaults = OmegaConf.load(config_dir() / SFT_FILE)
+    sections = OmegaConf.create({k: defaults[k] for k in OWN_SECTIONS})
+    OmegaConf.set_struct(sections, True)
+    for override in own:
+        if "=" not in override:
+            raise ConfigError(_key(override), "needs a value (key=value)")
+        key, value = override.split("=", 1)
+        key = key.lstrip("+")
+        if OmegaConf.select(sections, key, default="__missing__") == "__missing__":
+            section = key.split(".")[0]
+            raise ConfigError(key, f"is not one of the {section} keys in config/{SFT_FILE}")
+        # yaml-typed: "8" -> 8, "true" -> True, "null" -> None
+        OmegaConf.update(sections, key, _yaml_value(value), merge=False)
+    set_on_command_line = {_key(o) for o in rest}
+    OmegaConf.set_struct(cfg, False)
+    for key, value in defaults.runner.items():
+        if f"runner.{key}" not in set_on_command_line:
+            if key == "output_dir":
+                value = str(value).format(experiment_name=cfg.runner.experiment_name)
+            cfg.runner[key] = value
+    cfg.sft = sections.sft
+    cfg.data = sections.data
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def main_config(cfg: DictConfig) -> DictConfig:
+    """``cfg`` without the SFT sections: what ``embodirl train`` would run (for its validation)."""
+    container = OmegaConf.to_container(cfg)
+    for key in OWN_SECTIONS:
+        container.pop(key, None)
+    out = OmegaConf.create(container)
+    OmegaConf.set_struct(out, True)
+    return out
+
+
+def _yaml_value(text: str):
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _positive_int(value, key: str, *, allow_null: bool = False) -> None:
+    if value is None and allow_null:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, f"must be a positive integer{' or null' if allow_null else ''}, got {value!r}")
+
+
+def check(cfg: DictConfig) -> None:
+    """The SFT-specific rules that need no dataset (the dataset's are in :func:`check_dataset`)."""
+    from embodirl.placement import data_parallel_size, placement_from_config
+
+    if cfg.model.name not in SFT_MODELS:
+        raise ConfigError("model.name", f"is {cfg.model.name}, but embodirl sft fine-tunes OpenVLA-OFT's action "
+                                        "tokens; use model=openvla_oft or model=openvla_oft_tiny")
+    if not cfg.data.path:
+        raise ConfigError("data.path", "is not set; point it at a LeRobot dataset folder (meta/info.json inside), "
+                                       "e.g. one written by `embodirl demos env=maniskill_pushcube_rgb`")
+    s = cfg.sft
+    _positive_int(s.batch_size, "sft.batch_size")
+    _positive_int(s.micro_batch_size, "sft.micro_batch_size", allow_null=True)
+    for key in ("token_loss", "l1_head", "stop_token"):
+        if not isinstance(s[key], bool):
+            raise ConfigError(f"sft.{key}", f"must be true or false, got {s[key]!r}")
+    if not s.token_loss and not s.l1_head:
+        raise ConfigError("sft.token_loss", "is false and sft.l1_head is false: nothing would be trained")
+    if s.l1_head and cfg.model.use_l1_regression is not True:
+        raise ConfigError("sft.l1_head", "trains OFT's L1 regression head, which the model has only with "
+                                         "model.use_l1_regression=true")
+    if s.l1_head and cfg.model.lora.enabled and not cfg.actor.fsdp.full_finetune and \
+            "action_head" not in list(cfg.model.lora.modules_to_save or []):
+        raise ConfigError("sft.l1_head", "needs the L1 head trainable: add action_head to model.lora.modules_to_save "
+                                         "(e.g. model.lora.modules_to_save=[value_head,proprio_projector,action_head])")
+    ranks = data_parallel_size(cfg, placement_from_config(cfg.cluster))
+    if ranks != 1:
+        raise ConfigError("actor.cpu_world_size", f"gives {ranks} learner ranks, but embodirl sft runs one learner "
+                                                  "rank in this process for now; set it to 1 (one GPU)")
+    micro = s.micro_batch_size or s.batch_size
+    if micro > s.batch_size:
+        raise ConfigError("sft.micro_batch_size", f"is {micro}, more than sft.batch_size={s.batch_size}")
+    for key in ("max_steps", "save_interval", "val_check_interval"):
+        value = cfg.runner[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "max_steps" else 0):
+            raise ConfigError(f"runner.{key}", f"must be a {'positive' if key == 'max_steps' else 'non-negative'} "
+                                               f"integer, got {value!r}")
+
+
+def check_dataset(cfg: DictConfig, dataset, spec) -> list[str]:
+    """Dataset against env and model: action dim, cameras, proprio, chunk length. Returns the dataset's
+    camera keys in the env's camera order (the images the policy sees)."""
+    from embodirl.demos.lerobot_format import camera_key
+
+    path = cfg.data.path
+    if dataset.action_dim != spec.action_dim:
+        raise ConfigError("data.path", f"{path} holds {dataset.action_dim}-D actions but env {spec.name or 'env.train'} "
+                                       f"takes {spec.action_dim}-D actions; record the demos in this env "
+                                       "(`embodirl demos env=...`) or choose the env they were recorded in")
+    model_dim = cfg.model.action_dim
+    if model_dim is not None and int(model_dim) != dataset.action_dim:
+        raise ConfigError("model.action_dim", f"is {model_dim} but {path} holds {dataset.action_dim}-D actions; set "
+                                              "it to null (the env's)")
+    H = int(cfg.model.action_chunk)
+    shortest = int(min(dataset.episode_lengths))
+    if H > shortest:
+        raise ConfigError("model.action_chunk", f"is {H} but the shortest episode of {path} has {shortest} frames; "
+                                                "use a chunk no longer than the episodes")
+    wanted = [camera_key(name) for name in spec.camera_names]
+    missing = [k for k in wanted if k not in dataset.camera_keys]
+    if missing or not wanted:
+        raise ConfigError("data.path", f"{path} has the cameras {', '.join(dataset.camera_keys) or 'none'} but env "
+                                       f"{spec.name or 'env.train'} observes {', '.join(wanted) or 'no camera'}; "
+                                       "record the demos with the env's cameras (env.train.obs_mode=rgb)")
+    if spec.state_dim and dataset.state_dim != spec.state_dim:
+        raise ConfigError("data.path", f"{path} has a {dataset.state_dim or 0}-D observation.state but the env's "
+                                       f"state is {spec.state_dim}-D; record the demos in this env")
+    return wanted

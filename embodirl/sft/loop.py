@@ -1,0 +1,167 @@
+"""The SFT run: dataset -> statistics -> the RL path's actor group, one ``sft_train`` call per step.
+
+::
+
+    dataset  = LeRobotDataset(data.path, action_chunk=model.action_chunk)
+    stats    = dataset_statistics(dataset, unnorm_key)        # -> output_dir/dataset_statistics.json
+    actors   = ActorGroup.local(cfg, spec); actors.set_statistics(stats)
+    for step: metrics = actors.sft_train(make_batch(batch_indices(step)), options)   # Learner.sft_update
+    every runner.save_interval steps and at the end: checkpoints/step_<n>/ with
+        model/    the public OpenVLA-OFT/peft layout (`embodirl train|eval model.path=<it>`), marked
+                  action_tokens_trained (autoconfig's RL-ready check)
+        learner/  policy/  runner/  config/     as `embodirl train` writes them (resume)
+    every runner.val_check_interval steps: the runner's evaluation (Runner.run_eval) of that step's model/
+
+Resume: ``runner.resume_mode=auto`` continues from the latest complete checkpoint of ``runner.output_dir``
+(learner state through ``ActorGroup.load``; the batches are a function of the step, see :mod:`.data`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from embodirl.models.openvla_oft.checkpoint import TOKENS_TRAINED
+from embodirl.runner import checkpoint as ckpt
+from embodirl.runner.loop import seed_everything
+from embodirl.runner.metrics_logger import MetricsLogger
+from embodirl.sft.data import BatchMaker, batch_indices, dataset_statistics
+
+log = logging.getLogger(__name__)
+MODEL = "model"
+STATISTICS_FILE = "dataset_statistics.json"
+
+
+def unnorm_key(cfg: DictConfig, spec) -> str:
+    """``sft.unnorm_key``, else the env suite (what ``model.unnorm_key: null`` looks up), else the env task."""
+    if cfg.sft.unnorm_key:
+        return str(cfg.sft.unnorm_key)
+    train = cfg.env.train
+    return str(train.get("suite") or train.get("task") or spec.name or "dataset")
+
+
+def _evaluate(cfg: DictConfig, model_dir: Path, out_dir: Path) -> dict:
+    """The runner's evaluation of the exported model (``embodirl eval model.path=<model_dir>``)."""
+    from embodirl.runner.loop import Runner
+    from embodirl.sft.config import main_config
+
+    eval_cfg = main_config(cfg)
+    with open_dict(eval_cfg):
+        eval_cfg.model.path = str(model_dir)
+        eval_cfg.runner.only_eval = True
+        eval_cfg.runner.output_dir = str(out_dir)
+        eval_cfg.runner.resume_dir = None
+        eval_cfg.runner.resume_mode = "disable"
+        eval_cfg.runner.logger.tensorboard = False
+        eval_cfg.runner.logger.wandb = False
+    return Runner(eval_cfg).run_eval()
+
+
+def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
+    """Train; returns the last checkpoint's public model folder."""
+    from embodirl.workers.actor_group import ActorGroup
+
+    r, s = cfg.runner, cfg.sft
+    out = Path(r.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    seed = int(r.seed)
+    seed_everything(seed)
+    key = unnorm_key(cfg, spec)
+    statistics = dataset_statistics(dataset, key)
+    (out / STATISTICS_FILE).write_text(json.dumps(statistics, indent=2))
+    make_batch = BatchMaker(dataset, statistics[key], camera_keys, use_state=dataset.state_key is not None
+                            and bool(spec.state_dim), normalization=str(cfg.model.normalization))
+    options = {"micro_batch_size": int(s.micro_batch_size or s.batch_size), "token_loss": bool(s.token_loss),
+               "stop_token": bool(s.stop_token), "l1_head": bool(s.l1_head)}
+    actors = ActorGroup.local(cfg, spec)
+    try:
+        actors.set_statistics(statistics)
+        start_step = 0
+        source = ckpt.resume_source(r.resume_dir, r.resume_mode, out)
+        if source is not None:
+            start_step = ckpt.checkpoint_step(source)
+            actors.load(source.resolve())
+            log.info("resumed from %s (step %d)", source, start_step)
+        lc = r.logger
+        logger = MetricsLogger(out, console=lc.console, tensorboard=lc.tensorboard, wandb=lc.wandb,
+                               wandb_mode=lc.wandb_mode, project=lc.project, run_name=f"sft_{r.experiment_name}",
+                               config=OmegaConf.to_container(cfg), resume_step=start_step)
+        max_steps = int(r.max_steps)
+        marker = {TOKENS_TRAINED: bool(s.token_loss),
+                  "sft": {"dataset": str(Path(cfg.data.path).resolve()), "unnorm_key": key,
+                          "episodes": int(dataset.num_episodes), "frames": int(len(dataset))}}
+        progress = None
+        if r.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=max_steps, initial=start_step, desc="sft", unit="step", leave=False)
+        last_model = None
+        try:
+            for step in range(start_step + 1, max_steps + 1):
+                t0 = time.perf_counter()
+                batch = make_batch(batch_indices(len(dataset), int(s.batch_size), step, seed))
+                t1 = time.perf_counter()
+                metrics = actors.sft_train(batch, options)
+                t2 = time.perf_counter()
+                metrics.update({"time/data": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0,
+                                "sft/samples_per_s": int(s.batch_size) / max(t2 - t0, 1e-9),
+                                "sft/epoch": (step * int(s.batch_size)) / len(dataset)})
+                logger.log(step, metrics)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{metrics['sft/loss']:.3f}",
+                                         acc=f"{metrics['sft/token_accuracy']:.2f}")
+                saving = step == max_steps or (r.save_interval and step % int(r.save_interval) == 0)
+                evaluating = bool(r.val_check_interval) and step % int(r.val_check_interval) == 0
+                if saving:
+                    last_model = _save(cfg, actors, out, step, marker) / MODEL
+                if evaluating:
+                    model_dir = last_model if saving else out / "eval" / f"step_{step}" / MODEL
+                    if not saving:
+                        actors.export(model_dir, step, marker)
+                    info = _evaluate(cfg, model_dir, out / "eval" / f"step_{step}")
+                    o = info["overall"]
+                    logger.log(step, {"eval/success_rate": o["success_rate"], "eval/return": o["avg_return"],
+                                      "eval/episode_length": o["avg_length"], "eval/episodes": o["n_episodes"]})
+                    print(f"[sft eval step {step}] success {o['success_rate']:.2f} over {o['n_episodes']} episodes",
+                          flush=True)
+        finally:
+            if progress is not None:
+                progress.close()
+            logger.close()
+    finally:
+        actors.close()
+    if last_model is None:     # resumed at or past max_steps
+        latest = ckpt.latest_checkpoint(out)
+        last_model = latest / MODEL if latest is not None else None
+    return last_model
+
+
+def _save(cfg: DictConfig, actors, out: Path, step: int, marker: dict) -> Path:
+    """``checkpoints/step_<step>``: the public model export plus what ``embodirl train`` writes to resume."""
+
+    def write_model(folder: Path) -> None:
+        actors.export(folder.resolve(), step, marker)
+
+    def write_policy(folder: Path) -> None:
+        """Written with the learner state below (one call to the ranks)."""
+
+    def write_learner(folder: Path) -> None:
+        actors.save(folder.resolve(), (folder.parent / ckpt.POLICY).resolve())
+
+    def write_runner(folder: Path) -> None:
+        (folder / "state.json").write_text(json.dumps({"step": step}))
+        ckpt.save_rng(folder)
+
+    def write_config(folder: Path) -> None:
+        (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+
+    path = ckpt.save_checkpoint(out, step, {MODEL: write_model, ckpt.POLICY: write_policy, ckpt.LEARNER: write_learner,
+                                            ckpt.RUNNER: write_runner, ckpt.CONFIG: write_config})
+    log.info("checkpoint: %s", path)
+    return path
