@@ -11,17 +11,18 @@ rollout worker) offer the runner one interface:
 ``load_weights(tensors, version)``     every trainable tensor: the start, a resumed run, a loaded checkpoint
 ``sync_weights(tensors, version)``     the tensors one update changed
 ``evaluate(step, out_dir, seed)``      the evaluation sweep -> ``eval_info`` dict (``eval_report`` shape),
-                                       videos under ``out_dir/videos``
+                                       videos under ``out_dir/videos``: :func:`~embodirl.runner.evaluation.run_sweep`
+                                       on evaluation env workers, the same for both
 ``close()`` (also as context manager)  every worker, simulator and (when started here) Ray is gone after it
 =====================================  ========================================================================
 
 * :class:`InProcessBackend` - env batches (simulators in sub-processes) and the learner's own policy
-  acting in this process; pipeline stages overlap through a background inference thread;
-  evaluation by an :class:`embodirl.runner.evaluation.Evaluator` (its simulators kept between evaluations).
+  acting in this process; pipeline stages overlap through a background inference thread; evaluation
+  on in-process :class:`~embodirl.workers.groups.WorkerGroups` (an env worker with the evaluation
+  simulators, kept between evaluations, and a rollout worker acting with that same policy object).
 * :class:`RayBackend` - :class:`~embodirl.workers.groups.WorkerGroups` as Ray actors: env workers
   with the shared-memory observation channel to rollout workers holding inference copies of the
-  policy. Evaluation runs the same sweep (:func:`~embodirl.runner.evaluation.eval_schedule`) on
-  evaluation env workers (kept between evaluations), ``env.eval.num_envs`` episodes per call.
+  policy; evaluation env workers (kept between evaluations) served by the same rollout workers.
 
 :func:`open_backend` picks one by :func:`embodirl.config.use_ray` (``cluster.use_ray``).
 """
@@ -30,14 +31,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from embodirl import data as D
 from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
 from embodirl.envs.registry import make_env
 from embodirl.models.base import SamplingParams
@@ -48,8 +46,7 @@ from embodirl.rollout.collector import RolloutCollector, RolloutStats
 from embodirl.rollout.inference import PolicyInference
 from embodirl.rollout.records import decisions_per_episode
 from embodirl.rollout.starts import EpisodeStarts
-from embodirl.runner.eval_report import EpisodeResult, build_eval_info
-from embodirl.runner.evaluation import Evaluator, check_eval_episodes, eval_schedule, protocol_env_cfg, select_episodes
+from embodirl.runner.evaluation import eval_env_cfg, run_sweep
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +72,15 @@ def _train_env_cfg(cfg: DictConfig) -> dict:
     return env_cfg
 
 
+def _worker_config(cfg: DictConfig) -> DictConfig:
+    """The config the worker groups are built from: ``env.train`` and ``env.eval`` as collection and
+    evaluation run them."""
+    worker_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    worker_cfg.env.train = _train_env_cfg(cfg)
+    worker_cfg.env.eval = eval_env_cfg(cfg)
+    return worker_cfg
+
+
 class _Closing:
     def __enter__(self):
         return self
@@ -92,7 +98,7 @@ class InProcessBackend(_Closing):
         self.actors = None
         self.inference: PolicyInference | None = None
         self.collector: RolloutCollector | None = None
-        self.evaluator: Evaluator | None = None
+        self.eval_groups = None                  # WorkerGroups in this process, built at the first evaluation
         self.stats = RolloutStats()
         seed = int(cfg.runner.seed)
         try:
@@ -104,11 +110,10 @@ class InProcessBackend(_Closing):
                 self.spec = self.envs[0].spec
                 self._record_ids = [list(env.record_env_ids) for env in self.envs]
                 self._set_recording(False)
+                self.policy = make_policy(cfg.model, self.spec)
             else:
-                probe = make_env(to_plain(cfg.env.eval), num_envs=1, seed=seed)
-                self.spec = probe.spec
-                probe.close()
-            self.policy = make_policy(cfg.model, self.spec)
+                self._eval_groups(policy_for=self._eval_only_policy)
+                self.spec = self.eval_groups.eval_spec()
             if train:
                 sampling = SamplingParams(temperature=float(cfg.rollout.temperature), top_k=cfg.rollout.top_k,
                                           top_p=cfg.rollout.top_p)
@@ -124,6 +129,21 @@ class InProcessBackend(_Closing):
     @property
     def num_slots(self) -> int:
         return self.collector.num_slots
+
+    def _eval_only_policy(self, spec):
+        self.policy = make_policy(self.cfg.model, spec)
+        return self.policy
+
+    def _eval_groups(self, policy_for=None):
+        """The evaluation worker groups: env workers of ``env.eval`` and a rollout worker acting with
+        :attr:`policy` itself, in this process."""
+        if self.eval_groups is None:
+            from embodirl.workers.groups import WorkerGroups
+
+            self.eval_groups = WorkerGroups.from_config(_worker_config(self.cfg), remote=False, train=False,
+                                                        policy=None if policy_for else self.policy,
+                                                        policy_for=policy_for)
+        return self.eval_groups
 
     def make_actors(self):
         """The learner: one rank in this process whose module the inference above also uses (no copy,
@@ -192,16 +212,8 @@ class InProcessBackend(_Closing):
         self.load_weights(tensors, version)
 
     def evaluate(self, *, step: int, out_dir: Path, seed: int) -> dict:
-        r = self.cfg.runner
-        if self.evaluator is None:
-            # its simulators are kept for later evaluations, seeded as this first one
-            self.evaluator = Evaluator(protocol_env_cfg(to_plain(self.cfg.env.eval), r.get("eval_protocol"),
-                                                        r.get("eval_num_envs")), seed=seed,
-                                       episodes_per_task=r.eval_episodes_per_task, num_videos=int(r.eval_num_videos),
-                                       episodes=check_eval_episodes(r))
         self.policy.eval()
-        return self.evaluator.run(self.policy, out_dir=out_dir, step=step, greedy=bool(r.eval_greedy),
-                                  temperature=float(self.cfg.rollout.temperature))
+        return run_sweep(self._eval_groups(), self.cfg, out_dir=out_dir, seed=seed)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         try:
@@ -213,11 +225,13 @@ class InProcessBackend(_Closing):
                 self.inference = None
         finally:
             closing, self.envs = self.envs, []
-            if self.evaluator is not None:
-                closing.append(self.evaluator)
-                self.evaluator = None
-            for env in closing:
-                env.close()
+            try:
+                for env in closing:
+                    env.close()
+            finally:
+                if self.eval_groups is not None:
+                    self.eval_groups.close(wait_s)
+                    self.eval_groups = None
 
 
 class RayBackend(_Closing):
@@ -237,10 +251,9 @@ class RayBackend(_Closing):
         self.actors = None
         self._transport_logged = False
         self._owns_ray = not ray.is_initialized() and ray_address(cfg.cluster) is None
-        self._eval_cfg = self._eval_env_cfg(cfg)
         init_ray(cfg.cluster)
         try:
-            self.groups = WorkerGroups.from_config(self._worker_config(cfg), remote=True, policy_for=self._make_policy,
+            self.groups = WorkerGroups.from_config(_worker_config(cfg), remote=True, policy_for=self._make_policy,
                                                    train=train, weight_source=self._full_weights if train else None)
         except BaseException:
             self._shutdown_ray()
@@ -284,27 +297,6 @@ class RayBackend(_Closing):
                 "sync/object_store_workers": float(paths.get("object_store", 0)),
                 "sync/cuda_ipc_workers": float(paths.get("cuda_ipc", 0)), "sync/bytes": float(handle.nbytes)}
 
-    @staticmethod
-    def _eval_env_cfg(cfg: DictConfig) -> dict:
-        """``env.eval`` as evaluation runs it: one episode per slot, the first ``runner.eval_num_videos``
-        slots recorded, ``runner.eval_episodes_per_task`` trials per task when set."""
-        env_cfg = protocol_env_cfg(to_plain(cfg.env.eval), cfg.runner.get("eval_protocol"), cfg.runner.get("eval_num_envs"))
-        env_cfg["auto_reset"] = False
-        if cfg.runner.eval_episodes_per_task is not None:
-            env_cfg["num_trials_per_task"] = int(cfg.runner.eval_episodes_per_task)
-        num_videos = min(int(cfg.runner.eval_num_videos), int(env_cfg["num_envs"]))
-        if check_eval_episodes(cfg.runner) is not None:     # chosen episodes: every one with its video
-            num_videos = int(env_cfg["num_envs"])
-        env_cfg["video"] = {**(env_cfg.get("video") or {}), "enabled": num_videos > 0,
-                            "env_ids": list(range(num_videos))}
-        return env_cfg
-
-    def _worker_config(self, cfg: DictConfig) -> DictConfig:
-        worker_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-        worker_cfg.env.train = _train_env_cfg(cfg)
-        worker_cfg.env.eval = self._eval_cfg
-        return worker_cfg
-
     @property
     def num_slots(self) -> int:
         return self.groups.env.layout.num_slots
@@ -347,34 +339,7 @@ class RayBackend(_Closing):
         self.groups.sync_weights(tensors, version)
 
     def evaluate(self, *, step: int, out_dir: Path, seed: int) -> dict:
-        """The evaluation sweep in batches of ``env.eval.num_envs`` slots; the first batch's first
-        ``runner.eval_num_videos`` episodes are recorded."""
-        t_start = time.perf_counter()
-        out_dir = Path(out_dir).resolve()
-        spec = self.groups.eval_spec()
-        chosen = check_eval_episodes(self.cfg.runner)
-        schedule = select_episodes(eval_schedule(self._eval_cfg, len(spec.task_descriptions)), chosen)
-        N = int(self._eval_cfg["num_envs"])
-        num_videos = len(self._eval_cfg["video"]["env_ids"])
-        results: list[EpisodeResult] = []
-        reruns = 0
-        for start in range(0, len(schedule), N):
-            part = schedule[start:start + N]
-            padded = part + [part[-1]] * (N - len(part))     # keep every slot busy; extra rows are dropped
-            starts = EpisodeStarts(np.asarray([t for _, t, _ in padded], np.int64),
-                                   np.asarray([k for _, _, k in padded], np.int64))
-            video_dir = str(out_dir / "videos") if (start == 0 or chosen) and num_videos else None
-            batch_seed = seed + part[0][0]                  # slot i: seed + episode_ix in the whole sweep
-            # step=None: the files go straight into <out_dir>/videos/ (out_dir is the evaluation's step folder)
-            traj = self.groups.evaluate(starts, seed=batch_seed, video_dir=video_dir, step=None)
-            # the collector runs an episode a simulator crash cut short again from its start: count them
-            reruns += sum(s.recollected_rows for s in self.groups.eval_env.last_stats())
-            lengths = self.groups.eval_env.episode_lengths()                                  # (N,)
-            videos = _videos_by_slot(self.groups.eval_env.videos if video_dir else [], num_videos, out_dir)
-            results += _episode_results(traj, part, spec, lengths, videos, seed)
-            log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
-                     np.mean([r.success for r in results]))
-        return build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
+        return run_sweep(self.groups, self.cfg, out_dir=out_dir, seed=seed)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         try:
@@ -395,34 +360,3 @@ class RayBackend(_Closing):
             shutdown_ray()
             self._owns_ray = False
 
-
-def _videos_by_slot(paths: list[str], num_videos: int, out_dir: Path) -> dict[int, str]:
-    """Slot -> its episode's video, relative to ``out_dir`` (names hold ``_env<slot>_``)."""
-    videos: dict[int, str] = {}
-    for path in sorted(paths):
-        for i in range(num_videos):
-            if f"_env{i}_" in Path(path).name and i not in videos:
-                videos[i] = str(Path(path).relative_to(out_dir))
-    return videos
-
-
-def _episode_results(traj, part: list[tuple[int, int, int]], spec, lengths: np.ndarray,
-                     videos: Mapping[int, str], seed: int | None = None) -> list[EpisodeResult]:
-    """One :class:`EpisodeResult` per scheduled ``(task_id, init_state_id)`` from an evaluation
-    trajectory ``[N, T]`` (one episode per row; padding rows beyond ``part`` are dropped); ``seed``: the sweep's
-    base seed (episode ``j`` is reset with ``seed + j``)."""
-    valid = traj.get(D.VALID)                                                    # (N, T)
-    reward = traj.get(D.REWARD)
-    reward = reward.sum(-1) if reward.dim() == 3 else reward                     # (N, T)
-    success = (traj.get(D.SUCCESS) & valid).any(-1)                              # (N,)
-    episode_return = (reward * valid).sum(-1)                                    # (N,)
-    step_reward = traj.get(D.REWARD)
-    step_reward = step_reward if step_reward.dim() == 3 else step_reward[..., None]  # (N, T, H or 1)
-    # chunk-level rewards on this path: the largest chunk (or step, action-level) reward of the episode
-    max_reward = step_reward.masked_fill(~valid[..., None], float("-inf")).amax(dim=(1, 2))   # (N,)
-    return [EpisodeResult(suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id],
-                          init_state_id=init_id, success=bool(success[i]), episode_return=float(episode_return[i]),
-                          length=int(lengths[i]), video_path=videos.get(i), episode_ix=episode_ix,
-                          seed=None if seed is None else seed + episode_ix,
-                          max_reward=float(max_reward[i]) if bool(valid[i].any()) else None)
-            for i, (episode_ix, task_id, init_id) in enumerate(part)]

@@ -8,7 +8,7 @@ seed``), so the file reads in LeRobot users' tooling. A task group is a suite::
 
     {
       "per_episode": [{"episode_ix", "suite", "task_id", "task", "init_state_id", "seed", "success",
-                       "return", "sum_reward", "max_reward", "length", "video_path", "crashed"}, ...],
+                       "return", "sum_reward", "max_reward", "length", "video_path"}, ...],
       "per_task":    [{"suite", "task_group", "task_id", "task", "n_episodes", "n_successes", "success_rate",
                        "success_rate_ci95", "pc_success", "avg_return", "avg_length", "video_paths",
                        "metrics": {"sum_rewards", "max_rewards", "successes", "video_paths"}}, ...],
@@ -16,7 +16,7 @@ seed``), so the file reads in LeRobot users' tooling. A task group is a suite::
                                   "avg_return", "avg_length", ...LeRobot's keys}},
       "per_group":   the same as per_suite (LeRobot's name),
       "overall":     {"n_episodes", "n_successes", "success_rate", "success_rate_ci95", "avg_return", "avg_length",
-                      "n_crashed", "n_rerun_after_crash", "eval_s", "eval_ep_s", "pc_success", "avg_sum_reward",
+                      "n_rerun_after_crash", "eval_s", "eval_ep_s", "pc_success", "avg_sum_reward",
                       "avg_max_reward", "video_paths"}
     }
 
@@ -48,7 +48,6 @@ class EpisodeResult:
     episode_return: float
     length: int
     video_path: str | None = None
-    crashed: bool = False          # the simulator crashed mid-episode: counted as a failure
     seed: int | None = None        # the seed the episode's simulator was reset with
     max_reward: float | None = None  # the largest single-step reward (LeRobot's max_reward)
     episode_ix: int | None = None  # its index in the evaluation sweep (None: its position in the list)
@@ -97,8 +96,8 @@ def _summary(episodes: list[EpisodeResult]) -> dict:
 
 
 def build_eval_info(episodes: Iterable[EpisodeResult], eval_s: float | None = None, rerun_after_crash: int = 0) -> dict:
-    """``rerun_after_crash``: episodes a simulator crash interrupted that were collected again from their start
-    (the Ray collector's rule); crashed episodes that were not re-run count as failures (``n_crashed``)."""
+    """The report of ``episodes`` (see module docstring); ``rerun_after_crash``: episodes a simulator crash
+    interrupted that the collector ran again from their start."""
     episodes = list(episodes)
     by_task: dict[tuple[str, int], list[EpisodeResult]] = defaultdict(list)
     by_suite: dict[str, list[EpisodeResult]] = defaultdict(list)
@@ -116,8 +115,7 @@ def build_eval_info(episodes: Iterable[EpisodeResult], eval_s: float | None = No
     per_suite = {suite: {**_summary(eps), "n_tasks": len({e.task_id for e in eps}),
                          "video_paths": [e.video_path for e in eps if e.video_path]}
                  for suite, eps in sorted(by_suite.items())}
-    overall = {**_summary(episodes), "n_crashed": sum(e.crashed for e in episodes),
-               "n_rerun_after_crash": int(rerun_after_crash),
+    overall = {**_summary(episodes), "n_rerun_after_crash": int(rerun_after_crash),
                "video_paths": [e.video_path for e in episodes if e.video_path]}
     if eval_s is not None:
         overall["eval_s"] = round(eval_s, 3)

@@ -1,11 +1,23 @@
-"""Evaluation: run a policy over an env's evaluation sweep and report per-task success.
+"""Evaluation: the training collector run over an env's evaluation sweep with evaluation sampling, and
+one report of per-task success.
 
 The sweep is the adapter's ``eval_schedule(cfg)`` (LIBERO: trial k of every task starts from init
 state k, 50 trials per task in the standard protocol) or, for adapters without fixed init states,
-``num_trials_per_task`` seeded episodes per task. Episodes run in batches of ``num_envs`` without
-auto-reset; each episode ends at termination or at the time limit. The first ``num_videos`` episodes
-are recorded (every low-level step, with the info overlay). An episode whose simulator crashed and was
-replaced (``info["restarted"]``) ends there as a failure and is counted in ``n_crashed``.
+``num_trials_per_task`` seeded episodes per task. :func:`run_sweep` runs it in batches of ``num_envs``
+slots on the evaluation env workers of a :class:`~embodirl.workers.groups.WorkerGroups` (in this process
+or Ray actors: the same code), which collect with the training
+:class:`~embodirl.rollout.collector.RolloutCollector` without auto-reset, every episode to termination or
+its time limit, the rollout workers sampling with the evaluation parameters
+(:func:`~embodirl.workers.rollout_worker.sampling_from_config`: greedy with ``runner.eval_greedy``, else
+``rollout.temperature`` / ``rollout.eval_temperature``, ``rollout.top_k``, ``rollout.top_p``).
+:func:`episode_results` turns each batch into :class:`~embodirl.runner.eval_report.EpisodeResult` rows and
+:func:`~embodirl.runner.eval_report.build_eval_info` builds the report. The first ``runner.eval_num_videos``
+episodes are recorded (every low-level step, with the info overlay).
+
+An episode whose simulator crashed and was replaced mid-way (``info["restarted"]``) is collected again
+from its start by the collector, as in training (``n_rerun_after_crash`` in ``eval_info.json``); a
+simulator that keeps crashing ends the evaluation with
+:class:`~embodirl.rollout.collector.RecollectFailed`.
 
 Episode ``j`` of the sweep is reset with seed ``seed + j`` (slot ``i`` of the batch starting at ``j - i``),
 its ``seed`` in ``eval_info.json``. ``runner.eval_episodes=[j, ...]`` runs only those episodes of the sweep,
@@ -16,19 +28,19 @@ full sweep whichever slot it lands in (its record keeps the sweep's seed).
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from omegaconf import DictConfig
 
-from embodirl.envs.registry import get_adapter, make_env
-from embodirl.envs.video import VideoRecorder
+from embodirl import data as D
+from embodirl.envs.registry import get_adapter
 from embodirl.errors import ConfigError
-from embodirl.models.base import Policy, SamplingParams
-from embodirl.rollout.inference import act
+from embodirl.plain import to_plain
+from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
 
 log = logging.getLogger(__name__)
@@ -107,120 +119,84 @@ def eval_schedule(env_cfg: Mapping, num_tasks: int) -> list[tuple[int, int]]:
     return [(int(t), int(k)) for t in tasks for k in trials]
 
 
-class Evaluator:
-    """Runs the evaluation sweep of ``env_cfg`` again and again on one set of simulators.
+def eval_env_cfg(cfg: DictConfig) -> dict:
+    """``env.eval`` as evaluation runs it: ``runner.eval_protocol``'s seeding and ``runner.eval_num_envs``
+    simulators, one episode per slot (no auto-reset), ``runner.eval_episodes_per_task`` trials per task when
+    set, the first ``runner.eval_num_videos`` slots recorded (every slot with ``runner.eval_episodes``)."""
+    r = cfg.runner
+    env_cfg = protocol_env_cfg(to_plain(cfg.env.eval), r.get("eval_protocol"), r.get("eval_num_envs"))
+    env_cfg["auto_reset"] = False
+    if r.eval_episodes_per_task is not None:
+        env_cfg["num_trials_per_task"] = int(r.eval_episodes_per_task)
+    num_videos = min(int(r.eval_num_videos), int(env_cfg["num_envs"]))
+    if check_eval_episodes(r) is not None:               # chosen episodes: every one with its video
+        num_videos = int(env_cfg["num_envs"])
+    env_cfg["video"] = {**(env_cfg.get("video") or {}), "enabled": num_videos > 0, "env_ids": list(range(num_videos))}
+    return env_cfg
 
-    The env batch is built on the first :meth:`run` and kept until :meth:`close`, so periodic
-    evaluation during training does not pay the simulators' start-up (ManiSkill: shader compilation
-    and scene building, seconds per process) every time. Every run replays the same sweep with the
-    same seeds, so successive evaluations measure the same episodes.
-    """
 
-    def __init__(self, env_cfg: Mapping, *, seed: int = 0, episodes_per_task: int | None = None,
-                 num_videos: int = 0, episodes: list[int] | None = None):
-        cfg = copy.deepcopy(dict(env_cfg))
-        cfg["auto_reset"] = False
-        if episodes_per_task is not None:
-            cfg["num_trials_per_task"] = int(episodes_per_task)
-        self.B = int(cfg["num_envs"])
-        self.episodes = episodes              # runner.eval_episodes: these sweep indices only, every one recorded
-        if episodes is not None:
-            num_videos = self.B
-        self.num_videos = min(int(num_videos), self.B)
-        cfg["video"] = {**dict(cfg.get("video") or {}), "enabled": self.num_videos > 0,
-                        "env_ids": list(range(self.num_videos))}
-        self.cfg = cfg
-        self.seed = int(seed)
-        self.env = None
+def run_sweep(groups, cfg: DictConfig, *, out_dir: str | Path, seed: int) -> dict:
+    """The evaluation sweep on ``groups``' evaluation env workers (:meth:`WorkerGroups.evaluate
+    <embodirl.workers.groups.WorkerGroups.evaluate>`: the training collector with the rollout workers'
+    evaluation sampling), in batches of the evaluation env's ``num_envs`` slots; returns the ``eval_info``
+    dict. The first batch's first ``runner.eval_num_videos`` episodes are recorded (with
+    ``runner.eval_episodes``: every chosen episode) straight into ``out_dir/videos``."""
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir).resolve()                    # the workers' cwd may differ
+    env_cfg = eval_env_cfg(cfg)
+    spec = groups.eval_spec()
+    chosen = check_eval_episodes(cfg.runner)
+    schedule = select_episodes(eval_schedule(env_cfg, len(spec.task_descriptions)), chosen)
+    N = int(env_cfg["num_envs"])
+    num_videos = len(env_cfg["video"]["env_ids"])
+    results: list[EpisodeResult] = []
+    reruns = 0
+    for start in range(0, len(schedule), N):
+        part = schedule[start:start + N]
+        padded = part + [part[-1]] * (N - len(part))     # keep every slot busy; extra rows are dropped
+        starts = EpisodeStarts(np.asarray([t for _, t, _ in padded], np.int64),
+                               np.asarray([k for _, _, k in padded], np.int64))
+        video_dir = str(out_dir / "videos") if (start == 0 or chosen) and num_videos else None
+        batch_seed = seed + part[0][0]                   # slot i: seed + episode_ix in the whole sweep
+        # step=None: the files go straight into <out_dir>/videos/ (out_dir is the evaluation's step folder)
+        traj = groups.evaluate(starts, seed=batch_seed, video_dir=video_dir, step=None)
+        # the collector runs an episode a simulator crash cut short again from its start: count them
+        reruns += sum(s.recollected_rows for s in groups.eval_env.last_stats())
+        videos = _videos_by_slot(groups.eval_env.videos if video_dir else [], num_videos, out_dir)
+        results += episode_results(traj, part, spec, videos, seed)
+        log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
+                 np.mean([r.success for r in results]))
+    return build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
 
-    def _env(self):
-        if self.env is None:
-            self.env = make_env(self.cfg, num_envs=self.B, seed=self.seed)
-        return self.env
 
-    def run(self, policy: Policy, *, out_dir: str | Path, step: int = 0, greedy: bool = True,
-            temperature: float = 1.0, max_decisions: int | None = None) -> dict:
-        """One sweep; returns the ``eval_info`` dict (see :mod:`embodirl.runner.eval_report`)."""
-        cfg, B, seed, num_videos = self.cfg, self.B, self.seed, self.num_videos
-        t_start = time.perf_counter()
-        env = self._env()
-        spec = env.spec
-        schedule = select_episodes(eval_schedule(cfg, len(spec.task_descriptions)), self.episodes)
-        H = policy.action_chunk
-        T = max_decisions or -(-spec.max_episode_steps // H)
-        sampling = SamplingParams(greedy=greedy, temperature=temperature)
-        recorder = None
-        if num_videos:
-            env.record_env_ids = list(range(num_videos))
-            # files straight in <out_dir>/videos/: out_dir is already the evaluation's step folder
-            recorder = VideoRecorder.for_env(env, Path(out_dir) / "videos", cfg["video"], step=None)
-        results: list[EpisodeResult] = []
-        for start in range(0, len(schedule), B):
-            part = schedule[start:start + B]
-            n = len(part)
-            padded = part + [part[-1]] * (B - n)             # keep the batch full; extra rows are dropped
-            task_ids = np.asarray([t for _, t, _ in padded], np.int64)
-            init_ids = np.asarray([k for _, _, k in padded], np.int64)
-            batch_seed = seed + part[0][0]                   # slot i: seed + episode_ix in the whole sweep
-            obs, info = env.reset(task_ids=task_ids, init_state_ids=init_ids, seed=batch_seed)
-            if recorder is not None:
-                recorder.on_reset(info)
-            alive = np.ones(B, bool)
-            written: list[Path] = []
-            success = np.zeros(B, bool)
-            crashed = np.zeros(B, bool)
-            ret = np.zeros(B, np.float64)
-            max_reward = np.full(B, -np.inf)
-            length = np.zeros(B, np.int64)
-            for _ in range(T):
-                out = act(policy, obs, spec.task_descriptions, sampling)
-                obs, reward, terminated, truncated, info = env.step(out["action_chunk"])
-                step_rewards = np.asarray(reward, np.float64).reshape(B, -1)           # (B, H)
-                executed = np.arange(step_rewards.shape[1])[None, :] < np.asarray(info["steps"])[:, None]
-                chunk_max = np.where(executed, step_rewards, -np.inf).max(axis=1)      # (B,)
-                ret += np.where(alive, step_rewards.sum(axis=1), 0.0)
-                max_reward = np.where(alive, np.maximum(max_reward, chunk_max), max_reward)
-                length += np.where(alive, np.asarray(info["steps"]), 0)
-                # a simulator replaced mid-episode lost that episode: it ends as a failure, as OFT's
-                # run_libero_eval.py counts an episode whose simulator raised
-                lost = alive & np.asarray(info.get("restarted", np.zeros(B, bool)), bool)
-                crashed |= lost
-                alive &= ~lost
-                success |= alive & np.asarray(info["success"], bool)
-                if recorder is not None:
-                    written += recorder.on_step(reward, terminated, truncated, info)
-                alive &= ~(np.asarray(terminated, bool) | np.asarray(truncated, bool))
-                if not alive.any():
-                    break
-            videos: dict[int, str] = {}
-            if recorder is not None:
-                written += recorder.flush()
-                for path in written:
-                    name = path.name
-                    for i in range(num_videos):
-                        if f"_env{i}_" in name and i not in videos:
-                            videos[i] = str(Path(path).relative_to(out_dir))
-                if self.episodes is None:                    # video only for the first batch (chosen
-                    env.record_env_ids = []                  # episodes: every batch, one recorder, so
-                    recorder = None                          # that file names keep counting)
-            for i in range(n):
-                episode_ix, task_id, init_id = part[i]
-                results.append(EpisodeResult(
-                    suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id], init_state_id=init_id,
-                    success=bool(success[i]), episode_return=float(ret[i]), length=int(length[i]),
-                    video_path=videos.get(i), crashed=bool(crashed[i]), seed=seed + episode_ix,
-                    max_reward=float(max_reward[i]) if np.isfinite(max_reward[i]) else None, episode_ix=episode_ix))
-            log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
-                     np.mean([r.success for r in results]))
-        return build_eval_info(results, eval_s=time.perf_counter() - t_start)
+def _videos_by_slot(paths: list[str], num_videos: int, out_dir: Path) -> dict[int, str]:
+    """Slot -> its episode's video, relative to ``out_dir`` (names hold ``_env<slot>_``)."""
+    videos: dict[int, str] = {}
+    for path in sorted(paths):
+        for i in range(num_videos):
+            if f"_env{i}_" in Path(path).name and i not in videos:
+                videos[i] = str(Path(path).relative_to(out_dir))
+    return videos
 
-    def close(self) -> None:
-        if self.env is not None:
-            self.env.close()
-            self.env = None
 
-    def __enter__(self) -> Evaluator:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def episode_results(traj, part: list[tuple[int, int, int]], spec, videos: Mapping[int, str],
+                    seed: int | None = None) -> list[EpisodeResult]:
+    """One :class:`EpisodeResult` per scheduled ``(episode_ix, task_id, init_state_id)`` from an evaluation
+    trajectory ``[N, T]`` (one episode per row; padding rows beyond ``part`` are dropped). An episode
+    succeeded when ``success`` held at one of its valid decisions; its return sums its valid rewards, its
+    length counts the low-level steps it executed (``executed`` at valid decisions); ``seed``: the sweep's base seed (episode
+    ``j`` is reset with ``seed + j``)."""
+    valid = traj.get(D.VALID)                                                    # (N, T)
+    step_reward = traj.get(D.REWARD)
+    step_reward = step_reward if step_reward.dim() == 3 else step_reward[..., None]  # (N, T, H or 1)
+    success = (traj.get(D.SUCCESS) & valid).any(-1)                              # (N,)
+    length = (traj.get(D.EXECUTED) & valid[..., None]).sum(dim=(1, 2))           # (N,)
+    episode_return = (step_reward.sum(-1) * valid).sum(-1)                       # (N,)
+    # chunk-level rewards: the largest chunk (action-level: step) reward of the episode
+    max_reward = step_reward.masked_fill(~valid[..., None], float("-inf")).amax(dim=(1, 2))   # (N,)
+    return [EpisodeResult(suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id],
+                          init_state_id=init_id, success=bool(success[i]), episode_return=float(episode_return[i]),
+                          length=int(length[i]), video_path=videos.get(i), episode_ix=episode_ix,
+                          seed=None if seed is None else seed + episode_ix,
+                          max_reward=float(max_reward[i]) if bool(valid[i].any()) else None)
+            for i, (episode_ix, task_id, init_id) in enumerate(part)]

@@ -8,8 +8,7 @@ Ray's object store: :mod:`embodirl.workers.stream`, :mod:`embodirl.workers.trans
 as the return value of :meth:`EnvWorker.collect`. Images stay on the env side until then, so the
 per-decision traffic to the rollout worker is one observation batch out and a few KB back.
 
-Besides the trajectory it keeps, per collection, each slot's executed low-level steps
-(:meth:`EnvWorker.episode_lengths`, the lengths evaluation reports) and the videos it wrote.
+Besides the trajectory it keeps, per collection, the videos it wrote.
 
 Its slots are ``slot_offset .. slot_offset + S*B - 1`` of the run (see
 :mod:`embodirl.rollout.starts`); stage ``s`` is built with ``env_offset = slot_offset + s*B``.
@@ -19,8 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-
-import numpy as np
 
 from embodirl.rollout.collector import RolloutCollector
 from embodirl.rollout.starts import EpisodeStarts
@@ -77,7 +74,6 @@ class EnvWorker:
         self._record_ids = [list(getattr(env, "record_env_ids", [])) for env in self.envs]
         self._set_recording(False)
         self.videos: list[str] = []
-        self._lengths = [EpisodeLengths(self.B) for _ in range(self.S)]
 
     @property
     def num_slots(self) -> int:
@@ -142,12 +138,10 @@ class EnvWorker:
             finally:
                 self.client.mode = connected
         recorders = self._recorders(video_dir, step) if video_dir else [None] * self.S
-        self._lengths = [EpisodeLengths(self.B) for _ in range(self.S)]
-        observers = [FanOut(lengths, recorder) for lengths, recorder in zip(self._lengths, recorders)]
         self.videos = []
         shm_before, ray_before = self._batches_sent()
         try:
-            traj = self.collector.collect(starts, seed=seed, observers=observers)
+            traj = self.collector.collect(starts, seed=seed, observers=recorders)
         finally:
             if video_dir:
                 self._set_recording(False)
@@ -162,11 +156,6 @@ class EnvWorker:
         log.debug("env worker slots %d..%d: %d decisions, env %.2fs, waiting %.2fs", self.slot_offset,
                   self.slot_offset + self.num_slots - 1, stats.decisions, stats.env_s, stats.wait_s)
         return pack_trajectory(traj) if packed else traj
-
-    def episode_lengths(self) -> np.ndarray:
-        """int64 ``[S*B]``: low-level steps of each slot's first episode in the last :meth:`collect`
-        (what evaluation reports; a chunk that ends an episode early counts only its executed steps)."""
-        return np.concatenate([lengths.steps for lengths in self._lengths])
 
     def videos_written(self) -> list[str]:
         """Video files the last :meth:`collect` with ``video_dir`` wrote."""
@@ -221,38 +210,3 @@ class EnvWorker:
                 log.debug("closing env failed: %s", exc)
         self.envs = []
 
-
-class EpisodeLengths:
-    """An episode observer counting the low-level steps of each of ``B`` slots' first episode."""
-
-    def __init__(self, num_envs: int):
-        self.steps = np.zeros(num_envs, np.int64)        # (B,)
-        self._running = np.ones(num_envs, bool)          # (B,) first episode not ended yet
-
-    def on_reset(self, info: dict) -> None:
-        pass
-
-    def on_step(self, reward, terminated, truncated, info: dict) -> list:
-        self.steps += np.where(self._running, np.asarray(info["steps"], np.int64), 0)
-        self._running &= ~(np.asarray(terminated, bool) | np.asarray(truncated, bool))
-        return []
-
-    def flush(self) -> list:
-        return []
-
-
-class FanOut:
-    """Several episode observers of one stage seen by the collector as one (None entries skipped)."""
-
-    def __init__(self, *observers):
-        self.observers = [o for o in observers if o is not None]
-
-    def on_reset(self, info: dict) -> None:
-        for observer in self.observers:
-            observer.on_reset(info)
-
-    def on_step(self, reward, terminated, truncated, info: dict) -> list:
-        return [path for o in self.observers for path in (o.on_step(reward, terminated, truncated, info) or [])]
-
-    def flush(self) -> list:
-        return [path for o in self.observers for path in (o.flush() or [])]

@@ -137,7 +137,8 @@ class RolloutWorkerGroup:
             for r in range(num_workers):
                 self.workers.append(self._create(r, weights=None))
             self.infos = self._call_all("info")       # remote: also waits until every worker is built
-            if weight_source is None:
+            if weight_source is None and (remote or policy is None):
+                # (in-process workers acting with the driver's own policy object need no copy of it)
                 self._driver_publisher()
         except BaseException:
             self.close()
@@ -156,6 +157,9 @@ class RolloutWorkerGroup:
         kwargs = dict(backend=self.backend, sampling=self.sampling, weights=weights, process_vars=self.process_vars,
                       policy=self._policy, init_seed=self.init_seed)
         if not self.remote:
+            if self._policy is not None:          # the driver's policy acts where it is
+                param = next(self._policy.parameters(), None)
+                kwargs["device"] = str(param.device) if param is not None else "cpu"
             return RolloutWorker(self.model_cfg, self.env_spec, **kwargs)
         if self.seed is not None:
             kwargs["seed"] = self.seed + r + len(self.generation) * self.generation[r]
@@ -472,10 +476,6 @@ class EnvWorkerGroup:
     def last_stats(self) -> list:
         """Every env worker's :class:`~embodirl.rollout.collector.RolloutStats` of the last collection."""
         return self._call_all("last_stats")
-
-    def episode_lengths(self) -> np.ndarray:
-        """int64 ``[N]``: low-level steps of each slot's first episode in the last collection."""
-        return np.concatenate(self._call_all("episode_lengths"))
 
     def env_worker_pids(self) -> list[int]:
         return [info["pid"] for info in self.infos]

@@ -74,7 +74,7 @@ def test_evaluation_only_groups_load_weights_and_count_executed_steps(compose_cf
         starts = EpisodeStarts(np.array([0, 1]), np.array([0, 0]))
         before = groups.evaluate(starts, seed=3)
         assert before.batch_size == torch.Size([2, 3])
-        assert groups.eval_env.episode_lengths().tolist() == [10, 10]
+        assert (before[D.EXECUTED] & before[D.VALID][..., None]).sum(dim=(1, 2)).tolist() == [10, 10]
         policy = groups.rollout.workers[0].backend.policy
         weights = {k: v + 1.0 for k, v in policy.trainable_state_dict().items()}
         assert groups.load_weights(weights, version=5) == 5
