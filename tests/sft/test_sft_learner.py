@@ -69,3 +69,25 @@ def test_micro_batches_give_the_full_batch_gradient(compose_cfg):
     assert m2["sft/loss"] == pytest.approx(m4["sft/loss"], rel=1e-5)
     for name in w2:
         torch.testing.assert_close(w2[name], w4[name], rtol=1e-4, atol=2e-5)  # one Adam step of lr 3e-3
+
+
+def test_l1_head_option_trains_the_regression_head_and_marks_untrained_tokens(compose_cfg, tmp_path):
+    """sft.l1_head without the token loss (OFT's L1 recipe): the L1 loss falls, the export has the head and
+    records untrained tokens, and token RL from it is refused naming embodirl sft."""
+    from embodirl.errors import ConfigError
+    from embodirl.models.openvla_oft.autoconfig import check_run
+
+    torch.manual_seed(0)
+    cfg = _cfg(compose_cfg, "model.use_l1_regression=true",
+               "model.lora.modules_to_save=[value_head,proprio_projector,action_head]")
+    actors = ActorGroup.local(cfg, SPEC)
+    options = {"micro_batch_size": 4, "token_loss": False, "l1_head": True}
+    history = [actors.sft_train(_batch(), options)["sft/l1_head_loss"] for _ in range(15)]
+    assert history[-1] < 0.85 * history[0], history
+    actors.export(tmp_path / "l1", 8, {TOKENS_TRAINED: False})
+    actors.close()
+    assert list((tmp_path / "l1").glob("action_head--8_checkpoint.pt"))
+    run_cfg = {"model": {"use_l1_regression": None}, "runner": {"only_eval": False}, "algorithm": {"adv_type": "grpo"},
+               "env": {"train": {}, "eval": {}}}
+    with pytest.raises(ConfigError, match="embodirl sft"):
+        check_run(run_cfg, str(tmp_path / "l1"))

@@ -32,8 +32,8 @@ from embodirl.models.processor import LLAMA_BOS_ID, LLAMA_PAD_ID, LLAMA_STOP_ID
 log = logging.getLogger(__name__)
 
 VALUE_TYPES = D.REWARD_TYPES        # one value per chunk or per action
-#: heads that ``lora.modules_to_save`` can make fully trainable (the L1 action head is evaluation-only)
-TRAINABLE_HEADS = ("value_head", "proprio_projector")
+#: heads that ``lora.modules_to_save`` can make fully trainable (the L1 action head: for ``embodirl sft``'s sft.l1_head)
+TRAINABLE_HEADS = ("value_head", "proprio_projector", "action_head")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_IMAGES_IN_INPUT = 2  # agentview + wrist, sharing the towers and the projector (OFT)

@@ -13,7 +13,8 @@ its action distribution: its frozen head cannot rank the bins, see config/model/
 "module to save": a trainable copy is used while adapters are active, the original
 under :meth:`peft.PeftModel.disable_adapter`, so the reference policy for KL is exactly the model as
 loaded. The value head is trained in place instead: the reference policy has no use for values, so a
-frozen copy would only cost memory. All adapters start at zero (B = 0), so a freshly wrapped policy acts
+frozen copy would only cost memory; so is OFT's L1 action head when listed (``embodirl sft``'s
+``sft.l1_head``). All adapters start at zero (B = 0), so a freshly wrapped policy acts
 exactly like the loaded one.
 """
 
@@ -35,6 +36,7 @@ ADAPTER_NAME = "default"
 #: the target_modules value (alone or in a list) for every linear layer on the forward path but the LM head
 ALL_LINEAR = "all-linear"
 VALUE_HEAD = "value_head"
+ACTION_HEAD = "action_head"
 
 
 def _forward_path_prefixes(core: OpenVLAOFT) -> tuple[str, ...]:
@@ -72,13 +74,15 @@ def apply_lora(core: OpenVLAOFT, settings: LoraSettings):
 
     targets = lora_target_names(core, settings.target_modules)
     to_save = [name for name in settings.modules_to_save
-               if name != VALUE_HEAD and getattr(core, name, None) is not None]
+               if name not in (VALUE_HEAD, ACTION_HEAD) and getattr(core, name, None) is not None]
     config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                              target_modules=targets, modules_to_save=to_save or None,
                              init_lora_weights=LORA_INIT, bias="none")
     on_meta = core.projector.fc1.weight.is_meta  # structure only: create the adapters on meta too
     wrapped = peft.get_peft_model(core, config, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=on_meta)
     core.value_head.requires_grad_(VALUE_HEAD in settings.modules_to_save)
+    if core.action_head is not None:  # OFT's L1 head (embodirl sft's sft.l1_head): trained in place, as the value head
+        core.action_head.requires_grad_(ACTION_HEAD in settings.modules_to_save)
     return wrapped
 
 
