@@ -44,6 +44,13 @@ def unnorm_key(cfg: DictConfig, spec) -> str:
     return str(train.get("suite") or train.get("task") or spec.name or "dataset")
 
 
+def learner_options(cfg: DictConfig) -> dict:
+    """The ``sft`` keys as :meth:`~embodirl.learner.learner.Learner.sft_update` takes them."""
+    s = cfg.sft
+    return {"micro_batch_size": int(s.micro_batch_size or s.batch_size), "token_loss": bool(s.token_loss),
+            "stop_token": bool(s.stop_token), "l1_head": bool(s.l1_head)}
+
+
 def _evaluate(cfg: DictConfig, model_dir: Path, out_dir: Path) -> dict:
     """The runner's evaluation of the exported model (``embodirl eval model.path=<model_dir>``)."""
     from embodirl.runner.loop import Runner
@@ -76,8 +83,7 @@ def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
     (out / STATISTICS_FILE).write_text(json.dumps(statistics, indent=2))
     make_batch = BatchMaker(dataset, statistics[key], camera_keys, use_state=dataset.state_key is not None
                             and bool(spec.state_dim), normalization=str(cfg.model.normalization))
-    options = {"micro_batch_size": int(s.micro_batch_size or s.batch_size), "token_loss": bool(s.token_loss),
-               "stop_token": bool(s.stop_token), "l1_head": bool(s.l1_head)}
+    options = learner_options(cfg)
     actors = ActorGroup.local(cfg, spec)
     try:
         actors.set_statistics(statistics)
