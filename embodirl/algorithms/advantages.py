@@ -81,12 +81,12 @@ class AdvantageInputs:
 
 @dataclass(frozen=True)
 class AdvantageParams:
-    """Hyper-parameters read from the ``algorithm`` config node."""
+    """Hyper-parameters read from the ``algorithm`` config node (no defaults here: config/config.yaml holds them)."""
 
-    gamma: float = 1.0
-    gae_lambda: float = 1.0
-    group_size: int = 1
-    norm_adv_by_std_in_grpo: bool = True
+    gamma: float
+    gae_lambda: float
+    group_size: int
+    norm_adv_by_std_in_grpo: bool
 
     @classmethod
     def from_config(cls, algorithm: Mapping) -> AdvantageParams:

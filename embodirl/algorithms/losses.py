@@ -60,18 +60,18 @@ ENTROPY = "entropy"
 class LossParams:
     """Hyper-parameters of the objective, read from the ``algorithm`` config node."""
 
-    logprob_type: str = "token"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = None
-    value_clip: float | None = None
-    huber_delta: float | None = None
-    loss_agg_func: str = aggregation.TOKEN_MEAN
-    entropy_bonus: float = 0.0
-    value_coef: float = 0.5
-    kl_penalty: str = "low_var_kl"
-    use_kl_loss: bool = True
-    use_critic: bool = False
+    logprob_type: str
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None
+    value_clip: float | None
+    huber_delta: float | None
+    loss_agg_func: str
+    entropy_bonus: float
+    value_coef: float
+    kl_penalty: str
+    use_kl_loss: bool
+    use_critic: bool
 
     @classmethod
     def from_config(cls, algorithm: Mapping) -> LossParams:

@@ -47,7 +47,6 @@ import numpy as np
 
 from embodirl.envs.base import ChunkResult, EnvSpec, SimEnv
 from embodirl.envs.maniskill_tasks import asset_prompt_guard, check_assets, instruction, task_spec
-from embodirl.envs.registry import register_adapter
 from embodirl.errors import ConfigError
 from embodirl.runtime import configure
 
@@ -445,33 +444,3 @@ class ManiSkillSimEnv(SimEnv):
 def make_sim_env(cfg: Mapping, seed: int) -> ManiSkillSimEnv:
     """Factory for one sub-process (module-level so that it pickles by reference)."""
     return ManiSkillSimEnv(cfg, seed=seed)
-
-
-# --------------------------------------------------------------------------------------------------
-# the adapter
-# --------------------------------------------------------------------------------------------------
-@register_adapter("maniskill")
-class ManiSkillAdapter:
-    """``adapter: maniskill`` (config/env/_maniskill_base.yaml)."""
-
-    @staticmethod
-    def check_config(cfg: Mapping) -> None:
-        """Unknown task id (with close matches), unsupported obs/reward/control mode or camera (with
-        the choices), a GPU backend without CUDA: :class:`ConfigError`; missing downloadable data:
-        :class:`~embodirl.errors.AssetsMissing` with the command that fetches it."""
-        check_config(cfg)
-
-    @staticmethod
-    def make(cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0):
-        """``num_envs`` ManiSkill scenes; sub-env ``i`` draws random init states with seed
-        ``seed + env_offset + i``."""
-        settings = check_config(cfg)
-        cfg = dict(cfg)
-        if resolve_sim_backend(settings.sim_backend) == GPU_BACKEND:
-            from embodirl.envs.maniskill_gpu import ManiSkillGPUEnv
-
-            return ManiSkillGPUEnv(cfg, num_envs=num_envs, seed=seed + env_offset, env_offset=env_offset)
-        from embodirl.envs.vector import ProcessVectorEnv
-
-        factories = [functools.partial(make_sim_env, cfg, seed + env_offset + i) for i in range(num_envs)]
-        return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset)

@@ -18,7 +18,7 @@ from embodirl.registry import LazyRegistry
 
 ADAPTERS = LazyRegistry("simulator adapter", "env.adapter", {
     "libero": "embodirl.envs.libero",
-    "maniskill": "embodirl.envs.maniskill",
+    "maniskill": "embodirl.envs.maniskill_adapter",
     "toy": "embodirl.envs.toy",
 })
 register_adapter = ADAPTERS.register

@@ -28,8 +28,8 @@ from embodirl.schema.fields import check_fields, required, section
 from embodirl.schema.models import MODEL_SCHEMAS, model_rules, model_schema
 from embodirl.schema.sections import SECTIONS, Actor, Algorithm, Cluster, EnvWorkers, Rollout, Runner
 
-__all__ = ["ENV_SCHEMAS", "MODEL_SCHEMAS", "SCHEMA_NAME", "SECTIONS", "Config", "check", "error", "register", "typed",
-           "unknown_key"]
+__all__ = ["ENV_SCHEMAS", "MODEL_SCHEMAS", "SCHEMA_NAME", "SECTIONS", "Config", "add_section", "check", "check_types",
+           "error", "register", "typed", "unknown_key"]
 
 SCHEMA_NAME = "embodirl_schema"
 
@@ -49,6 +49,16 @@ class Config:
     model: Any = required()
 
 
+#: top-level sections another command adds to config.yaml's (``embodirl sft``'s ``sft``, ``data``): name -> schema
+EXTRA_SECTIONS: dict[str, type] = {}
+
+
+def add_section(name: str, schema: type) -> None:
+    """Type a top-level section that another primary config adds (its dataclass, built with
+    :mod:`embodirl.schema.fields`, may carry ``rules(cfg, ctx)`` too); :func:`check` then checks it when present."""
+    EXTRA_SECTIONS[name] = schema
+
+
 def register() -> None:
     """Store :class:`Config` in Hydra's ConfigStore (idempotent); ``config.yaml`` lists it first."""
     from hydra.core.config_store import ConfigStore
@@ -57,6 +67,8 @@ def register() -> None:
 
 
 _CONVERT = re.compile(r"Value '(.*)' of type '\w+' could not be converted to (\w+)")
+_BOOL = re.compile(r"Value '(.*)' is not a valid bool")
+_LIST = re.compile(r"is not a ListConfig, list or tuple")
 _KINDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
 
 
@@ -91,6 +103,11 @@ def error(exc: OmegaConfBaseException, schema: type | None = None, prefix: str =
     match = _CONVERT.search(first)
     if match:
         return ConfigError(key, f"must be {_KINDS.get(match.group(2), match.group(2).lower())}, got '{match.group(1)}'")
+    match = _BOOL.search(first)
+    if match:
+        return ConfigError(key, f"must be true or false, got '{match.group(1)}'")
+    if _LIST.search(first):
+        return ConfigError(key, "must be a list, e.g. [1, 2]")
     return ConfigError(key, first[0].lower() + first[1:] if first else type(exc).__name__)
 
 
@@ -121,31 +138,37 @@ class Context:
     use_ray: bool
 
 
+def check_types(cfg: DictConfig) -> None:
+    """Steps 1 and 2 of :func:`check`: every key declared and of its type, every value in range and among its
+    choices (no rule between keys, no device placement)."""
+    own = {k: v for k, v in cfg.items() if k not in ("env", "model") and k not in EXTRA_SECTIONS}
+    typed(Config, own | {"env": {}, "model": {}})
+    for name, schema in EXTRA_SECTIONS.items():
+        if name in cfg:
+            typed(schema, cfg[name], name)
+            check_fields(schema, cfg[name], name)
+    if not isinstance(cfg.get("env"), DictConfig | dict) or set(cfg.env.keys()) != {"train", "eval"}:
+        raise ConfigError("env", "must hold exactly train and eval (an env option fills both)")
+    for name, schema in SECTIONS.items():
+        check_fields(schema, cfg[name], name)
+    for group in ("train", "eval"):
+        schema, closed = env_schema(cfg.env[group], f"env.{group}")
+        typed(schema, cfg.env[group], f"env.{group}", closed=closed)
+        check_fields(schema, cfg.env[group], f"env.{group}")
+    model, closed = model_schema(cfg.model)
+    typed(model, cfg.model, "model", closed=closed)
+    check_fields(model, cfg.model, "model")
+
+
 def check(cfg: DictConfig, *, num_devices: int | None = None, accelerator: str | None = None) -> Context:
     """Types, ranges, choices and cross-field rules of a composed config (see the module docstring)."""
     from embodirl.placement import data_parallel_size, placement_from_config, use_ray
 
-    typed(Config, {k: v for k, v in cfg.items() if k not in ("env", "model")} | {"env": {}, "model": {}})
-    if not isinstance(cfg.get("env"), DictConfig | dict) or set(cfg.env.keys()) != {"train", "eval"}:
-        raise ConfigError("env", "must hold exactly train and eval (an env option fills both)")
-    schemas = {}
-    for group in ("train", "eval"):
-        schema, closed = env_schema(cfg.env[group], f"env.{group}")
-        typed(schema, cfg.env[group], f"env.{group}", closed=closed)
-        schemas[f"env.{group}"] = schema
-    model, closed = model_schema(cfg.model)
-    typed(model, cfg.model, "model", closed=closed)
-
-    for name, schema in SECTIONS.items():
-        check_fields(schema, cfg[name], name)
-    for key, schema in schemas.items():
-        check_fields(schema, OmegaConf.select(cfg, key), key)
-    check_fields(model, cfg.model, "model")
-
+    check_types(cfg)
     placement = placement_from_config(cfg.cluster, num_devices, accelerator)
     ctx = Context(placement=placement, dp=data_parallel_size(cfg, placement), use_ray=use_ray(cfg))
-    for schema in SECTIONS.values():
-        rules = getattr(schema, "rules", None)
+    for name, schema in [*SECTIONS.items(), *EXTRA_SECTIONS.items()]:
+        rules = getattr(schema, "rules", None) if name in cfg else None
         if rules is not None:
             rules(cfg, ctx)
     env_rules(cfg)

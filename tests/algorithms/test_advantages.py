@@ -11,6 +11,12 @@ from embodirl import data as D
 from embodirl.algorithms import advantages as A
 
 
+def params(**values) -> A.AdvantageParams:
+    """Advantage parameters for these tests: undiscounted, lambda 1, ungrouped, unless given."""
+    return A.AdvantageParams(**{"gamma": 1.0, "gae_lambda": 1.0, "group_size": 1, "norm_adv_by_std_in_grpo": True,
+                                **values})
+
+
 def random_episodes(N: int, T: int, *, H: int | None = None, seed: int = 0, auto_reset: bool = False):
     """Random rows: each row is an episode that terminates, truncates or runs past the row's end;
     decisions after the end are invalid (with ``auto_reset`` a new episode starts instead)."""
@@ -77,7 +83,7 @@ def test_gae_chunk_level_matches_loop(with_bootstrap, auto_reset):
     bootstrap = bootstrap if with_bootstrap else None
     inp = A.AdvantageInputs(reward=reward, value=value, valid=valid, terminated=term, truncated=trunc,
                             bootstrap_value=bootstrap)
-    adv, ret = A.gae(inp, A.AdvantageParams(gamma=0.9, gae_lambda=0.8))
+    adv, ret = A.gae(inp, params(gamma=0.9, gae_lambda=0.8))
     ref_adv, ref_ret = gae_loop(reward, value, valid, term, trunc, bootstrap, 0.9, 0.8)
     torch.testing.assert_close(adv, ref_adv, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ret, ref_ret, rtol=1e-5, atol=1e-5)
@@ -90,7 +96,7 @@ def test_gae_action_level_unrolls_the_chunk(with_bootstrap):
     bootstrap = bootstrap if with_bootstrap else None
     inp = A.AdvantageInputs(reward=reward, value=value, valid=valid, terminated=term, truncated=trunc,
                             bootstrap_value=bootstrap)
-    adv, ret = A.gae(inp, A.AdvantageParams(gamma=0.95, gae_lambda=0.7))
+    adv, ret = A.gae(inp, params(gamma=0.95, gae_lambda=0.7))
     assert adv.shape == (N, T, H)
     # reference: one step per action; flags act after the chunk's last action
     step_valid = valid[:, :, None].expand(N, T, H).reshape(N, T * H)
@@ -113,14 +119,14 @@ def test_gae_bootstraps_through_truncation_not_termination():
     trunc = torch.tensor([[False, False], [True, False]])
     inp = A.AdvantageInputs(reward=reward, value=value, valid=valid, terminated=term, truncated=trunc,
                             bootstrap_value=torch.tensor([2.0, 2.0]))
-    adv, _ = A.gae(inp, A.AdvantageParams(gamma=0.5, gae_lambda=1.0))
+    adv, _ = A.gae(inp, params(gamma=0.5, gae_lambda=1.0))
     assert adv[0, 0].item() == pytest.approx(1.0 - 0.5)            # terminated: no bootstrap
     assert adv[1, 0].item() == pytest.approx(1.0 + 0.5 * 2.0 - 0.5)  # truncated: bootstrap_value
     assert (adv[:, 1] == 0).all()
     # without extras the next decision's recorded value (the frozen final observation) is used
     inp.bootstrap_value = None
     inp.value = torch.tensor([[0.5, 3.0], [0.5, 3.0]])
-    adv, _ = A.gae(inp, A.AdvantageParams(gamma=0.5, gae_lambda=1.0))
+    adv, _ = A.gae(inp, params(gamma=0.5, gae_lambda=1.0))
     assert adv[0, 0].item() == pytest.approx(0.5)
     assert adv[1, 0].item() == pytest.approx(1.0 + 0.5 * 3.0 - 0.5)
 
@@ -148,7 +154,7 @@ def scores_loop(inp):
 def test_grpo_matches_loop(by_std, H):
     G = 4
     inp = grouped_inputs(G=G, H=H, seed=7)
-    adv, ret = A.grpo(inp, A.AdvantageParams(group_size=G, norm_adv_by_std_in_grpo=by_std))
+    adv, ret = A.grpo(inp, params(group_size=G, norm_adv_by_std_in_grpo=by_std))
     scores = scores_loop(inp)
     N, T = inp.valid.shape
     for n in range(N):
@@ -165,7 +171,7 @@ def test_grpo_matches_loop(by_std, H):
 def test_rloo_matches_loop():
     G = 3
     inp = grouped_inputs(N=9, G=G, seed=11)
-    adv, _ = A.rloo(inp, A.AdvantageParams(group_size=G))
+    adv, _ = A.rloo(inp, params(group_size=G))
     scores = scores_loop(inp)
     for n in range(9):
         members = list(range((n // G) * G, (n // G + 1) * G))
@@ -179,11 +185,11 @@ def test_grouped_estimators_reject_mixed_groups_and_bad_sizes():
     inp = grouped_inputs(N=8, G=4)
     inp.group_id = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
     with pytest.raises(ValueError, match="group_id"):
-        A.grpo(inp, A.AdvantageParams(group_size=4))
+        A.grpo(inp, params(group_size=4))
     with pytest.raises(ValueError, match="multiple"):
-        A.rloo(grouped_inputs(N=8, G=4), A.AdvantageParams(group_size=3))
+        A.rloo(grouped_inputs(N=8, G=4), params(group_size=3))
     with pytest.raises(ValueError, match="group_size >= 2"):
-        A.grpo(grouped_inputs(N=8, G=4), A.AdvantageParams(group_size=1))
+        A.grpo(grouped_inputs(N=8, G=4), params(group_size=1))
 
 
 @pytest.mark.parametrize("H", [None, 2])
@@ -192,7 +198,7 @@ def test_reinforce_plus_plus_matches_loop(H):
     reward, _, valid, term, trunc, _ = random_episodes(N, T, H=H, seed=13, auto_reset=True)
     inp = A.AdvantageInputs(reward=reward, valid=valid, terminated=term, truncated=trunc)
     gamma = 0.9
-    adv, ret = A.reinforce_plus_plus(inp, A.AdvantageParams(gamma=gamma))
+    adv, ret = A.reinforce_plus_plus(inp, params(gamma=gamma))
     # reference: return-to-go along the flat step axis, restarting at episode ends
     flat_r = reward.reshape(N, -1) if H else reward
     h = H or 1
@@ -222,9 +228,9 @@ def test_reinforce_plus_plus_matches_loop(H):
 def test_remax_matches_loop_and_needs_baseline():
     inp = grouped_inputs(N=6, G=2, seed=17)
     with pytest.raises(ValueError, match="baseline"):
-        A.remax(inp, A.AdvantageParams())
+        A.remax(inp, params())
     inp.reward_baseline = torch.randn(6)
-    adv, _ = A.remax(inp, A.AdvantageParams())
+    adv, _ = A.remax(inp, params())
     scores = scores_loop(inp)
     for n in range(6):
         for t in range(inp.valid.shape[1]):

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from embodirl.errors import ConfigError
-from embodirl.models.openvla_oft.autoconfig import check_run
+from embodirl.models.openvla_oft.autoconfig import check_run, configure
 from embodirl.models.openvla_oft.config import build_config
 from embodirl.models.openvla_oft.policy import OpenVLAOFTPolicy, build_policy
 from embodirl.models.openvla_oft.weights import HUB_ID
@@ -38,7 +38,7 @@ def build_openvla_oft(model_cfg: Mapping, env_spec) -> OpenVLAOFTPolicy:
 
 def _check_config(model_cfg: Mapping) -> None:
     """Cheap checks before any worker starts (no weights are built, nothing is downloaded)."""
-    build_config(model_cfg, None)
+    build_config(configure(model_cfg), None)
     for key in ("path", "base_path"):
         value = model_cfg.get(key)
         if value and not Path(value).expanduser().exists() and not HUB_ID.fullmatch(str(value)):

@@ -203,11 +203,10 @@ def _lora(raw: Mapping) -> LoraSettings:
 
 
 def build_config(cfg: Mapping, env_spec=None) -> OFTConfig:
-    """Resolve the model config group (a plain mapping) against ``env_spec`` (None: checks only). A checkpoint
-    in ``path`` first fills the keys it decides (:mod:`.autoconfig`)."""
-    from embodirl.models.openvla_oft.autoconfig import configure
-
-    cfg = configure(cfg)
+    """Resolve the model config group (a plain mapping) against ``env_spec`` (None: checks only). With a
+    checkpoint in ``path``, pass the mapping :func:`.autoconfig.configure` returns (the keys the checkpoint
+    decides filled in); this module does not import the checkpoint readers, which import it."""
+    cfg = dict(cfg)
     def need(key):
         if key not in cfg:
             raise ConfigError(f"model.{key}", "is missing from the model config")

@@ -1,0 +1,40 @@
+"""``adapter: maniskill``: checks a ManiSkill env group and builds its simulators, one process per scene
+(:mod:`embodirl.envs.maniskill`) or one batched GPU scene (:mod:`embodirl.envs.maniskill_gpu`).
+
+Kept apart from both, which it chooses between, so that neither imports the other's chooser.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+from embodirl.envs.maniskill import GPU_BACKEND, check_config, make_sim_env, resolve_sim_backend
+from embodirl.envs.registry import register_adapter
+
+
+@register_adapter("maniskill")
+class ManiSkillAdapter:
+    """``adapter: maniskill`` (config/env/_maniskill_base.yaml)."""
+
+    @staticmethod
+    def check_config(cfg: Mapping) -> None:
+        """Unknown task id (with close matches), unsupported obs/reward/control mode or camera (with
+        the choices), a GPU backend without CUDA: :class:`ConfigError`; missing downloadable data:
+        :class:`~embodirl.errors.AssetsMissing` with the command that fetches it."""
+        check_config(cfg)
+
+    @staticmethod
+    def make(cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0):
+        """``num_envs`` ManiSkill scenes; sub-env ``i`` draws random init states with seed
+        ``seed + env_offset + i``."""
+        settings = check_config(cfg)
+        cfg = dict(cfg)
+        if resolve_sim_backend(settings.sim_backend) == GPU_BACKEND:
+            from embodirl.envs.maniskill_gpu import ManiSkillGPUEnv
+
+            return ManiSkillGPUEnv(cfg, num_envs=num_envs, seed=seed + env_offset, env_offset=env_offset)
+        from embodirl.envs.vector import ProcessVectorEnv
+
+        factories = [functools.partial(make_sim_env, cfg, seed + env_offset + i) for i in range(num_envs)]
+        return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset)
