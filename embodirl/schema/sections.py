@@ -319,11 +319,24 @@ class Actor:
             _fail("actor.global_batch_size", f"the rollout batch env.train.num_envs x rollout.rollout_epoch = "
                                              f"{rollout_batch} trajectories is not divisible by actor.global_batch_size "
                                              f"= {global_bs}")
-        if not cfg.runner.only_eval:  # the learner's own rules (schedule, early stopping)
-            from embodirl.learner.config import LearnerConfig
+        if not cfg.runner.only_eval:  # the rules the learner checks again with its world size
+            learner_rules(actor, cfg.algorithm, dp)
 
-            LearnerConfig.from_config({"algorithm": OmegaConf.to_container(cfg.algorithm, resolve=True),
-                                       "actor": OmegaConf.to_container(actor, resolve=True)}).check(dp)
+
+def learner_rules(actor, algorithm, world_size: int) -> None:
+    """The actor rules that need only ``actor``, ``algorithm`` and the learner's world size (the learner runs
+    them itself, :meth:`embodirl.learner.config.LearnerConfig.check`)."""
+    global_bs = int(actor["global_batch_size"])
+    if global_bs % world_size:
+        _fail("actor.global_batch_size", f"{global_bs} trajectories do not split evenly over {world_size} learner "
+                                         "ranks")
+    optim = actor["optim"]
+    if optim["lr_schedule"] != "constant" and optim["lr_decay_steps"] is None:
+        _fail("actor.optim.lr_decay_steps", f"the {optim['lr_schedule']} schedule needs a positive number of training "
+                                            "steps (default runner.max_steps), got None")
+    if actor["fsdp"]["full_finetune"] and float(algorithm["kl_beta"]) > 0:
+        _fail("actor.fsdp.full_finetune", "the KL reference is the adapter-disabled base model, which full "
+                                          "fine-tuning changes; set algorithm.kl_beta=0")
 
 
 # --- cluster -----------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ def test_optimizer_step_without_valid_decisions_is_skipped():
     """After a real step (Adam has momentum, weight decay is on), a step whose every group is filtered
     leaves the weights and the optimizer untouched."""
     policy = TinyTokenPolicy()
-    cfg = learner_cfg(grpo(filter_groups={"enable": True, "min_success": 0.0, "max_success": 1.0}),
+    cfg = learner_cfg(grpo(**{"filter_groups.enable": True, "filter_groups.min_success": 0.0,
+                                "filter_groups.max_success": 1.0}),
                       {"optim.weight_decay": 0.1})
     learner = Learner(policy, cfg, task_table=TASKS)
     mixed = token_batch(policy=policy)
