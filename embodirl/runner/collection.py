@@ -1,4 +1,4 @@
-"""What a training step's collection adds around the back-end's rollouts: ReMax's greedy baseline and
+"""What a training step's collection adds around the workers' rollouts: ReMax's greedy baseline and
 re-sampled group filtering.
 
 * :func:`remax_baseline` - ReMax (Li et al. 2024) as verl runs it (``verl/trainer/ppo/ray_trainer.py``,
@@ -44,11 +44,11 @@ def episode_returns(batch) -> torch.Tensor:
     return (reward * batch.get(D.VALID)).sum(-1).float()
 
 
-def remax_baseline(backend, batch, *, seed: int):
+def remax_baseline(rollouts, batch, *, seed: int):
     """``batch`` with ``extras.reward_baseline``: the return of a greedy rollout from each row's start
     (same simulator seed). Returns ``(batch, seconds)``."""
     t0 = time.perf_counter()
-    greedy = backend.collect(episode_starts(batch), seed=seed, greedy=True)
+    greedy = rollouts.collect(episode_starts(batch), seed=seed, greedy=True)
     return D.set_extra(batch, REWARD_BASELINE, episode_returns(greedy)), time.perf_counter() - t0
 
 

@@ -1,12 +1,11 @@
 """The single-controller loop: ``collect -> advantages -> update -> sync weights``, each timed, with
 evaluation, checkpoints and logging around it.
 
-Rollouts come from a collection back-end (:mod:`embodirl.runner.backends`, chosen by
-``cluster.use_ray``): in this process (env batches in simulator sub-processes; pipeline stages overlap
-through a background inference thread), or Ray env and rollout worker groups with the shared-memory
-observation channel. The learner is an :class:`~embodirl.workers.actor_group.ActorGroup` the back-end
-makes: one rank in this process (the default job), or N FSDP2 ranks as Ray actors. The loop is the
-same for both.
+Rollouts come from :class:`~embodirl.runner.rollouts.Rollouts`: env workers and rollout workers, in this
+process (the default job: simulators in sub-processes, pipeline stages overlapping through a background
+inference thread) or as Ray actors with the shared-memory observation channel (``cluster.use_ray``), the
+same classes either way. The learner is an :class:`~embodirl.workers.actor_group.ActorGroup` it makes:
+one rank in this process (whose module the rollout worker acts with), or N FSDP2 ranks as Ray actors.
 
 One step::
 
@@ -14,7 +13,7 @@ One step::
     batch    = actors.with_ref_logprob(batch)   # only with a KL term (reference forward on the ranks)
     prepared = prepare_batch(batch)             # driver: KL penalty, group filter, advantages (whole batch)
     metrics  = actors.train(prepared)           # every rank its shard of whole groups: replay + update epochs
-    backend.receive_weights(actors.publish())   # rank 0 posts the changed tensors; rollout workers read them
+    rollouts.receive_weights(actors.publish())   # rank 0 posts the changed tensors; rollout workers read them
 
 Every ``runner.train_video_interval`` steps the first rollout of the step is recorded to
 ``videos/train/step_<n>/`` (the envs of ``env.train.video.env_ids``).
@@ -46,10 +45,10 @@ from embodirl.learner.learner import prepare_batch
 from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import plan_starts
 from embodirl.runner import checkpoint as ckpt
-from embodirl.runner.backends import open_backend
 from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.eval_report import plot_learning_curve, plot_success, print_table, write_eval_info
 from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
+from embodirl.runner.rollouts import Rollouts
 
 log = logging.getLogger(__name__)
 #: evaluation videos per evaluation sent to TensorBoard / wandb (all of them stay on disk)
@@ -113,8 +112,8 @@ class Runner:
                              wandb_mode=lc.wandb_mode, project=lc.project, run_name=self.cfg.runner.experiment_name,
                              config=OmegaConf.to_container(self.cfg), resume_step=resume_step)
 
-    def _evaluate(self, backend, step: int, out_dir: Path) -> dict:
-        info = backend.evaluate(step=step, out_dir=out_dir, seed=self.seed + 7919)
+    def _evaluate(self, rollouts, step: int, out_dir: Path) -> dict:
+        info = rollouts.evaluate(step=step, out_dir=out_dir, seed=self.seed + 7919)
         write_eval_info(info, out_dir)
         plot_success(info, out_dir / "eval_success.png")
         return info
@@ -129,12 +128,12 @@ class Runner:
                 self.cfg.runner.resume_dir = ckpt.DISABLE
         self._write_config()
         seed_everything(self.seed)
-        with open_backend(self.cfg, train=False) as backend:
+        with Rollouts(self.cfg, train=False) as rollouts:
             source = self._resume_source()
             if source is not None:
-                self._load_policy_weights(backend.policy, source)
-                backend.load_weights(backend.policy.trainable_state_dict(), version=0)
-            info = self._evaluate(backend, step=ckpt.checkpoint_step(source) if source else 0, out_dir=self.out)
+                self._load_policy_weights(rollouts.policy, source)
+                rollouts.load_weights(rollouts.policy.trainable_state_dict(), version=0)
+            info = self._evaluate(rollouts, step=ckpt.checkpoint_step(source) if source else 0, out_dir=self.out)
         print_table(info)
         print(f"eval_info: {self.out / 'eval_info.json'}")
         return info
@@ -148,9 +147,9 @@ class Runner:
         r = self.cfg.runner
         return ckpt.resume_source(r.resume_dir, r.resume_mode, self.out)
 
-    def _write_placement(self, backend, actors) -> None:
+    def _write_placement(self, rollouts, actors) -> None:
         """``placement.json``: where every worker landed (component, rank, pid, Ray node)."""
-        groups = getattr(backend, "groups", None)
+        groups = rollouts.groups
         plan = groups._placement[0] if groups is not None and groups._placement is not None else None
 
         def slot(component: str, rank: int):
@@ -203,8 +202,8 @@ class Runner:
         for attempt in range(restarts + 1):
             seed_everything(self.seed)
             try:
-                with open_backend(self.cfg) as backend:
-                    self._train(backend)
+                with Rollouts(self.cfg) as rollouts:
+                    self._train(rollouts)
                 return
             except ActorRankDied as exc:
                 latest = ckpt.latest_checkpoint(self.out)
@@ -218,9 +217,9 @@ class Runner:
                 self._t_start = time.perf_counter()     # the checkpoint brings the minutes before it
                 self._restart_source = latest if latest is not None else self._resume_source()
 
-    def _train(self, backend) -> None:
+    def _train(self, rollouts) -> None:
         cfg, r = self.cfg, self.cfg.runner
-        actors = backend.make_actors()
+        actors = rollouts.make_actors()
         starts_rng = np.random.default_rng(self.seed)
         start_step, env_steps = 0, 0.0
         kl_coef = KLController.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True)).value
@@ -234,12 +233,12 @@ class Runner:
             self._elapsed_offset = float(runner_state.get("elapsed_min", 0.0))
             kl_coef = float(runner_state.get("kl_coef", kl_coef))
             ckpt.load_rng(source / "runner")
-            backend.set_rng_states(ckpt.load_worker_rng(source / "runner"))
+            rollouts.set_rng_states(ckpt.load_worker_rng(source / "runner"))
             log.info("resumed from %s (step %d)", source, start_step)
         # the acting policy starts from the learner's weights and version (restored ones after a resume)
-        backend.receive_weights(actors.publish(full=True, consumer_nodes=backend.consumer_nodes(),
-                                               consumer_gpus=backend.consumer_gpus()))
-        self._write_placement(backend, actors)
+        rollouts.receive_weights(actors.publish(full=True, consumer_nodes=rollouts.consumer_nodes(),
+                                                consumer_gpus=rollouts.consumer_gpus()))
+        self._write_placement(rollouts, actors)
         logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
         logger.log_hparams(OmegaConf.to_container(cfg, resolve=True))
         H = int(cfg.model.action_chunk)
@@ -253,11 +252,11 @@ class Runner:
             progress = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", leave=False)
         try:
             if r.val_before_train and start_step == 0:
-                self._log_eval(logger, backend, 0)
+                self._log_eval(logger, rollouts, 0)
             for step in range(start_step + 1, max_steps + 1):
                 timings: dict[str, float] = {}
                 t0 = time.perf_counter()
-                batch, stats = self._collect(backend, step, starts_rng)
+                batch, stats = self._collect(rollouts, step, starts_rng)
                 timings["time/collect"] = time.perf_counter() - t0 - stats.baseline_s
                 if stats.baseline_s:
                     timings["time/baseline_rollout"] = stats.baseline_s   # ReMax's greedy rollouts
@@ -282,8 +281,8 @@ class Runner:
                 timings["time/update"] = time.perf_counter() - t1
                 # sync weights: the tensors this update changed go from rank 0 to the acting policy
                 t2 = time.perf_counter()
-                sync_metrics = backend.receive_weights(actors.publish(consumer_nodes=backend.consumer_nodes(),
-                                                                      consumer_gpus=backend.consumer_gpus()))
+                sync_metrics = rollouts.receive_weights(actors.publish(consumer_nodes=rollouts.consumer_nodes(),
+                                                                       consumer_gpus=rollouts.consumer_gpus()))
                 if offload:   # collocated: the actor's state waits in host memory while the rollout runs
                     actors.offload()
                 timings["time/sync_weights"] = time.perf_counter() - t2
@@ -299,15 +298,15 @@ class Runner:
                 if progress is not None:
                     progress.update(1)
                 if r.val_check_interval and step % int(r.val_check_interval) == 0:
-                    self._log_eval(logger, backend, step)
+                    self._log_eval(logger, rollouts, step)
                 if r.save_interval and (step % int(r.save_interval) == 0 or step == max_steps):
-                    self._save(step, actors, starts_rng, env_steps, backend=backend, kl_coef=kl_coef)
+                    self._save(step, actors, starts_rng, env_steps, rollouts=rollouts, kl_coef=kl_coef)
         finally:
             if progress is not None:
                 progress.close()
             logger.close()
 
-    def _collect(self, backend, step: int, starts_rng: np.random.Generator) -> tuple:
+    def _collect(self, rollouts, step: int, starts_rng: np.random.Generator) -> tuple:
         """``rollout.rollout_epoch`` rollouts -> one batch ``[N, T]`` and their summed timings; the first
         is recorded when this step is a training-video step."""
         cfg = self.cfg
@@ -317,16 +316,16 @@ class Runner:
         batches, stats = [], RolloutStats()
         # algorithm.filter_groups.resample: draw rollouts until the step has a full batch of informative groups
         keeper = InformativeGroups.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True),
-                                               num_slots=backend.num_slots, rollout_epoch=int(cfg.rollout.rollout_epoch))
+                                               num_slots=rollouts.num_slots, rollout_epoch=int(cfg.rollout.rollout_epoch))
         epoch = 0
         while keeper is not None or epoch < int(cfg.rollout.rollout_epoch):
-            starts = plan_starts(env_cfg, backend.spec, backend.num_slots, int(cfg.algorithm.group_size), starts_rng)
+            starts = plan_starts(env_cfg, rollouts.spec, rollouts.num_slots, int(cfg.algorithm.group_size), starts_rng)
             seed = self.seed + 1_000_003 * step + 7_919 * epoch
-            batch = backend.collect(starts, seed=seed, video_dir=video_dir if epoch == 0 else None, step=step)
+            batch = rollouts.collect(starts, seed=seed, video_dir=video_dir if epoch == 0 else None, step=step)
             for key in ("env_s", "infer_s", "wait_s", "recollected_rows", "shm_batches", "object_store_batches"):
-                setattr(stats, key, getattr(stats, key) + getattr(backend.stats, key))
+                setattr(stats, key, getattr(stats, key) + getattr(rollouts.stats, key))
             if cfg.algorithm.adv_type == "remax":   # the greedy rollout from the same starts: its own phase
-                batch, seconds = remax_baseline(backend, batch, seed=seed)
+                batch, seconds = remax_baseline(rollouts, batch, seed=seed)
                 stats.baseline_s += seconds
             epoch += 1
             if keeper is None:
@@ -337,9 +336,9 @@ class Runner:
                 break
         return (D.concat(batches) if len(batches) > 1 else batches[0]), stats
 
-    def _log_eval(self, logger: MetricsLogger, backend, step: int) -> None:
+    def _log_eval(self, logger: MetricsLogger, rollouts, step: int) -> None:
         out_dir = self.out / "eval" / step_folder(step)            # step_<n>, as checkpoints/step_<n>
-        info = self._evaluate(backend, step, out_dir)
+        info = self._evaluate(rollouts, step, out_dir)
         o = info["overall"]
         elapsed = self._elapsed_min()
         low, high = o["success_rate_ci95"]
@@ -371,11 +370,11 @@ class Runner:
         return self._elapsed_offset + (time.perf_counter() - self._t_start) / 60.0
 
     def _save(self, step: int, actors, starts_rng: np.random.Generator, env_steps: float = 0.0, *,
-              backend=None, kl_coef: float = 0.0) -> Path:
+              rollouts=None, kl_coef: float = 0.0) -> Path:
         """Checkpoint ``step_<step>`` in the layout of :mod:`embodirl.runner.checkpoint`: the learner
-        ranks write their shards and rank 0 the policy export (``backend``: where remote rollout workers'
+        ranks write their shards and rank 0 the policy export (``rollouts``: where Ray rollout workers'
         RNG states come from)."""
-        worker_rng = None if backend is None else backend.rng_states()
+        worker_rng = None if rollouts is None else rollouts.rng_states()
 
         def write_policy(folder: Path) -> None:
             """Written with the learner state below (one call to the ranks)."""

@@ -89,6 +89,16 @@ class EnvWorker:
         return True
 
     # --- wiring ------------------------------------------------------------------------------------
+    def connect(self, rollout_worker, *, same_node: bool = True, mode: str = "train") -> None:
+        """Serve decisions from ``rollout_worker``: an object in this process (:meth:`connect_local`) or a
+        Ray actor (:meth:`connect_remote`), whichever the worker groups hand over."""
+        from embodirl.workers.rollout_worker import RolloutWorker
+
+        if isinstance(rollout_worker, RolloutWorker):
+            self.connect_local(rollout_worker, mode=mode)
+        else:
+            self.connect_remote(rollout_worker, same_node=same_node, mode=mode)
+
     def connect_local(self, rollout_worker, *, mode: str = "train", background: bool | None = None) -> None:
         """Serve decisions from a rollout worker object in this process (``background``: on a thread,
         so that stages overlap; default when S > 1)."""

@@ -1,27 +1,27 @@
-"""Env and rollout worker groups: creation, placement, collection, weight sync and fault recovery.
+"""Env and rollout worker groups: creation, collection, weight sync, evaluation.
 
 :class:`WorkerGroups` is what the runner talks to::
 
-    groups = WorkerGroups.from_config(cfg)                  # Ray actors (or remote=False: in-process)
+    groups = WorkerGroups.from_config(cfg)                  # Ray actors (or remote=False: in this process)
     groups.load_weights(learner_all_tensors, version)       # start (or resume) from the learner's weights
     traj = groups.collect()                                 # Trajectory [N, T], N = env.train.num_envs
     groups.sync_weights(learner_changed_tensors, version)   # after each update
     groups.close()
 
-Layout (``K = env_workers.num_workers``, ``S = rollout.pipeline_stage_num``, ``R =
-rollout.num_workers``): env worker ``k`` holds S stages of ``B = N / (K*S)`` simulators, i.e. slots
-``k*S*B .. (k+1)*S*B - 1``, and is served by rollout worker ``k % R``. Each env worker runs the whole
-rollout loop itself (:class:`~embodirl.workers.env_worker.EnvWorker`), so the driver issues one call
-per env worker and concatenates the returned trajectories in slot order.
+The same :class:`~embodirl.workers.env_worker.EnvWorker` and
+:class:`~embodirl.workers.rollout_worker.RolloutWorker` classes run in both cases; each group holds its
+workers in a :class:`~embodirl.workers.worker_set.WorkerSet`, the one place that tells an object in this
+process from a Ray actor. The slot layout is :mod:`embodirl.workers.layout`'s: each env worker runs the
+whole rollout loop itself, so the driver issues one call per env worker and concatenates the returned
+trajectories in slot order.
 
-Faults (remote mode):
+Faults (Ray actors; :mod:`embodirl.workers.recovery`):
 
-* an env worker that dies (its process killed) is replaced by a new actor with the same arguments and
+* an env worker that dies (its process killed) is replaced by a new one with the same arguments and
   placement; its shared memory is swept, and its slots are collected again from the same episode
   starts (GRPO groups stay intact); the event is logged and kept in :attr:`WorkerGroups.events`;
-* a rollout worker that dies is restarted with the last published weights (a full update from the
-  :class:`~embodirl.workers.weight_sync.WeightPublisher`), the env workers it served reconnect, and
-  their slots are collected again.
+* a rollout worker that dies is restarted with the last published weights, the env workers it served
+  reconnect, and their slots are collected again.
 
 Collocated placement (a component sharing devices with another): with ``rollout.enable_offload`` the
 rollout workers offload their weights after collection and load them back before the next one;
@@ -31,10 +31,7 @@ rollout workers offload their weights after collection and load them back before
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -42,75 +39,38 @@ from omegaconf import DictConfig, OmegaConf
 from embodirl import data as D
 from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
 from embodirl.channel import segments
-from embodirl.errors import ConfigError
 from embodirl.plain import to_plain
-from embodirl.rollout.records import decisions_per_episode
 from embodirl.rollout.starts import EpisodeStarts, plan_starts
-from embodirl.workers import process_env
+from embodirl.workers import process_env, recovery
 from embodirl.workers.env_worker import EnvWorker
+from embodirl.workers.layout import RolloutLayout, layout_from_config, plan_from_config
 from embodirl.workers.rollout_worker import EVAL, TRAIN, RolloutWorker, sampling_from_config
-from embodirl.workers.transport import RolloutWorkerDied, unpack_trajectory
+from embodirl.workers.transport import unpack_trajectory
 from embodirl.workers.weight_sync import WeightPublisher
+from embodirl.workers.worker_set import WorkerSet
+
+__all__ = ["EnvWorkerGroup", "RolloutLayout", "RolloutWorkerGroup", "WorkerGroups", "layout_from_config",
+           "plan_from_config"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_FAULTS = 8   # worker replacements tolerated within one collect() before giving up
 EVAL_SEED_OFFSET = 10_000  # evaluation simulators are seeded apart from training ones
 
 
-class TooManyFaults(RuntimeError):
-    """Workers kept dying during one collection."""
+def _placement_options(placement, component: str, offset: int = 0):
+    """``WorkerSet`` options for worker ``k`` of ``component`` under ``placement`` ((plan, groups) or None)."""
+    if placement is None:
+        return None
+    from embodirl.workers.placement_groups import actor_options
 
-
-@dataclass(frozen=True)
-class RolloutLayout:
-    """How N env slots split over K env workers x S stages x B simulators, served by R rollout
-    workers, for T decisions."""
-
-    num_env_workers: int      # K
-    num_stages: int           # S
-    envs_per_stage: int       # B
-    num_rollout_workers: int  # R
-    num_decisions: int        # T
-    group_size: int = 1       # G
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_env_workers * self.num_stages * self.envs_per_stage
-
-    @property
-    def slots_per_worker(self) -> int:
-        return self.num_stages * self.envs_per_stage
-
-    def rollout_worker_of(self, k: int) -> int:
-        return k % self.num_rollout_workers
-
-
-def layout_from_config(cfg: DictConfig, env_key: str = "env.train") -> RolloutLayout:
-    """The layout a composed config asks for (``env_key``: ``env.train`` or ``env.eval``).
-
-    Evaluation gets its own env workers: as many as training has when they divide ``env.eval.num_envs``
-    (else one), without pipelining, each episode run to its time limit (``rollout.max_decisions`` is a
-    training horizon)."""
-    env_cfg = OmegaConf.select(cfg, env_key)
-    N = int(env_cfg.num_envs)
-    K, S = int(cfg.env_workers.num_workers), int(cfg.rollout.pipeline_stage_num)
-    if env_key != "env.train":
-        S = 1
-        K = K if N % K == 0 else 1
-    if N % (K * S):
-        raise ConfigError(f"{env_key}.num_envs", f"{N} envs cannot be split over env_workers.num_workers x "
-                                                 f"rollout.pipeline_stage_num = {K} x {S}")
-    if env_key == "env.train":
-        T = decisions_per_episode(cfg, env_key)
-    else:
-        T = math.ceil(int(env_cfg.max_episode_steps) / int(cfg.model.action_chunk))
-    G = int(cfg.algorithm.group_size) if env_key == "env.train" else 1
-    return RolloutLayout(K, S, N // (K * S), int(cfg.rollout.num_workers), T, G)
+    plan, groups = placement
+    return lambda k: actor_options(plan, groups, component, offset + k)
 
 
 class RolloutWorkerGroup:
-    """R rollout workers (objects in-process, or Ray actors)."""
+    """R rollout workers. In this process a worker given the driver's ``policy`` acts with that very
+    object (no copy, no weight transfer: the learner's updates are its weights) on its device, and samples
+    with the driver's generators; a Ray worker gets a copy and seeds its own (``seed + r + R*restarts``)."""
 
     def __init__(self, model_cfg: Mapping, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
                  remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
@@ -119,11 +79,9 @@ class RolloutWorkerGroup:
         self.env_spec = env_spec
         self.backend = backend
         self.sampling = dict(sampling)
-        self.remote = remote
-        self.placement = placement       # (plan, groups) or None
         self.process_vars = dict(process_vars or {})
-        self._policy = policy            # an existing policy object instead of building one (pickled to actors)
-        self.seed = seed                 # remote workers: worker r (restart g) samples from seed + r + R*g
+        self._policy = policy            # an existing policy object instead of building one
+        self.seed = seed
         self.init_seed = init_seed       # seeded policy initialisation (the actor ranks use the same)
         self.publisher: WeightPublisher | None = None
         #: where a restarted worker's weights come from when an actor group publishes: a callable
@@ -132,17 +90,21 @@ class RolloutWorkerGroup:
         self._version = 0                # the last version received from the actor group
         self.sync_paths: dict[str, int] = {}   # how the last publication reached the workers
         self.generation = [0] * num_workers   # bumped at every restart of worker r
-        self.workers = []
+        self.workers = WorkerSet(RolloutWorker, remote=remote, options_for=_placement_options(placement, "rollout"))
+        self.shares_policy = policy is not None and not remote
         try:
             for r in range(num_workers):
-                self.workers.append(self._create(r, weights=None))
-            self.infos = self._call_all("info")       # remote: also waits until every worker is built
-            if weight_source is None and (remote or policy is None):
-                # (in-process workers acting with the driver's own policy object need no copy of it)
+                self._start(r, weights=None)
+            self.infos = self.workers.call_all("info")    # remote: also waits until every worker is built
+            if weight_source is None and not self.shares_policy:
                 self._driver_publisher()
         except BaseException:
             self.close()
             raise
+
+    @property
+    def remote(self) -> bool:
+        return self.workers.remote
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -150,43 +112,18 @@ class RolloutWorkerGroup:
     def _driver_publisher(self) -> WeightPublisher:
         if self.publisher is None:
             # what a restarted worker loads when nothing was published yet: worker 0's start weights
-            self.publisher = WeightPublisher(self._call(0, "trainable_state_dict"))
+            self.publisher = WeightPublisher(self.workers.call(0, "trainable_state_dict"))
         return self.publisher
 
-    def _create(self, r: int, weights):
+    def _start(self, r: int, weights) -> None:
         kwargs = dict(backend=self.backend, sampling=self.sampling, weights=weights, process_vars=self.process_vars,
                       policy=self._policy, init_seed=self.init_seed)
-        if not self.remote:
-            if self._policy is not None:          # the driver's policy acts where it is
-                param = next(self._policy.parameters(), None)
-                kwargs["device"] = str(param.device) if param is not None else "cpu"
-            return RolloutWorker(self.model_cfg, self.env_spec, **kwargs)
-        if self.seed is not None:
+        if self.shares_policy:           # the driver's policy acts where it is
+            param = next(self._policy.parameters(), None)
+            kwargs["device"] = str(param.device) if param is not None else "cpu"
+        elif self.seed is not None and self.remote:
             kwargs["seed"] = self.seed + r + len(self.generation) * self.generation[r]
-        import ray
-
-        options = {"max_restarts": 0}
-        if self.placement is not None:
-            from embodirl.workers.placement_groups import actor_options
-
-            plan, groups = self.placement
-            options.update(actor_options(plan, groups, "rollout", r))
-        return ray.remote(RolloutWorker).options(**options).remote(self.model_cfg, self.env_spec, **kwargs)
-
-    def _call(self, r: int, method: str, *args, **kwargs):
-        worker = self.workers[r]
-        if not self.remote:
-            return getattr(worker, method)(*args, **kwargs)
-        import ray
-
-        return ray.get(getattr(worker, method).remote(*args, **kwargs))
-
-    def _call_all(self, method: str, *args, **kwargs) -> list:
-        if not self.remote:
-            return [getattr(w, method)(*args, **kwargs) for w in self.workers]
-        import ray
-
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        self.workers.start(r, self.model_cfg, self.env_spec, **kwargs)
 
     # --- weights -----------------------------------------------------------------------------------
     def sync_weights(self, tensors: Mapping, version: int | None = None) -> int:
@@ -200,45 +137,42 @@ class RolloutWorkerGroup:
 
     def receive_weights(self, handle) -> int:
         """Every worker applies the actor group's publication ``handle`` (it reads the tensors itself:
-        shared memory on rank 0's node, the object store elsewhere); returns the version."""
-        answers = self._call_all("receive_weights", handle)
+        shared memory on rank 0's node, the object store elsewhere; a worker sharing the learner's module
+        gets the version only, an int); returns the version."""
+        answers = self.workers.call_all("receive_weights", handle)
+        version = int(handle) if isinstance(handle, int) else handle.version
         versions = [v for v, _ in answers]
-        if any(v != handle.version for v in versions):
-            raise RuntimeError(f"rollout workers hold weight versions {versions} after publishing v{handle.version}")
+        if any(v != version for v in versions):
+            raise RuntimeError(f"rollout workers hold weight versions {versions} after publishing v{version}")
         self.sync_paths = {}
         for _, path in answers:
             self.sync_paths[path] = self.sync_paths.get(path, 0) + 1
-        self._version = handle.version
-        return handle.version
+        self._version = version
+        return version
 
     def consumer_nodes(self) -> list:
         return sorted({info.get("node_id") for info in self.infos}, key=str)
 
     def _send(self, update) -> int:
-        if self.remote:
-            import ray
-
-            ref = ray.put(update)   # one copy in the object store for all workers
-            versions = ray.get([w.update_weights.remote(ref) for w in self.workers])
-        else:
-            versions = [w.update_weights(update) for w in self.workers]
+        shared = self.workers.share(update)    # one copy in the object store for all workers
+        versions = self.workers.call_all("update_weights", shared)
         if any(v != update.version for v in versions):
             raise RuntimeError(f"rollout workers hold weight versions {versions} after publishing v{update.version}")
         return update.version
 
     @property
     def version(self) -> int:
-        if self.weight_source is not None:
+        if self.weight_source is not None or self.publisher is None:
             return self._version
-        return self._driver_publisher().version
+        return self.publisher.version
 
     def weight_versions(self) -> list[int]:
-        return self._call_all("weight_version")
+        return self.workers.call_all("weight_version")
 
     def rng_states(self) -> list[dict] | None:
-        """Each remote worker's generator states (it samples actions in its own process); None
-        in-process, where the workers use the driver's generators."""
-        return self._call_all("rng_state") if self.remote else None
+        """Each Ray worker's generator states (it samples actions in its own process); None when the
+        workers sample with the driver's generators (saved with the driver's state)."""
+        return self.workers.call_all("rng_state") if self.remote else None
 
     def set_rng_states(self, states: list[dict] | None) -> None:
         """Restore :meth:`rng_states` (a resumed run); skipped with a warning when the number of
@@ -249,66 +183,39 @@ class RolloutWorkerGroup:
             log.warning("the checkpoint holds RNG states of %d rollout workers, this run has %d: their action "
                         "sampling is reseeded", len(states), len(self.workers))
             return
-        import ray
-
-        ray.get([w.set_rng_state.remote(state) for w, state in zip(self.workers, states)])
+        self.workers.call_each("set_rng_state", states)
 
     # --- faults and lifecycle ------------------------------------------------------------------------
     def restart(self, r: int, cause: str = "") -> None:
         """Replace worker ``r`` by a new one holding the last published weights."""
-        old = self.workers[r]
-        if self.remote:
-            import ray
-
-            try:
-                ray.kill(old, no_restart=True)
-            except Exception:
-                pass
+        self.workers.kill(r)
         log.warning("rollout worker %d died%s; restarting it with weights v%d", r, f" ({cause})" if cause else "",
                     self.version)
         self.generation[r] += 1
         from_actors = self.weight_source is not None
-        self.workers[r] = self._create(r, weights=None if from_actors else self._driver_publisher().full_update())
-        if self.remote:
-            import ray
-
-            ray.get(self.workers[r].ready.remote())
-        self.infos[r] = self._call(r, "info")
+        self._start(r, weights=None if from_actors else self._driver_publisher().full_update())
+        self.infos[r] = self.workers.call(r, "info")
         if from_actors:
-            self._call(r, "receive_weights", self.weight_source())
+            self.workers.call(r, "receive_weights", self.weight_source())
 
     def forget_channels(self, prefix: str) -> None:
-        self._call_all("forget_channels", prefix)
+        self.workers.call_all("forget_channels", prefix)
 
     def offload(self) -> None:
-        self._call_all("offload")
+        self.workers.call_all("offload")
 
     def onload(self) -> None:
-        self._call_all("onload")
+        self.workers.call_all("onload")
 
     def close(self) -> None:
-        _close_workers(self.workers, self.remote)
-        self.workers = []
+        self.workers.close()
 
 
 def _close_workers(workers: list, remote: bool, wait_s: float = 10.0) -> None:
-    """Close workers: remote actors get ``wait_s`` to close (simulators, shared-memory rings they
-    created) and are then killed (a dead one is already gone); in-process workers just close."""
-    if not remote:
-        for w in workers:
-            w.close()
-        return
-    import ray
-
-    try:
-        ray.get([w.close.remote() for w in workers], timeout=wait_s)
-    except Exception as exc:
-        log.debug("closing workers: %s", exc)
-    for w in workers:
-        try:
-            ray.kill(w, no_restart=True)
-        except Exception as exc:
-            log.debug("killing worker: %s", exc)
+    """Close ``workers`` (objects in this process, or Ray actors) as :meth:`WorkerSet.close` does."""
+    closing = WorkerSet(object, remote=remote)
+    closing.handles = list(workers)
+    closing.close(wait_s)
 
 
 class EnvWorkerGroup:
@@ -317,70 +224,49 @@ class EnvWorkerGroup:
     def __init__(self, env_cfg: Mapping, layout: RolloutLayout, *, remote: bool, return_value: bool, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, placement=None,
                  process_vars: Mapping[str, str] | None = None, mode: str = TRAIN,
-                 max_faults: int = DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None):
+                 max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None):
         self.env_cfg = to_plain(env_cfg)
         self.layout = layout
         self.rollout: RolloutWorkerGroup | None = None
-        self.remote = remote
         self.mode = mode
-        self.placement = placement
         self.max_faults = max_faults
         self.events: list[dict] = []
         self.videos: list[str] = []
         self._rng = np.random.default_rng(seed)
-        self._placement_offset = env_placement_offset
         self._kwargs = dict(num_stages=layout.num_stages, envs_per_stage=layout.envs_per_stage,
                             num_decisions=layout.num_decisions, group_size=layout.group_size,
                             return_value=return_value, seed=seed, use_shm=use_shm, queue_size=queue_size,
                             process_vars=dict(process_vars or {}), env_builder=env_builder)
-        self.workers = []
+        self.workers = WorkerSet(EnvWorker, remote=remote,
+                                 options_for=_placement_options(placement, "env", env_placement_offset))
         try:
             for k in range(layout.num_env_workers):
-                self.workers.append(self._create(k))
-            self.infos = self._call_all("info")       # remote: also waits until every worker is built
-            self.spec = self._call_all("spec")[0]
+                self.start(k)
+            self.infos = self.workers.call_all("info")       # remote: also waits until every worker is built
+            self.spec = self.workers.call(0, "spec")
         except BaseException:
             self.close()
             raise
         self._connected_gen = [None] * layout.num_env_workers
 
+    @property
+    def remote(self) -> bool:
+        return self.workers.remote
+
+    def start(self, k: int) -> None:
+        """Create (or replace) env worker ``k`` with its slots."""
+        self.workers.start(k, self.env_cfg, **self._kwargs, slot_offset=k * self.layout.slots_per_worker)
+
     def attach(self, rollout_group: RolloutWorkerGroup) -> None:
         """Connect every env worker to its rollout worker (``k % R``)."""
         self.rollout = rollout_group
         for k in range(len(self.workers)):
-            self._connect(k)
+            self.connect(k)
 
-    def _create(self, k: int):
-        kwargs = dict(self._kwargs, slot_offset=k * self.layout.slots_per_worker)
-        if not self.remote:
-            return EnvWorker(self.env_cfg, **kwargs)
-        import ray
-
-        options = {"max_restarts": 0}
-        if self.placement is not None:
-            from embodirl.workers.placement_groups import actor_options
-
-            plan, groups = self.placement
-            options.update(actor_options(plan, groups, "env", self._placement_offset + k))
-        return ray.remote(EnvWorker).options(**options).remote(self.env_cfg, **kwargs)
-
-    def _call_all(self, method: str, *args, **kwargs) -> list:
-        if not self.remote:
-            return [getattr(w, method)(*args, **kwargs) for w in self.workers]
-        import ray
-
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
-
-    def _connect(self, k: int) -> None:
+    def connect(self, k: int) -> None:
         r = self.layout.rollout_worker_of(k)
-        rollout = self.rollout.workers[r]
-        if not self.remote:
-            self.workers[k].connect_local(rollout, mode=self.mode)
-        else:
-            import ray
-
-            same_node = self.infos[k]["node_id"] == self.rollout.infos[r]["node_id"]
-            ray.get(self.workers[k].connect_remote.remote(rollout, same_node=same_node, mode=self.mode))
+        same_node = self.infos[k]["node_id"] == self.rollout.infos[r]["node_id"]
+        self.workers.call(k, "connect", self.rollout.workers[r], same_node=same_node, mode=self.mode)
         self._connected_gen[k] = self.rollout.generation[r]
 
     # --- collection --------------------------------------------------------------------------------
@@ -391,104 +277,40 @@ class EnvWorkerGroup:
                 step: int = 0, mode: str | None = None):
         """One rollout of all N slots: the trajectory ``[N, T]``, slots in order. ``video_dir``: record
         the envs the config's ``video`` section selects (paths in :attr:`videos`). ``mode``: the rollout
-        workers' sampling mode for this rollout only (default: the group's)."""
+        workers' sampling mode for this rollout only (default: the group's). Workers that die meanwhile
+        are replaced and their slots collected again (:func:`~embodirl.workers.recovery.collect_all`)."""
         starts = starts if starts is not None else self.plan_starts()
         if len(starts) != self.layout.num_slots:
             raise ValueError(f"starts cover {len(starts)} slots, the group has {self.layout.num_slots}")
         per = self.layout.slots_per_worker
         parts = [starts.slice(k * per, (k + 1) * per) for k in range(len(self.workers))]
-        kwargs = dict(seed=seed, video_dir=None if video_dir is None else str(video_dir), step=step)
+        kwargs = dict(seed=seed, video_dir=None if video_dir is None else str(video_dir), step=step,
+                      packed=self.remote)        # through Ray: the cheap form to send
         if mode is not None:
             kwargs["mode"] = mode
-        if not self.remote:
-            results = [w.collect(p, **kwargs) for w, p in zip(self.workers, parts)]
-            self.videos = [v for w in self.workers for v in w.videos_written()] if video_dir else []
-            return D.concat(results)
-        results = [unpack_trajectory(r) for r in self._collect_remote(parts, dict(kwargs, packed=True))]
-        self.videos = []
-        if video_dir:
-            import ray
-
-            self.videos = [v for vs in ray.get([w.videos_written.remote() for w in self.workers]) for v in vs]
-        return D.concat(results)
-
-    def _collect_remote(self, parts: list[EpisodeStarts], kwargs: dict) -> list:
-        import ray
-        from ray.exceptions import RayActorError
-
-        results: list = [None] * len(self.workers)
-        pending = {self.workers[k].collect.remote(parts[k], **kwargs): k for k in range(len(self.workers))}
-        faults = 0
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            ref = ready[0]
-            k = pending.pop(ref)
-            try:
-                results[k] = ray.get(ref)
-                continue
-            except RolloutWorkerDied as exc:
-                self._recover_rollout(k, exc)
-            except RayActorError as exc:
-                self._replace_env_worker(k, exc)
-            faults += 1
-            if faults > self.max_faults:
-                raise TooManyFaults(f"workers died {faults} times during one collection; giving up")
-            pending[self.workers[k].collect.remote(parts[k], **kwargs)] = k
-        return results
-
-    def _replace_env_worker(self, k: int, cause: BaseException) -> None:
-        import ray
-
-        pid = self.infos[k]["pid"]
-        try:
-            ray.kill(self.workers[k], no_restart=True)
-        except Exception:
-            pass
-        prefix = segments.process_prefix(pid)
-        swept = segments.sweep(prefix)
-        try:
-            self.rollout.forget_channels(prefix)
-        except Exception as exc:
-            log.debug("rollout workers could not unmap %s: %s", prefix, exc)
-        first = k * self.layout.slots_per_worker
-        log.warning("env worker %d (pid %d) died; replacing it and collecting its %d episodes (slots %d..%d) again%s",
-                    k, pid, self.layout.slots_per_worker, first, first + self.layout.slots_per_worker - 1,
-                    f"; removed {len(swept)} shared-memory entries it left" if swept else "")
-        self.events.append({"event": "env_worker_replaced", "worker": k, "pid": pid, "time": time.time(),
-                            "cause": type(cause).__name__})
-        self.workers[k] = self._create(k)
-        ray.get(self.workers[k].ready.remote())
-        self.infos[k] = ray.get(self.workers[k].info.remote())
-        self._connect(k)
-
-    def _recover_rollout(self, k: int, cause: BaseException) -> None:
-        r = self.layout.rollout_worker_of(k)
-        if self._connected_gen[k] == self.rollout.generation[r]:   # nobody restarted it yet
-            self.rollout.restart(r, cause=str(cause).splitlines()[0])
-            self.events.append({"event": "rollout_worker_restarted", "worker": r, "time": time.time(),
-                                "version": self.rollout.version})
-        self._connect(k)
+        results = recovery.collect_all(self, parts, kwargs)
+        self.videos = [v for vs in self.workers.call_all("videos_written") for v in vs] if video_dir else []
+        return D.concat([unpack_trajectory(r) if self.remote else r for r in results])
 
     def transport_infos(self) -> list[dict]:
         """How each env worker's observations reach its rollout worker (shared memory or Ray)."""
-        return self._call_all("transport_info")
+        return self.workers.call_all("transport_info")
 
     def last_stats(self) -> list:
         """Every env worker's :class:`~embodirl.rollout.collector.RolloutStats` of the last collection."""
-        return self._call_all("last_stats")
+        return self.workers.call_all("last_stats")
 
     def env_worker_pids(self) -> list[int]:
         return [info["pid"] for info in self.infos]
 
     def offload(self) -> None:
-        self._call_all("offload")
+        self.workers.call_all("offload")
 
     def onload(self) -> None:
-        self._call_all("onload")
+        self.workers.call_all("onload")
 
     def close(self, wait_s: float = 60.0) -> None:
-        _close_workers(self.workers, self.remote, wait_s)
-        self.workers = []
+        self.workers.close(wait_s)
 
 
 class WorkerGroups:
@@ -673,17 +495,3 @@ def _env_group(cfg: DictConfig, env_key: str, layout: RolloutLayout, *, remote: 
                           use_shm=bool(channel.get("shm", True)), queue_size=int(channel.get("queue_size", 4)),
                           placement=placement, process_vars=process_vars, mode=TRAIN if train else EVAL,
                           env_placement_offset=placement_offset)
-
-
-def plan_from_config(cfg: DictConfig, layout: RolloutLayout, eval_layout: RolloutLayout | None = None):
-    """The placement plan for this layout (and the evaluation env workers, placed after the training
-    ones) plus the learner's ranks (``actor``)."""
-    from embodirl.placement import data_parallel_size, placement_from_config
-    from embodirl.workers.placement_groups import plan_placement
-
-    num_nodes = int(cfg.cluster.num_nodes)
-    placement = placement_from_config(cfg.cluster)
-    num_env = layout.num_env_workers + (eval_layout.num_env_workers if eval_layout is not None else 0)
-    workers = {"env": num_env, "rollout": layout.num_rollout_workers,
-               "actor": data_parallel_size(cfg, placement)}
-    return plan_placement(placement, workers, num_nodes=num_nodes)

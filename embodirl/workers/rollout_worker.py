@@ -136,8 +136,14 @@ class RolloutWorker:
     def receive_weights(self, handle) -> tuple[int, str]:
         """Apply a publication of the actor group (:class:`~embodirl.workers.weight_transfer.WeightHandle`),
         read through shared memory on rank 0's node, Ray's object store elsewhere, or CUDA IPC on rank
-        0's GPU; returns the version now held and the path taken."""
+        0's GPU; returns the version now held and the path taken. An int: the version of a learner rank
+        whose module this worker acts with (in this process), whose weights are already these."""
         from embodirl.workers.weight_transfer import receive
+
+        if isinstance(handle, int):
+            with self._lock:
+                self.receiver.version = int(handle)
+            return self.receiver.version, "shared"
 
         device = getattr(getattr(self.backend, "device", None), "type", None) and self.backend.device
         update, path = receive(handle, node_id=process_env.describe()["node_id"], device=device)

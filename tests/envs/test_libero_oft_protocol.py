@@ -130,13 +130,13 @@ def test_whole_episode_equals_ofts_evaluation(suite, steps):
 def test_eval_protocol_oft_switches_the_evaluation_env_only():
     from embodirl.config import compose, validate
     from embodirl.errors import ConfigError
-    from embodirl.runner.backends import RayBackend
+    from embodirl.runner.evaluation import eval_env_cfg
 
     cfg = compose(["env=libero_goal", "runner.eval_protocol=oft"])
     validate(cfg, check_envs=False, num_devices=2, accelerator="cpu")
-    assert RayBackend._eval_env_cfg(cfg)["scene_seeding"] == "oft"
+    assert eval_env_cfg(cfg)["scene_seeding"] == "oft"
     assert cfg.env.train.scene_seeding == cfg.env.eval.scene_seeding == "per_start"
-    assert RayBackend._eval_env_cfg(compose(["env=libero_goal"]))["scene_seeding"] == "per_start"
+    assert eval_env_cfg(compose(["env=libero_goal"]))["scene_seeding"] == "per_start"
     with pytest.raises(ConfigError, match="runner.eval_protocol: oft reproduces OpenVLA-OFT's LIBERO"):
         validate(compose(["runner.eval_protocol=oft"]), check_envs=False, num_devices=2, accelerator="cpu")
     with pytest.raises(ConfigError, match="runner.eval_protocol: 'fast' is not one of parallel, oft"):

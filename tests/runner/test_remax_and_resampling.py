@@ -21,10 +21,10 @@ from embodirl.models.base import SamplingParams
 from embodirl.rollout.collector import RolloutCollector
 from embodirl.rollout.inference import PolicyInference
 from embodirl.rollout.starts import EpisodeStarts
-from embodirl.runner.backends import InProcessBackend
 from embodirl.runner.collection import episode_returns, episode_starts
 from embodirl.runner.loop import Runner
 from embodirl.runner.metrics_logger import read_metrics
+from embodirl.runner.rollouts import Rollouts, worker_config
 
 TOY = ["env=toy_reach", "model=state_mlp", "env.train.state_obs=true", "env.eval.state_obs=true",
        "env.train.reward_mode=dense", "env.train.step_size=0.3", "env.train.num_envs=8", "env.eval.num_envs=4"]
@@ -34,13 +34,13 @@ def test_remax_baseline_is_the_greedy_return_from_the_same_starts(compose_cfg, t
     cfg = compose_cfg(*TOY, "algorithm.adv_type=remax", f"runner.output_dir={tmp_path}")
     validate(cfg)
     runner = Runner(cfg)
-    with InProcessBackend(cfg) as backend:
-        batch, stats = runner._collect(backend, 1, np.random.default_rng(0))
+    with Rollouts(cfg) as rollouts:
+        batch, stats = runner._collect(rollouts, 1, np.random.default_rng(0))
         baseline = D.get_extra(batch, REWARD_BASELINE)                         # (N,)
         assert stats.baseline_s > 0
         # the greedy return from the same starts, by a collector of its own on fresh simulators
-        env = make_env(backend.env_cfg, num_envs=8, seed=int(cfg.runner.seed))
-        greedy = RolloutCollector([env], PolicyInference(backend.policy, env.spec.task_descriptions,
+        env = make_env(worker_config(cfg).env.train, num_envs=8, seed=int(cfg.runner.seed))
+        greedy = RolloutCollector([env], PolicyInference(rollouts.policy, env.spec.task_descriptions,
                                                          SamplingParams(greedy=True)),
                                   num_decisions=batch.batch_size[1]).collect(episode_starts(batch),
                                                                               seed=runner.seed + 1_000_003)
@@ -74,8 +74,8 @@ def test_resampling_fills_the_batch_with_informative_groups(compose_cfg, tmp_pat
                       f"algorithm.filter_groups.max_resample_rounds={cap}", f"runner.output_dir={tmp_path}")
     validate(cfg)
     runner = Runner(cfg)
-    with InProcessBackend(cfg) as backend:
-        batch, stats = runner._collect(backend, 1, np.random.default_rng(0))
+    with Rollouts(cfg) as rollouts:
+        batch, stats = runner._collect(rollouts, 1, np.random.default_rng(0))
     N = 8
     assert batch.batch_size[0] == N
     keep, _ = group_keep_mask(batch[D.SUCCESS], batch[D.VALID], group_size=2, min_success=0.0, max_success=1.0)
@@ -118,7 +118,7 @@ def test_resampled_group_filtering_trains_through_the_cli(tmp_path):
 
 
 def test_worker_groups_collect_greedy_baselines_in_evaluation_mode(compose_cfg):
-    """The Ray back-end's path (worker groups, here in-process): ``mode=EVAL`` makes one training
+    """The worker groups' path (here in-process): ``mode=EVAL`` makes one training
     rollout greedy (repeatable), and the next one samples again."""
     from embodirl.workers.groups import WorkerGroups
     from embodirl.workers.rollout_worker import EVAL

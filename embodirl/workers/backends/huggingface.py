@@ -48,8 +48,11 @@ class HuggingFaceBackend(RolloutBackend):
                  return_value: bool = False) -> dict[str, np.ndarray]:
         if self._offloaded:
             self.onload()
+        # where the policy is now: a policy shared with a learner rank in this process moves with it
+        param = next(self.policy.parameters(), None)
         return act(self.policy, obs, self.env_spec.task_descriptions, sampling,
-                   return_value=return_value and self.value_type is not None, device=self.device)
+                   return_value=return_value and self.value_type is not None,
+                   device=param.device if param is not None else self.device)
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         self.policy.load_trainable_state_dict(dict(state))

@@ -1,0 +1,78 @@
+"""Worker layout: how N env slots split over env workers, pipeline stages and simulators, which rollout
+worker serves which env worker, and the placement plan of every component.
+
+Layout (``K = env_workers.num_workers``, ``S = rollout.pipeline_stage_num``, ``R =
+rollout.num_workers``): env worker ``k`` holds S stages of ``B = N / (K*S)`` simulators, i.e. slots
+``k*S*B .. (k+1)*S*B - 1``, and is served by rollout worker ``k % R``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from embodirl.errors import ConfigError
+from embodirl.rollout.records import decisions_per_episode
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    """How N env slots split over K env workers x S stages x B simulators, served by R rollout
+    workers, for T decisions."""
+
+    num_env_workers: int      # K
+    num_stages: int           # S
+    envs_per_stage: int       # B
+    num_rollout_workers: int  # R
+    num_decisions: int        # T
+    group_size: int = 1       # G
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_env_workers * self.num_stages * self.envs_per_stage
+
+    @property
+    def slots_per_worker(self) -> int:
+        return self.num_stages * self.envs_per_stage
+
+    def rollout_worker_of(self, k: int) -> int:
+        return k % self.num_rollout_workers
+
+
+def layout_from_config(cfg: DictConfig, env_key: str = "env.train") -> RolloutLayout:
+    """The layout a composed config asks for (``env_key``: ``env.train`` or ``env.eval``).
+
+    Evaluation gets its own env workers: as many as training has when they divide ``env.eval.num_envs``
+    (else one), without pipelining, each episode run to its time limit (``rollout.max_decisions`` is a
+    training horizon)."""
+    env_cfg = OmegaConf.select(cfg, env_key)
+    N = int(env_cfg.num_envs)
+    K, S = int(cfg.env_workers.num_workers), int(cfg.rollout.pipeline_stage_num)
+    if env_key != "env.train":
+        S = 1
+        K = K if N % K == 0 else 1
+    if N % (K * S):
+        raise ConfigError(f"{env_key}.num_envs", f"{N} envs cannot be split over env_workers.num_workers x "
+                                                 f"rollout.pipeline_stage_num = {K} x {S}")
+    if env_key == "env.train":
+        T = decisions_per_episode(cfg, env_key)
+    else:
+        T = math.ceil(int(env_cfg.max_episode_steps) / int(cfg.model.action_chunk))
+    G = int(cfg.algorithm.group_size) if env_key == "env.train" else 1
+    return RolloutLayout(K, S, N // (K * S), int(cfg.rollout.num_workers), T, G)
+
+
+def plan_from_config(cfg: DictConfig, layout: RolloutLayout, eval_layout: RolloutLayout | None = None):
+    """The placement plan for this layout (and the evaluation env workers, placed after the training
+    ones) plus the learner's ranks (``actor``)."""
+    from embodirl.placement import data_parallel_size, placement_from_config
+    from embodirl.workers.placement_groups import plan_placement
+
+    num_nodes = int(cfg.cluster.num_nodes)
+    placement = placement_from_config(cfg.cluster)
+    num_env = layout.num_env_workers + (eval_layout.num_env_workers if eval_layout is not None else 0)
+    workers = {"env": num_env, "rollout": layout.num_rollout_workers,
+               "actor": data_parallel_size(cfg, placement)}
+    return plan_placement(placement, workers, num_nodes=num_nodes)

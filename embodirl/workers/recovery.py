@@ -1,0 +1,92 @@
+"""Worker faults during a collection: a dead env worker is replaced, a dead rollout worker restarted, and
+the slots they held are collected again from the same episode starts (GRPO groups stay intact).
+
+:func:`collect_all` is the collection of an :class:`~embodirl.workers.groups.EnvWorkerGroup`: one
+``collect`` per env worker, answers taken as they come. A Ray actor that dies raises ``RayActorError``
+(an env worker) or :class:`~embodirl.workers.transport.RolloutWorkerDied` (its rollout worker); either is
+recovered and that worker's part asked for again, up to ``max_faults`` times per collection. Workers in
+this process do not die apart from the driver: their errors are the run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from embodirl.channel import segments
+from embodirl.workers.transport import RolloutWorkerDied
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FAULTS = 8   # worker replacements tolerated within one collect() before giving up
+
+
+class TooManyFaults(RuntimeError):
+    """Workers kept dying during one collection."""
+
+
+def _worker_died() -> tuple[type[BaseException], ...]:
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:
+        return ()
+    return (RayActorError,)
+
+
+def collect_all(group, parts: list, kwargs: dict) -> list:
+    """Every env worker's trajectory of its part of the starts, in worker order (see module docstring)."""
+    workers = group.workers
+    results: list = [None] * len(workers)
+    pending = {workers.submit(k, "collect", parts[k], **kwargs): k for k in range(len(workers))}
+    env_died = _worker_died() if workers.remote else ()
+    rollout_died = (RolloutWorkerDied,) if workers.remote else ()
+    faults = 0
+    while pending:
+        ref = workers.wait_first(pending)
+        k = pending.pop(ref)
+        try:
+            results[k] = workers.get(ref)
+            continue
+        except rollout_died as exc:
+            recover_rollout(group, k, exc)
+        except env_died as exc:
+            replace_env_worker(group, k, exc)
+        faults += 1
+        if faults > group.max_faults:
+            raise TooManyFaults(f"workers died {faults} times during one collection; giving up")
+        pending[workers.submit(k, "collect", parts[k], **kwargs)] = k
+    return results
+
+
+def replace_env_worker(group, k: int, cause: BaseException) -> None:
+    """Env worker ``k`` died: sweep the shared memory it left, start a new one with the same slots and
+    placement, and connect it to its rollout worker."""
+    pid = group.infos[k]["pid"]
+    group.workers.kill(k)
+    prefix = segments.process_prefix(pid)
+    swept = segments.sweep(prefix)
+    try:
+        group.rollout.forget_channels(prefix)
+    except Exception as exc:
+        log.debug("rollout workers could not unmap %s: %s", prefix, exc)
+    per = group.layout.slots_per_worker
+    log.warning("env worker %d (pid %d) died; replacing it and collecting its %d episodes (slots %d..%d) again%s",
+                k, pid, per, k * per, (k + 1) * per - 1,
+                f"; removed {len(swept)} shared-memory entries it left" if swept else "")
+    group.events.append({"event": "env_worker_replaced", "worker": k, "pid": pid, "time": time.time(),
+                         "cause": type(cause).__name__})
+    group.start(k)
+    group.workers.call(k, "ready")
+    group.infos[k] = group.workers.call(k, "info")
+    group.connect(k)
+
+
+def recover_rollout(group, k: int, cause: BaseException) -> None:
+    """Env worker ``k``'s rollout worker died: restart it (once, whichever env worker noticed first) and
+    reconnect ``k``."""
+    r = group.layout.rollout_worker_of(k)
+    if group._connected_gen[k] == group.rollout.generation[r]:   # nobody restarted it yet
+        group.rollout.restart(r, cause=str(cause).splitlines()[0])
+        group.events.append({"event": "rollout_worker_restarted", "worker": r, "time": time.time(),
+                             "version": group.rollout.version})
+    group.connect(k)

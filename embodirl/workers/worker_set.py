@@ -1,0 +1,152 @@
+"""A set of workers of one class, in this process or as Ray actors: the one place that tells them apart.
+
+The worker groups (:mod:`embodirl.workers.groups`) and the runner talk to env and rollout workers only
+through a :class:`WorkerSet`; whether worker ``k`` is an object in this process (the default job: no Ray)
+or a Ray actor changes nothing in their code::
+
+    workers = WorkerSet(EnvWorker, remote=False)
+    workers.start(0, env_cfg, num_stages=2, ...)          # or remote=True: ray.remote(EnvWorker) with options
+    spec = workers.call(0, "spec")
+    pending = {workers.submit(k, "collect", part): k for k, part in enumerate(parts)}
+    ref, result, error = workers.wait_first(pending)      # remote: the first to answer; local: in order
+    workers.close(wait_s=10)
+
+In this process a call runs at once and :meth:`submit` returns its outcome already settled (an error is
+kept and raised by :meth:`get`, as Ray raises it), so the group code that waits for the first answer and
+recovers from a failed one is the same on both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+log = logging.getLogger(__name__)
+
+
+class _Settled:
+    """The outcome of a call already made in this process (the local side of a Ray object ref)."""
+
+    def __init__(self, fn: Callable, *args, **kwargs):
+        self.value, self.error = None, None
+        try:
+            self.value = fn(*args, **kwargs)
+        except Exception as exc:       # raised again by WorkerSet.get, where Ray raises a remote error
+            self.error = exc
+
+
+class WorkerSet:
+    """Workers of class ``cls`` by rank (see module docstring). ``options_for(rank)``: extra Ray actor
+    options of a remote worker (placement); ignored in this process."""
+
+    def __init__(self, cls: type, *, remote: bool, options_for: Callable[[int], Mapping] | None = None):
+        self.cls = cls
+        self.remote = bool(remote)
+        self.options_for = options_for
+        self.handles: list = []
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __iter__(self):
+        return iter(list(self.handles))
+
+    def __getitem__(self, rank: int):
+        """Worker ``rank``'s handle: the object, or the Ray actor handle (what another worker is given)."""
+        return self.handles[rank]
+
+    # --- creation ----------------------------------------------------------------------------------
+    def start(self, rank: int, *args, **kwargs):
+        """Create worker ``rank`` (appended, or replacing the one at ``rank``) with ``cls(*args, **kwargs)``."""
+        if self.remote:
+            import ray
+
+            options = {"max_restarts": 0, **(self.options_for(rank) if self.options_for is not None else {})}
+            handle = ray.remote(self.cls).options(**options).remote(*args, **kwargs)
+        else:
+            handle = self.cls(*args, **kwargs)
+        if rank == len(self.handles):
+            self.handles.append(handle)
+        else:
+            self.handles[rank] = handle
+        return handle
+
+    # --- calls -------------------------------------------------------------------------------------
+    def submit(self, rank: int, method: str, *args, **kwargs):
+        """Start ``method`` on worker ``rank``: a Ray object ref, or (here) its settled outcome."""
+        if self.remote:
+            return getattr(self.handles[rank], method).remote(*args, **kwargs)
+        return _Settled(getattr(self.handles[rank], method), *args, **kwargs)
+
+    def get(self, pending, timeout: float | None = None):
+        """The result of :meth:`submit` (or a list of them); a worker's error is raised here."""
+        if self.remote:
+            import ray
+
+            return ray.get(pending, timeout=timeout)
+        if isinstance(pending, list):
+            return [self.get(p) for p in pending]
+        if pending.error is not None:
+            raise pending.error
+        return pending.value
+
+    def call(self, rank: int, method: str, *args, **kwargs):
+        return self.get(self.submit(rank, method, *args, **kwargs))
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        return self.get([self.submit(rank, method, *args, **kwargs) for rank in range(len(self.handles))])
+
+    def call_each(self, method: str, args_per_rank: list) -> list:
+        """``method(args_per_rank[k])`` on every worker ``k``, together."""
+        return self.get([self.submit(rank, method, arg) for rank, arg in enumerate(args_per_rank)])
+
+    def wait_first(self, pending: Mapping) -> object:
+        """The key of ``pending`` (a dict keyed by :meth:`submit` results) that finished first."""
+        if self.remote:
+            import ray
+
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            return ready[0]
+        return next(iter(pending))
+
+    def share(self, obj):
+        """``obj`` as every worker should receive it: one copy in Ray's object store, or itself."""
+        if self.remote:
+            import ray
+
+            return ray.put(obj)
+        return obj
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def kill(self, rank: int) -> None:
+        """Stop worker ``rank`` at once (a dead or hung Ray actor); an object here is closed."""
+        handle = self.handles[rank]
+        try:
+            if self.remote:
+                import ray
+
+                ray.kill(handle, no_restart=True)
+            else:
+                handle.close()
+        except Exception as exc:
+            log.debug("killing worker %d: %s", rank, exc)
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Close every worker: Ray actors get ``wait_s`` to close (simulators, shared-memory rings they
+        created) and are then killed (a dead one is already gone); objects here just close."""
+        handles, self.handles = self.handles, []
+        if not self.remote:
+            for handle in handles:
+                handle.close()
+            return
+        import ray
+
+        try:
+            ray.get([h.close.remote() for h in handles], timeout=wait_s)
+        except Exception as exc:
+            log.debug("closing workers: %s", exc)
+        for handle in handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as exc:
+                log.debug("killing worker: %s", exc)
