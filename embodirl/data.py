@@ -50,6 +50,8 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
+from embodirl.envs import base as _base
+
 IMAGES = "images"
 STATE = "state"
 TASK_ID = "task_id"
@@ -69,11 +71,8 @@ GROUP_ID = "group_id"
 INIT_STATE_ID = "init_state_id"
 WEIGHT_VERSION = "weight_version"
 
-#: reward (and value) granularity: one per decision ``[N, T]`` or one per action ``[N, T, H]``
-#: (``algorithm.reward_type``, ``env.*.reward_type``, ``model.value_type``)
-CHUNK_LEVEL = "chunk_level"
-ACTION_LEVEL = "action_level"
-REWARD_TYPES = (CHUNK_LEVEL, ACTION_LEVEL)
+#: reward (and value) granularity, as the env contract names it (``algorithm.reward_type``, ``model.value_type``)
+CHUNK_LEVEL, ACTION_LEVEL, REWARD_TYPES = _base.CHUNK_LEVEL, _base.ACTION_LEVEL, _base.REWARD_TYPES
 ADVANTAGE = "advantage"
 RETURNS = "returns"
 LOGPROB_REF = "logprob_ref"

@@ -32,6 +32,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+#: reward (and value) granularity: one per decision ``[N, T]`` or one per action ``[N, T, H]``
+#: (``env.*.reward_type``, ``algorithm.reward_type``, ``model.value_type``); named once, here, so that the
+#: simulator processes need not import torch to read it
+CHUNK_LEVEL = "chunk_level"
+ACTION_LEVEL = "action_level"
+REWARD_TYPES = (CHUNK_LEVEL, ACTION_LEVEL)
+
 
 @dataclass
 class EnvSpec:

@@ -14,7 +14,6 @@ import numpy as np
 
 from embodirl.envs.base import SimEnv
 
-REWARD_TYPES = ("chunk_level", "action_level")
 NO_INIT_STATE = -1               # init_state_id of an episode whose init state is random
 
 

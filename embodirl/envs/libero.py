@@ -59,8 +59,7 @@ import numpy as np
 
 from embodirl import runtime
 from embodirl.envs import libero_paths
-from embodirl.envs.base import ChunkResult, EnvSpec, SimEnv
-from embodirl.envs.episodes import REWARD_TYPES
+from embodirl.envs.base import REWARD_TYPES, ChunkResult, EnvSpec, SimEnv
 from embodirl.envs.libero_patches import (
     EEF_POS,
     EEF_QUAT,

@@ -80,8 +80,8 @@ from collections.abc import Callable, Sequence
 import cloudpickle
 import numpy as np
 
-from embodirl.envs.base import ChunkVectorEnv, EnvSpec, SimEnv
-from embodirl.envs.episodes import NO_INIT_STATE, REWARD_TYPES, EpisodeRunner, ResetOut, video_frame
+from embodirl.envs.base import REWARD_TYPES, ChunkVectorEnv, EnvSpec, SimEnv
+from embodirl.envs.episodes import NO_INIT_STATE, EpisodeRunner, ResetOut, video_frame
 from embodirl.envs.recovery import DEFAULT_MAX_RESTARTS, Recovery, SubEnvCrashed, SubEnvSlot
 from embodirl.envs.subproc import START_METHODS, LocalSubEnv, ProcessSubEnv, SubEnvFailure
 

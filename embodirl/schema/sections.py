@@ -27,7 +27,7 @@ def _adv_types():
 
 
 def reward_types():
-    from embodirl.data import REWARD_TYPES
+    from embodirl.envs.base import REWARD_TYPES
     return REWARD_TYPES
 
 
