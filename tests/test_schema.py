@@ -234,3 +234,16 @@ def test_every_module_imports_in_a_fresh_interpreter():
     code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
     proc = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_sweep_runs_each_job_with_its_own_checked_config(tmp_path):
+    """``-m``: every job's config is composed and checked up front, then each runs in output_dir/<job>."""
+    toy = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "env.train.num_envs=4",
+           "env.eval.num_envs=4", "runner.progress_bar=false", "runner.logger.tensorboard=false",
+           "runner.val_check_interval=0", "runner.save_interval=0", "runner.max_steps=1"]
+    proc = subprocess.run([*EXE, "train", "-m", *toy, "algorithm.gamma=0.9,0.8"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gammas = [OmegaConf.load(tmp_path / "outputs" / "toy_reach_state_mlp" / str(job) / "config.yaml").algorithm.gamma
+              for job in (0, 1)]
+    assert gammas == [0.9, 0.8]
