@@ -101,6 +101,15 @@ def load_learner(learner, folder: str | Path) -> None:
                          "for another model or LoRA configuration")
     for key in missing:
         tensors.pop(key)
+    # ... and must not exist after loading either: reading the layout above gave every trainable tensor fresh
+    # moments, which torch's unflattening would then look for in the checkpoint (and fill with empty dicts)
+    params = dict(learner.policy.named_parameters())
+    state_prefix = _OPTIM + "state."
+    for key in missing:
+        if key.startswith(state_prefix):
+            param = params.get(key[len(state_prefix):].rsplit(".", 1)[0])
+            if param is not None:
+                learner.optimizer.state.pop(param, None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder / TENSORS)),
