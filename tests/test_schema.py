@@ -59,6 +59,8 @@ def _check(cfg):
     (["env.train.reward_type=dense", "algorithm.reward_type=dense"], "algorithm.reward_type", "not one of chunk_level"),
     (["model.value_type=per_token"], "model.value_type", "not one of chunk_level, action_level or null"),
     (["model=openvla_oft_tiny", "env=toy_reach", "model.lora.rank=0"], "model.lora.rank", "positive integer"),
+    (["model.name=gpt"], "model.name", "'gpt' is not one of openvla_oft, state_mlp"),            # the policy registry
+    (["env.train.adapter=gazebo"], "env.train.adapter", "'gazebo' is not one of libero, maniskill, toy"),  # adapters
 ])
 def test_malformed_keys_are_one_sentence_naming_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:

@@ -13,6 +13,11 @@ from embodirl.schema.fields import num, one_of, required, section
 from embodirl.schema.sections import reward_types
 
 
+def _adapters():
+    from embodirl.envs.registry import available_adapters
+    return available_adapters()
+
+
 @dataclass
 class Video:
     enabled: bool = required()
@@ -23,7 +28,7 @@ class Video:
 
 @dataclass
 class CommonEnv:
-    adapter: str = required()
+    adapter: str = one_of(_adapters)
     num_envs: int = num(1)
     max_episode_steps: int = num(1)
     step_timeout_s: float | None = num(0, lo_open=True, null=True)    # null: wait for ever

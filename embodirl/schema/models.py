@@ -16,9 +16,14 @@ from embodirl.schema.sections import reward_types
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def _policies():
+    from embodirl.models.registry import available_policies
+    return available_policies()
+
+
 @dataclass
 class CommonModel:
-    name: str = required()
+    name: str = one_of(_policies)
     path: str | None = required()
     action_chunk: int = num(1)
     value_type: str | None = one_of(reward_types, null=True)     # null: no value head
