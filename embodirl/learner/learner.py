@@ -238,6 +238,11 @@ class Learner:
                 if early_stop_kl is not None and float(step_metrics[-1]["actor/approx_kl"]) > early_stop_kl:
                     stopped = True
                     break
+        observe = getattr(self.policy, "observe_batch", None)
+        if observe is not None:
+            # statistics the policy keeps of its training inputs (the state normaliser): updated after the
+            # update, so this batch was scored with the statistics it was collected with; published as changed
+            self._changed.update(observe(batch))
         self.version += 1
         metrics = {key: torch.stack([m[key] for m in step_metrics]).mean() for key in
                    (step_metrics[0] if step_metrics else ())}

@@ -7,6 +7,10 @@ action bounds (``action_chunk [B, H, A]``), as CleanRL's continuous PPO does. Th
 MLP giving one value per chunk (``chunk_level``) or one per action (``action_level``, ``[B, H]``).
 
 ``SamplingParams.temperature`` scales the standard deviation; ``greedy`` returns the mean.
+
+With ``obs_norm`` the state is standardised per feature by running statistics of the states the policy
+was trained on (:class:`StateNormalizer`), as in the PPO implementation details (Huang et al., 2022):
+ManiSkill's state vectors mix positions with a spread of ~1 cm and joint velocities of ~1 rad/s.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from embodirl import data as D
@@ -41,6 +46,69 @@ def _mlp(sizes: list[int], activation: str, out_gain: float) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class StateNormalizer(nn.Module):
+    """Per-feature running mean and variance of training states; ``forward`` standardises and clips.
+
+    The statistics are parameters that no gradient reaches (``forward`` detaches them, so the optimizer,
+    which skips parameters without a gradient, never steps them). The learner folds each batch's valid
+    states in after its update (:meth:`observe`, merged over the learner's ranks) and publishes them with
+    the changed weights, so rollout copies, evaluation and checkpoints all normalise with the same numbers,
+    and the states of one update are scored with the statistics they were collected with.
+    """
+
+    def __init__(self, dim: int, clip: float = 10.0, eps: float = 1e-8):
+        super().__init__()
+        self.clip, self.eps = float(clip), float(eps)
+        self.mean = nn.Parameter(torch.zeros(dim))
+        self.var = nn.Parameter(torch.ones(dim))
+        self.count = nn.Parameter(torch.zeros(1))
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        z = (state - self.mean.detach()) * torch.rsqrt(self.var.detach() + self.eps)
+        return z.clamp(-self.clip, self.clip)
+
+    @torch.no_grad()
+    def observe(self, states: torch.Tensor) -> None:
+        """Fold ``states [M, S]`` into the statistics (Chan et al.'s parallel update); collective when a
+        process group is up: every rank calls it and all end with the statistics of every rank's states."""
+        x = states.detach().to(torch.float64).reshape(-1, states.shape[-1])
+        moments = torch.cat([x.new_tensor([float(x.shape[0])]), x.sum(0), (x * x).sum(0)])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            moments = moments.to(_local(self.mean).device)
+            dist.all_reduce(moments)
+        n = float(moments[0])
+        if n == 0:
+            return
+        S = x.shape[-1]
+        batch_mean = moments[1:1 + S] / n
+        batch_var = (moments[1 + S:] / n - batch_mean ** 2).clamp_min(0.0)
+        mean, var, count = (_full(p).to(torch.float64).cpu() for p in (self.mean, self.var, self.count))
+        c = float(count[0])
+        total = c + n
+        delta = batch_mean.cpu() - mean
+        new_mean = mean + delta * (n / total)
+        new_var = (var * c + batch_var.cpu() * n + delta ** 2 * (c * n / total)) / total
+        for param, value in ((self.mean, new_mean), (self.var, new_var), (self.count, count.new_tensor([total]))):
+            _assign(param, value.to(torch.float32))
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a full value into a parameter, also when FSDP2 holds it as a sharded DTensor."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(_local(param).device), param.device_mesh, param.placements)
+    param.copy_(value.to(param.device) if not hasattr(param, "device_mesh") else value)
+
+
 class StateMLPPolicy(Policy):
     """Gaussian actor + value critic; see module docstring."""
 
@@ -49,7 +117,8 @@ class StateMLPPolicy(Policy):
     def __init__(self, state_dim: int, action_dim: int, action_chunk: int, *,
                  hidden_sizes=(256, 256), critic_hidden_sizes=(256, 256), activation: str = "tanh",
                  init_log_std: float = -0.5, value_type: str = "chunk_level",
-                 action_low: float | list[float] = -1.0, action_high: float | list[float] = 1.0):
+                 action_low: float | list[float] = -1.0, action_high: float | list[float] = 1.0,
+                 obs_norm: bool = False):
         super().__init__()
         self.state_dim, self.action_dim, self.action_chunk = state_dim, action_dim, action_chunk
         self.value_type = value_type
@@ -62,10 +131,21 @@ class StateMLPPolicy(Policy):
         high = torch.as_tensor(action_high, dtype=torch.float32).expand(action_dim)
         self.register_buffer("action_low", low.clone(), persistent=False)
         self.register_buffer("action_high", high.clone(), persistent=False)
+        self.obs_norm = StateNormalizer(state_dim) if obs_norm else None
 
     def _state(self, obs: dict) -> torch.Tensor:
         state = torch.as_tensor(obs[D.STATE], dtype=torch.float32, device=self.log_std.device)
-        return state  # (B, S)
+        return state if self.obs_norm is None else self.obs_norm(state)  # (B, S)
+
+    def observe_batch(self, batch) -> list[str]:
+        """After an update: fold the batch's valid states into the normaliser; returns the names of the
+        parameters that changed (the learner publishes them). Collective under a process group."""
+        if self.obs_norm is None:
+            return []
+        states = batch.get(D.STATE)                       # (N, T, S)
+        valid = batch.get(D.VALID)                        # (N, T)
+        self.obs_norm.observe(states[valid.bool()])
+        return [f"obs_norm.{name}" for name in ("mean", "var", "count")]
 
     def _value(self, state: torch.Tensor) -> torch.Tensor:
         v = self.critic(state)  # (B, 1) or (B, H)
@@ -125,6 +205,7 @@ def build_state_policy(cfg: dict, env_spec) -> StateMLPPolicy:
         critic_hidden_sizes=tuple(cfg.get("critic_hidden_sizes", (256, 256))),
         activation=cfg.get("activation", "tanh"), init_log_std=float(cfg.get("init_log_std", -0.5)),
         value_type=value_type, action_low=env_spec.action_low, action_high=env_spec.action_high,
+        obs_norm=bool(cfg.get("obs_norm", False)),
     )
     if cfg.get("path"):
         from safetensors.torch import load_file

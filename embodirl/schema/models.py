@@ -35,6 +35,7 @@ class StateMLP(CommonModel):
     critic_hidden_sizes: list[int] = required()
     activation: str = required()
     init_log_std: float = required()
+    obs_norm: bool = required()
     dtype: str = required()
 
 

@@ -22,9 +22,11 @@ from embodirl.runner.metrics_logger import read_metrics
 
 RUN_TIMEOUT_S = 600.0
 # one optimizer step per epoch (global batch = the rollout), several micro-batches: a step's gradient is
-# the same sum whatever the split, so 1 and 2 ranks give the same numbers up to float rounding
+# the same sum whatever the split, so 1 and 2 ranks give the same numbers up to float rounding. The state
+# normaliser is on: its statistics are merged over the ranks, written into FSDP2's sharded parameters,
+# published to the rollout worker and carried by the checkpoints that move between rank counts.
 EQUAL = [*TOY, "cluster.use_ray=true", "actor.global_batch_size=4", "actor.micro_batch_size=1",
-         "algorithm.update_epochs=2"]
+         "algorithm.update_epochs=2", "model.obs_norm=true"]
 COMPARED = ("train/return", "train/success_rate", "actor/pg_loss", "critic/value_loss", "actor/approx_kl",
             "actor/entropy", "actor/grad_norm", "actor/clip_fraction", "critic/explained_variance")
 
