@@ -1,0 +1,111 @@
+"""``embodirl demos`` -> ``embodirl sft`` -> ``embodirl eval|train model.path=<sft checkpoint>`` through the CLI on
+real ManiSkill PushCube (rgb): the SFT writes the dataset's statistics, TensorBoard, metrics and checkpoints whose
+``model/`` folder eval and train load with no other flag; a resumed SFT run equals a straight one; bad input is one
+sentence and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from embodirl.demos.lerobot_format import LeRobotDataset
+from embodirl.models.openvla_oft.checkpoint import MARKER, TOKENS_TRAINED
+from embodirl.runner.metrics_logger import read_metrics
+
+TIMEOUT_S = 600
+ENV = ["env=maniskill_pushcube_rgb", "env.train.image_size=[64,64]"]
+SMALL = [*ENV, "model=openvla_oft_tiny", "env.eval.image_size=[64,64]", "runner.progress_bar=false",
+         "cluster.use_ray=false"]
+SFT = ["sft.batch_size=4", "runner.logger.tensorboard=true", "runner.save_interval=2"]
+EVAL = ["env.eval.num_envs=2", "env.eval.num_trials_per_task=2", "env.eval.max_episode_steps=16",
+        "runner.eval_num_videos=0"]
+
+
+def cli(args, cwd, *, expect=0) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == expect, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def one_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ([], "data.path: is not set"),
+    (["data.path=/nonexistent/ds"], "data.path: dataset folder /nonexistent/ds does not exist"),
+    (["data.path=x", "sft.batchsize=2"], "sft.batchsize: is not one of the sft keys"),
+    (["data.path=x", "model=state_mlp"], "model.name: is state_mlp"),
+    (["data.path=x", "sft.token_loss=false"], "sft.token_loss: is false and sft.l1_head is false"),
+])
+def test_bad_input_is_one_sentence_with_exit_2(tmp_path, args, fragment):
+    proc = cli(["sft", *ENV, "model=openvla_oft_tiny", *args], tmp_path, expect=2)
+    assert fragment in one_line(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_demos_sft_eval_train_and_resume(tmp_path):
+    ds = tmp_path / "ds"
+    cli(["demos", *ENV, "num_episodes=2", "progress_bar=false", f"output_dir={ds}"], tmp_path)
+    dataset = LeRobotDataset(ds, action_chunk=8)
+
+    # dataset against env / model: one sentence before the run starts
+    bad = cli(["sft", *SMALL, f"data.path={ds}", "env.train.control_mode=pd_ee_delta_pose"], tmp_path, expect=2)
+    assert "data.path: " in one_line(bad) and "4-D actions" in one_line(bad)
+    bad = cli(["sft", *SMALL, f"data.path={ds}", "model.action_chunk=32"], tmp_path, expect=2)
+    assert "model.action_chunk: is 32 but the shortest episode" in one_line(bad)
+
+    # straight run: 4 steps, checkpoints at 2 and 4, an evaluation in the simulator at step 4
+    a = tmp_path / "a"
+    out = cli(["sft", *SMALL, *SFT, *EVAL, f"data.path={ds}", "runner.max_steps=4", "runner.val_check_interval=4",
+               f"runner.output_dir={a}"], tmp_path)
+    model = a / "checkpoints" / "step_4" / "model"
+    assert f"model.path={model}" in out.stdout
+    stats = json.loads((model / "dataset_statistics.json").read_text())
+    assert list(stats) == ["PushCube-v1"]
+    entry = stats["PushCube-v1"]
+    np.testing.assert_allclose(entry["action"]["q01"], dataset.stats["action"].q01, rtol=1e-6)
+    np.testing.assert_allclose(entry["action"]["q99"], dataset.stats["action"].q99, rtol=1e-6)
+    assert len(entry["action"]["mask"]) == 4 and len(entry["proprio"]["q99"]) == dataset.state_dim
+    assert entry["num_trajectories"] == 2 and entry["num_transitions"] == len(dataset)
+    config = json.loads((model / "config.json").read_text())
+    assert config[MARKER][TOKENS_TRAINED] is True and config["num_images_in_input"] == 1
+    records = [r for r in read_metrics(a / "metrics.jsonl") if "sft/loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(0.0 <= r["sft/token_accuracy"] <= 1.0 and r["sft/action_l1"] >= 0 for r in records)
+    assert any(r.get("eval/episodes") == 2 for r in read_metrics(a / "metrics.jsonl"))
+    assert (a / "eval" / "step_4" / "eval_info.json").is_file()
+    assert list(a.glob("**/events.out.tfevents.*")), "no TensorBoard events"
+
+    # resumed run: 2 steps, then the same command to 4 continues from step_2 and ends where the straight run did
+    b = tmp_path / "b"
+    cli(["sft", *SMALL, *SFT, f"data.path={ds}", "runner.max_steps=2", f"runner.output_dir={b}"], tmp_path)
+    cli(["sft", *SMALL, *SFT, f"data.path={ds}", "runner.max_steps=4", f"runner.output_dir={b}"], tmp_path)
+    resumed = {r["step"]: r["sft/loss"] for r in read_metrics(b / "metrics.jsonl") if "sft/loss" in r}
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for r in records:
+        assert resumed[r["step"]] == pytest.approx(r["sft/loss"], rel=1e-5), (r["step"], resumed, records)
+    adapter = "lora_adapter/adapter_model.safetensors"
+    straight, again = load_file(str(model / adapter)), load_file(str(b / "checkpoints/step_4/model" / adapter))
+    assert straight.keys() == again.keys()
+    for name in straight:
+        np.testing.assert_allclose(straight[name].numpy(), again[name].numpy(), rtol=1e-5, atol=1e-7)
+
+    # the checkpoint loads with no other flag: evaluation, and one GRPO step of token RL from it
+    cli(["eval", *SMALL, *EVAL, f"model.path={model}", f"runner.output_dir={tmp_path / 'eval'}"], tmp_path)
+    assert json.loads((tmp_path / "eval" / "eval_info.json").read_text())["overall"]["n_episodes"] == 2
+    train = cli(["train", *SMALL, f"model.path={model}", "algorithm=grpo", "algorithm.group_size=2",
+                 "env.train.use_fixed_reset_state_ids=true", "env.train.num_envs=2", "env.train.max_episode_steps=16",
+                 "runner.max_steps=1", "runner.val_check_interval=0", "runner.save_interval=0",
+                 "runner.logger.tensorboard=false", f"runner.output_dir={tmp_path / 'rl'}"], tmp_path)
+    assert "action tokens, proprio token, 1 image(s)" in train.stdout + train.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "rl" / "metrics.jsonl") if "actor/pg_loss" in r] == [1]
