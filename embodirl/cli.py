@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     if command not in COMMANDS:
         _fail(f"unknown command '{command}'; use one of: {', '.join(COMMANDS)}")
     if command == "eval":
-        rest = [*rest, "runner.only_eval=true"]
+        # next to the user's overrides: Hydra's parser takes them as one run (`eval a=1 --cfg job`, `eval --cfg job a=1`)
+        overrides = _split(rest)[0]
+        at = max((i for i, a in enumerate(rest) if overrides and a == overrides[-1]), default=len(rest) - 1) + 1
+        rest = [*rest[:at], "runner.only_eval=true", *rest[at:]]
     overrides, multirun = _split(rest)
 
     from embodirl.config import check_group_overrides, compose, sweep_jobs, validate

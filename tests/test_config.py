@@ -50,6 +50,20 @@ def test_tiny_and_full_models_never_share_an_output_folder(compose_cfg):
     assert compose_cfg().runner.output_dir == "outputs/maniskill_pushcube_state_mlp"
 
 
+@pytest.mark.parametrize("model", ["openvla_oft_tiny", "openvla_oft"])
+def test_eval_of_the_tiny_model_prints_its_own_output_folder(model, tmp_path):
+    """`embodirl eval env=libero_10 model=openvla_oft_tiny`, as a new user tries it (here with --cfg job)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "eval", "env=libero_10", f"model={model}", "--cfg", "job",
+                           "--resolve"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.runner.output_dir == f"outputs/libero_10_{model}" and cfg.runner.only_eval is True
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_options_hide_shared_bases():
     envs = available_options("env")
     assert "libero_10" in envs and "maniskill_pickcube" in envs
