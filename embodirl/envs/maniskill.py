@@ -1,6 +1,6 @@
 """ManiSkill 3 adapter: any registered ManiSkill task as an embodirl environment.
 
-Two backends behind one config (``config/env/_maniskill_base.yaml``):
+Two simulators behind one config (``config/env/_maniskill_base.yaml``):
 
 * ``physx_cpu`` - one :class:`ManiSkillSimEnv` (a single-scene ManiSkill env) per sub-process, lifted
   into a batch by :class:`~embodirl.envs.vector.ProcessVectorEnv`. PhysX-CPU refuses ``num_envs > 1``
@@ -8,7 +8,7 @@ Two backends behind one config (``config/env/_maniskill_base.yaml``):
 * ``physx_cuda`` - :class:`~embodirl.envs.maniskill_gpu.ManiSkillGPUEnv`, all ``B`` scenes in one
   GPU-batched ManiSkill env. ``sim_backend: auto`` picks it when ``torch.cuda.is_available()``.
 
-Conventions shared by both backends (the helpers below are used by both):
+Conventions shared by both simulators (the helpers below are used by both):
 
 * **Observations**: ``state`` mode gives ManiSkill's flattened state vector as ``state`` float32
   ``[S]``; ``rgb`` mode gives ``images`` uint8 ``[V, 3, h, w]`` from the task's sensor cameras (or the
@@ -20,7 +20,7 @@ Conventions shared by both backends (the helpers below are used by both):
   the three arm dims in ``[-1, 1]`` is a fraction of the controller's largest end-effector step and
   the gripper dim is -1 closed / +1 open). They are clipped to the space's bounds before they run
   (ManiSkill's controllers clip as well; clipping here makes the bound explicit and the same on both
-  backends), so a policy gains nothing by leaving the space.
+  simulators), so a policy gains nothing by leaving the space.
 * **Chunks**: a chunk ``[H, A]`` runs up to H control steps and stops early at termination
   (``info["success"]`` or ``info["fail"]``) or at the episode's time limit (config
   ``max_episode_steps``, overriding the task's default). Intermediate steps advance physics and the
@@ -127,7 +127,7 @@ def resolve_sim_backend(sim_backend: str) -> str:
     return sim_backend
 
 
-def _render_backend() -> str:
+def _renderer() -> str:
     import torch
 
     return "gpu" if torch.cuda.is_available() else "cpu"
@@ -146,7 +146,7 @@ def make_maniskill_env(settings: ManiSkillSettings, *, num_envs: int, sim_backen
     h, w = settings.image_size
     reward_mode = "none" if sparse_from_info(settings) else settings.reward_mode
     kwargs = dict(num_envs=num_envs, obs_mode=settings.obs_mode, reward_mode=reward_mode,
-                  control_mode=settings.control_mode, sim_backend=sim_backend, render_backend=_render_backend(),
+                  control_mode=settings.control_mode, sim_backend=sim_backend, render_backend=_renderer(),
                   max_episode_steps=settings.max_episode_steps,
                   human_render_camera_configs=dict(width=w, height=h))
     if settings.obs_mode == "rgb":
@@ -202,7 +202,7 @@ def check_config(cfg: Mapping, *, probe: bool = True) -> ManiSkillSettings:
     if not any(m in supported_obs for m in _NEEDED_OBS_MODES[settings.obs_mode]):
         raise ConfigError("env.obs_mode", f"{settings.task} does not support '{settings.obs_mode}' observations "
                           f"(it supports {', '.join(supported_obs)})")
-    # A throwaway CPU scene tells the robot's control modes and camera names. Not on the GPU backend:
+    # A throwaway CPU scene tells the robot's control modes and camera names. Not on the GPU simulator:
     # SAPIEN must enable GPU PhysX before any CPU PhysX scene exists in the process.
     if probe and backend == CPU_BACKEND:
         try:
@@ -232,7 +232,7 @@ def _check_cameras(settings: ManiSkillSettings, available) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# helpers shared by the CPU and GPU backends (they operate on ManiSkill's batched torch tensors)
+# helpers shared by the CPU and GPU simulators (they operate on ManiSkill's batched torch tensors)
 # --------------------------------------------------------------------------------------------------
 def init_state_seed(init_state_id: int) -> int:
     """ManiSkill episode seed of fixed init state ``init_state_id`` (the id itself: init state k is

@@ -20,7 +20,7 @@ class ManiSkillAdapter:
     @staticmethod
     def check_config(cfg: Mapping) -> None:
         """Unknown task id (with close matches), unsupported obs/reward/control mode or camera (with
-        the choices), a GPU backend without CUDA: :class:`ConfigError`; missing downloadable data:
+        the choices), the GPU simulator without CUDA: :class:`ConfigError`; missing downloadable data:
         :class:`~embodirl.errors.AssetsMissing` with the command that fetches it."""
         check_config(cfg)
 

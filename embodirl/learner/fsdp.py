@@ -48,7 +48,8 @@ def rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
-def default_backend(device: torch.device) -> str:
+def collective_library(device: torch.device) -> str:
+    """torch.distributed's communication library for ``device``'s tensors."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -67,7 +68,7 @@ def init_process_group(*, rank: int, world_size: int, master_addr: str, master_p
     device = device or default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(default_backend(device), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+    dist.init_process_group(collective_library(device), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -79,7 +79,7 @@ class RolloutStats:
     restarts: int = 0            # sub-env restarts seen mid-episode
     recollected_rows: int = 0
     shm_batches: int = 0         # observation batches sent through a shared-memory stream (same node)
-    object_store_batches: int = 0   # ... as Ray actor calls through the object store (other node, shm off)
+    object_store_batches: int = 0   # ... as Ray calls through the object store (other node, shm off)
     baseline_s: float = 0.0      # ReMax's greedy baseline rollouts (filled by the runner)
     rollouts_drawn: int = 0      # re-sampled group filtering: trajectories collected / kept (runner)
     rollouts_kept: int = 0

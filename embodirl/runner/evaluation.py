@@ -5,7 +5,7 @@ The sweep is the adapter's ``eval_schedule(cfg)`` (LIBERO: trial k of every task
 state k, 50 trials per task in the standard protocol) or, for adapters without fixed init states,
 ``num_trials_per_task`` seeded episodes per task. :func:`run_sweep` runs it in batches of ``num_envs``
 slots on the evaluation env workers of a :class:`~embodirl.workers.groups.WorkerGroups` (in this process
-or Ray actors: the same code), which collect with the training
+or Ray workers: the same code), which collect with the training
 :class:`~embodirl.rollout.collector.RolloutCollector` without auto-reset, every episode to termination or
 its time limit, the rollout workers sampling with the evaluation parameters
 (:func:`~embodirl.workers.rollout_worker.sampling_from_config`: greedy with ``runner.eval_greedy``, else

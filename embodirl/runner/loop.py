@@ -3,9 +3,9 @@ evaluation, checkpoints and logging around it.
 
 Rollouts come from :class:`~embodirl.runner.rollouts.Rollouts`: env workers and rollout workers, in this
 process (the default job: simulators in sub-processes, pipeline stages overlapping through a background
-inference thread) or as Ray actors with the shared-memory observation channel (``cluster.use_ray``), the
+inference thread) or as Ray workers with the shared-memory observation channel (``cluster.use_ray``), the
 same classes either way. The learner is an :class:`~embodirl.workers.actor_group.ActorGroup` it makes:
-one rank in this process (whose module the rollout worker acts with), or N FSDP2 ranks as Ray actors.
+one rank in this process (whose module the rollout worker acts with), or N FSDP2 ranks as Ray workers.
 
 One step::
 

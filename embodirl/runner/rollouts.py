@@ -3,13 +3,13 @@
 :class:`Rollouts` holds the run's :class:`~embodirl.workers.groups.WorkerGroups` (env workers and rollout
 workers) and makes its :class:`~embodirl.workers.actor_group.ActorGroup` (the learner's ranks). The same
 worker classes run either way; ``cluster.use_ray`` (:func:`embodirl.placement.use_ray`) only decides
-whether they are objects in this process or Ray actors:
+whether they are objects in this process or Ray workers:
 
 * in this process (the default job: no Ray) - one env worker whose simulators run in sub-processes,
   pipeline stages overlapping through a background inference thread, and one rollout worker acting with
   the learner rank's own policy object (no copy: a publication moves only the version);
 * Ray - env workers with the shared-memory observation channel to rollout workers holding inference
-  copies of the policy, learner ranks as Ray actors on the placement's devices; a local Ray is started
+  copies of the policy, learner ranks as Ray workers on the placement's devices; a local Ray is started
   unless one runs or ``cluster.ray_address`` / ``RAY_ADDRESS`` names a cluster, and shut down after.
 
 =====================================  ========================================================================
@@ -114,7 +114,7 @@ class Rollouts:
 
     # --- the learner -------------------------------------------------------------------------------
     def make_actors(self):
-        """The learner's ranks: one in this process whose module the rollout worker acts with, or Ray actors
+        """The learner's ranks: one in this process whose module the rollout worker acts with, or Ray workers
         on the placement's ``actor`` devices."""
         from embodirl.workers.actor_group import ActorGroup
 

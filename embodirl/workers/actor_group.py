@@ -10,7 +10,7 @@
     actors.save(learner_dir, policy_dir)                      # sharded learner state + public export
 
 ``remote=False`` holds one rank in this process (the default CPU job: no Ray, and the driver's
-inference shares the rank's module). ``remote=True`` starts N Ray actors - N = the accelerators
+inference shares the rank's module). ``remote=True`` starts N Ray workers - N = the accelerators
 ``cluster.component_placement`` gives ``actor``, or ``actor.cpu_world_size`` on a machine without
 GPUs - pinned to their placement-group bundles; rank 0 finds an address and a free port on its node
 and every rank joins the process group there (gloo on CPU, NCCL on GPU).
@@ -60,7 +60,7 @@ class ActorGroup:
     @classmethod
     def remote_group(cls, cfg: DictConfig, spec, *, placement=None, process_vars: Mapping[str, str] | None = None
                      ) -> ActorGroup:
-        """N Ray actors (see module docstring)."""
+        """N ranks as Ray workers (see module docstring)."""
         import ray
 
         plain = to_plain(cfg)
@@ -69,10 +69,10 @@ class ActorGroup:
         for r in range(N):
             options = {"max_restarts": 0, "max_concurrency": 1}
             if placement is not None:
-                from embodirl.workers.placement_groups import actor_options
+                from embodirl.workers.placement_groups import worker_options
 
                 plan, groups = placement
-                options.update(actor_options(plan, groups, "actor", r))
+                options.update(worker_options(plan, groups, "actor", r))
             workers.append(ray.remote(ActorWorker).options(**options).remote(
                 plain, spec, rank=r, world_size=N, process_vars=dict(process_vars or {})))
         group = cls(workers, remote=True, infos=[{} for _ in workers])

@@ -2,7 +2,7 @@
 
 A plain class (in-process in most tests) that the worker groups wrap with ``ray.remote``. It builds
 its env batches with the adapter registry, connects to one rollout worker (an object in this process,
-a Ray actor on this node reached through a shared-memory stream, or one elsewhere reached through
+a Ray worker on this node reached through a shared-memory stream, or one elsewhere reached through
 Ray's object store: :mod:`embodirl.workers.stream`, :mod:`embodirl.workers.transport`) and runs
 :class:`~embodirl.rollout.collector.RolloutCollector`: the trajectory of its ``S*B`` slots comes back
 as the return value of :meth:`EnvWorker.collect`. Images stay on the env side until then, so the
@@ -91,7 +91,7 @@ class EnvWorker:
     # --- wiring ------------------------------------------------------------------------------------
     def connect(self, rollout_worker, *, same_node: bool = True, mode: str = "train") -> None:
         """Serve decisions from ``rollout_worker``: an object in this process (:meth:`connect_local`) or a
-        Ray actor (:meth:`connect_remote`), whichever the worker groups hand over."""
+        Ray worker (:meth:`connect_remote`), whichever the worker groups hand over."""
         from embodirl.workers.rollout_worker import RolloutWorker
 
         if isinstance(rollout_worker, RolloutWorker):
@@ -105,22 +105,22 @@ class EnvWorker:
         self._set_client(LocalClient(rollout_worker, mode=mode, background=self.S > 1 if background is None
                                      else background))
 
-    def connect_remote(self, actor, *, same_node: bool, mode: str = "train") -> None:
-        """Serve decisions from a rollout-worker actor: a shared-memory stream when ``same_node`` (and
+    def connect_remote(self, worker, *, same_node: bool, mode: str = "train") -> None:
+        """Serve decisions from a rollout worker on Ray: a shared-memory stream when ``same_node`` (and
         ``use_shm``), Ray's object store otherwise. Connecting again (a restarted rollout worker) keeps
         the rings and drops what the old worker held."""
         stream = self.use_shm and same_node
         kind = StreamClient if stream else RayClient
         if isinstance(self.client, kind):
-            self.client.reconnect(actor)
+            self.client.reconnect(worker)
             self.client.mode = mode
         elif stream:
             # per stage a decision and a final-observation value request (a time-limit truncation) in
             # flight, plus a bootstrap request: the ring must hold them all (its answers use as many slots)
             slots = max(self.queue_size, 2 * self.S + 1)
-            self._set_client(StreamClient(actor, queue_size=slots, mode=mode, tag=f"s{self.slot_offset}"))
+            self._set_client(StreamClient(worker, queue_size=slots, mode=mode, tag=f"s{self.slot_offset}"))
         else:
-            self._set_client(RayClient(actor, mode=mode))
+            self._set_client(RayClient(worker, mode=mode))
 
     def _set_client(self, client) -> None:
         if self.client is not None and self.client is not client:

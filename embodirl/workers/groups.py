@@ -2,7 +2,7 @@
 
 :class:`WorkerGroups` is what the runner talks to::
 
-    groups = WorkerGroups.from_config(cfg)                  # Ray actors (or remote=False: in this process)
+    groups = WorkerGroups.from_config(cfg)                  # Ray workers (or remote=False: in this process)
     groups.load_weights(learner_all_tensors, version)       # start (or resume) from the learner's weights
     traj = groups.collect()                                 # Trajectory [N, T], N = env.train.num_envs
     groups.sync_weights(learner_changed_tensors, version)   # after each update
@@ -11,11 +11,11 @@
 The same :class:`~embodirl.workers.env_worker.EnvWorker` and
 :class:`~embodirl.workers.rollout_worker.RolloutWorker` classes run in both cases; each group holds its
 workers in a :class:`~embodirl.workers.worker_set.WorkerSet`, the one place that tells an object in this
-process from a Ray actor. The slot layout is :mod:`embodirl.workers.layout`'s: each env worker runs the
+process from a Ray worker. The slot layout is :mod:`embodirl.workers.layout`'s: each env worker runs the
 whole rollout loop itself, so the driver issues one call per env worker and concatenates the returned
 trajectories in slot order.
 
-Faults (Ray actors; :mod:`embodirl.workers.recovery`):
+Faults (Ray workers; :mod:`embodirl.workers.recovery`):
 
 * an env worker that dies (its process killed) is replaced by a new one with the same arguments and
   placement; its shared memory is swept, and its slots are collected again from the same episode
@@ -61,10 +61,10 @@ def _placement_options(placement, component: str, offset: int = 0):
     """``WorkerSet`` options for worker ``k`` of ``component`` under ``placement`` ((plan, groups) or None)."""
     if placement is None:
         return None
-    from embodirl.workers.placement_groups import actor_options
+    from embodirl.workers.placement_groups import worker_options
 
     plan, groups = placement
-    return lambda k: actor_options(plan, groups, component, offset + k)
+    return lambda k: worker_options(plan, groups, component, offset + k)
 
 
 class RolloutWorkerGroup:
@@ -212,7 +212,7 @@ class RolloutWorkerGroup:
 
 
 def _close_workers(workers: list, remote: bool, wait_s: float = 10.0) -> None:
-    """Close ``workers`` (objects in this process, or Ray actors) as :meth:`WorkerSet.close` does."""
+    """Close ``workers`` (objects in this process, or Ray workers) as :meth:`WorkerSet.close` does."""
     closing = WorkerSet(object, remote=remote)
     closing.handles = list(workers)
     closing.close(wait_s)

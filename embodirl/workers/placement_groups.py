@@ -1,4 +1,4 @@
-"""From a parsed ``cluster.component_placement`` to Ray placement groups and actor options.
+"""From a parsed ``cluster.component_placement`` to Ray placement groups and worker options.
 
 :func:`embodirl.placement.parse_placement` gives each component (actor, rollout, env) a set of global
 device ids (node-major: node k holds ids ``k*G .. k*G+G-1``). Here every device used by any component
@@ -151,8 +151,8 @@ def create_placement_groups(plan: PlacementPlan, *, timeout_s: float = DEFAULT_R
     return groups
 
 
-def actor_options(plan: PlacementPlan, groups: dict | None, component: str, rank: int) -> dict:
-    """``ray.remote(...).options(**actor_options(...))`` for worker ``rank`` of ``component``.
+def worker_options(plan: PlacementPlan, groups: dict | None, component: str, rank: int) -> dict:
+    """``ray.remote(...).options(**worker_options(...))`` for worker ``rank`` of ``component``.
 
     Without placement groups (``groups=None``) only the resource shares are set."""
     slot = plan.slot(component, rank)

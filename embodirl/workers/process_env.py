@@ -1,7 +1,7 @@
 """What a worker process needs from its driver's environment, and what it tells about itself.
 
 Ray starts worker processes from the raylet, so environment variables the driver sets after
-``ray.init`` (the shared-memory run id, LIBERO's asset path, rendering back-ends) do not reach them.
+``ray.init`` (the shared-memory run id, LIBERO's asset path, renderers) do not reach them.
 The driver captures them with :func:`forwarded` and every worker adopts them with :func:`adopt` first
 thing in its constructor, then calls :func:`embodirl.runtime.configure` before any simulator import.
 """

@@ -2,7 +2,7 @@
 the slots they held are collected again from the same episode starts (GRPO groups stay intact).
 
 :func:`collect_all` is the collection of an :class:`~embodirl.workers.groups.EnvWorkerGroup`: one
-``collect`` per env worker, answers taken as they come. A Ray actor that dies raises ``RayActorError``
+``collect`` per env worker, answers taken as they come. A Ray worker that dies raises ``RayActorError``
 (an env worker) or :class:`~embodirl.workers.transport.RolloutWorkerDied` (its rollout worker); either is
 recovered and that worker's part asked for again, up to ``max_faults`` times per collection. Workers in
 this process do not die apart from the driver: their errors are the run's.

@@ -197,11 +197,11 @@ class _StreamPending:
 
 class StreamClient:
     """An env worker's :class:`~embodirl.rollout.inference.InferenceClient` over a shared-memory
-    stream to a rollout-worker actor on the same node (see module docstring)."""
+    stream to a rollout worker on Ray, on the same node (see module docstring)."""
 
-    def __init__(self, actor, *, queue_size: int, mode: str = "train", tag: str = "obs",
+    def __init__(self, worker, *, queue_size: int, mode: str = "train", tag: str = "obs",
                  liveness_check_s: float = LIVENESS_CHECK_S):
-        self.actor = actor
+        self.worker = worker
         self.queue_size = max(int(queue_size), 1)
         self.mode = mode
         self.tag = tag
@@ -222,7 +222,7 @@ class StreamClient:
             import ray
 
             ref = self.request.put(obs)
-            info, out, pid = self._call(lambda: ray.get(self.actor.open_stream.remote(self.request.info, ref, meta)))
+            info, out, pid = self._call(lambda: ray.get(self.worker.open_stream.remote(self.request.info, ref, meta)))
             self.response = info
             self._watch(pid)
             return Done(_strip(out, return_value))
@@ -284,7 +284,7 @@ class StreamClient:
         from ray.exceptions import GetTimeoutError
 
         try:
-            self._call(lambda: ray.get(self.actor.ready.remote(), timeout=self.liveness_check_s))
+            self._call(lambda: ray.get(self.worker.ready.remote(), timeout=self.liveness_check_s))
         except GetTimeoutError:   # alive but not answering yet (e.g. a long forward on CPU)
             pass
 
@@ -303,9 +303,9 @@ class StreamClient:
         return {"shm": True, "stream": True, "segment": self.request.info.segment if self.request else None,
                 "shm_batches": self.batches, "ray_batches": 0, "fallbacks": 0}
 
-    def reconnect(self, actor) -> None:
+    def reconnect(self, worker) -> None:
         """Serve from a new rollout worker: requests the old one held are dropped, a new stream opens."""
-        self.actor = actor
+        self.worker = worker
         if self.request is not None:
             self.request.reclaim()
         if self.response is not None:

@@ -4,11 +4,11 @@ Decisions (an env worker asking its rollout worker):
 
 * :class:`LocalClient` - the rollout worker is an object in this process (zero remote workers). With
   ``background=True`` decisions run on one thread so pipeline stages still overlap.
-* :class:`~embodirl.workers.stream.StreamClient` - the rollout worker is a Ray actor on the same
+* :class:`~embodirl.workers.stream.StreamClient` - the rollout worker runs on Ray on the same
   node: observation batches and answers travel through shared-memory rings, no Ray message per
   decision (``rollout.channel.shm: true``, the default);
-* :class:`RayClient` - the rollout worker is a Ray actor on another node (or shared memory is off):
-  every decision is an actor call carrying the batch through Ray's object store; the answer (a few KB)
+* :class:`RayClient` - the rollout worker runs on Ray on another node (or shared memory is off):
+  every decision is a Ray call carrying the batch through Ray's object store; the answer (a few KB)
   is the call's return value, which Ray sends inline with the reply.
 
 Trajectories travel back to the driver once per rollout as the return value of the env worker's
@@ -85,25 +85,25 @@ class _RayPending:
 
 
 class RayClient:
-    """Client over a rollout-worker actor handle through Ray's object store: each decision is one
-    actor call whose argument is the batch (the path between nodes, or with
+    """Client over a Ray rollout worker's handle through Ray's object store: each decision is one
+    Ray call whose argument is the batch (the path between nodes, or with
     ``rollout.channel.shm: false``)."""
 
-    def __init__(self, actor, *, mode: str = "train"):
-        self.actor = actor
+    def __init__(self, worker, *, mode: str = "train"):
+        self.worker = worker
         self.mode = mode
         self.batches = 0
 
     def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
         self.batches += 1
-        return _RayPending(self.actor.infer.remote(dict(obs), return_value=return_value, mode=self.mode))
+        return _RayPending(self.worker.infer.remote(dict(obs), return_value=return_value, mode=self.mode))
 
     def info(self) -> dict:
         return {"shm": False, "stream": False, "segment": None, "shm_batches": 0, "ray_batches": self.batches,
                 "fallbacks": 0}
 
-    def reconnect(self, actor) -> None:
-        self.actor = actor
+    def reconnect(self, worker) -> None:
+        self.worker = worker
 
     def close(self) -> None:
         pass

@@ -1,8 +1,8 @@
-"""A set of workers of one class, in this process or as Ray actors: the one place that tells them apart.
+"""A set of workers of one class, in this process or on Ray: the one place that tells them apart.
 
 The worker groups (:mod:`embodirl.workers.groups`) and the runner talk to env and rollout workers only
 through a :class:`WorkerSet`; whether worker ``k`` is an object in this process (the default job: no Ray)
-or a Ray actor changes nothing in their code::
+or a Ray worker process changes nothing in their code::
 
     workers = WorkerSet(EnvWorker, remote=False)
     workers.start(0, env_cfg, num_stages=2, ...)          # or remote=True: ray.remote(EnvWorker) with options
@@ -36,8 +36,8 @@ class _Settled:
 
 
 class WorkerSet:
-    """Workers of class ``cls`` by rank (see module docstring). ``options_for(rank)``: extra Ray actor
-    options of a remote worker (placement); ignored in this process."""
+    """Workers of class ``cls`` by rank (see module docstring). ``options_for(rank)``: extra
+    ``ray.remote`` options of a remote worker (placement); ignored in this process."""
 
     def __init__(self, cls: type, *, remote: bool, options_for: Callable[[int], Mapping] | None = None):
         self.cls = cls
@@ -52,7 +52,7 @@ class WorkerSet:
         return iter(list(self.handles))
 
     def __getitem__(self, rank: int):
-        """Worker ``rank``'s handle: the object, or the Ray actor handle (what another worker is given)."""
+        """Worker ``rank``'s handle: the object, or its Ray handle (what another worker is given)."""
         return self.handles[rank]
 
     # --- creation ----------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ class WorkerSet:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def kill(self, rank: int) -> None:
-        """Stop worker ``rank`` at once (a dead or hung Ray actor); an object here is closed."""
+        """Stop worker ``rank`` at once (a dead or hung Ray worker); an object here is closed."""
         handle = self.handles[rank]
         try:
             if self.remote:
@@ -132,7 +132,7 @@ class WorkerSet:
             log.debug("killing worker %d: %s", rank, exc)
 
     def close(self, wait_s: float = 10.0) -> None:
-        """Close every worker: Ray actors get ``wait_s`` to close (simulators, shared-memory rings they
+        """Close every worker: Ray workers get ``wait_s`` to close (simulators, shared-memory rings they
         created) and are then killed (a dead one is already gone); objects here just close."""
         handles, self.handles = self.handles, []
         if not self.remote:

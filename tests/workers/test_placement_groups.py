@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from embodirl.placement import parse_placement
-from embodirl.workers.placement_groups import actor_options, plan_placement
+from embodirl.workers.placement_groups import plan_placement, worker_options
 
 
 def test_collocated_gpus_share_each_bundle():
@@ -58,4 +58,4 @@ def test_cpu_machines_get_one_core_bundles():
     assert env0.num_cpus == pytest.approx(1 / 3)       # shares core 0 with the rollout worker and actor rank
     assert env1.num_cpus == 1.0                         # alone on core 1
     assert all(s.num_gpus == 0.0 for s in plan.slots["env"])
-    assert actor_options(plan, None, "rollout", 0) == {"num_cpus": pytest.approx(1 / 3), "num_gpus": 0.0}
+    assert worker_options(plan, None, "rollout", 0) == {"num_cpus": pytest.approx(1 / 3), "num_gpus": 0.0}
