@@ -37,11 +37,9 @@ STATISTICS_FILE = "dataset_statistics.json"
 
 
 def unnorm_key(cfg: DictConfig, spec) -> str:
-    """``sft.unnorm_key``, else the env suite (what ``model.unnorm_key: null`` looks up), else the env task."""
-    if cfg.sft.unnorm_key:
-        return str(cfg.sft.unnorm_key)
-    train = cfg.env.train
-    return str(train.get("suite") or train.get("task") or spec.name or "dataset")
+    """The statistics entry's name: ``model.unnorm_key``, else the env's name - what the policy looks up when
+    ``model.unnorm_key`` is null, so ``embodirl train|eval model.path=<checkpoint>`` in this env need no flag."""
+    return str(cfg.model.unnorm_key or spec.name or cfg.env.train.get("task") or "dataset")
 
 
 def learner_options(cfg: DictConfig) -> dict:

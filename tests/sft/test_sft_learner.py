@@ -46,7 +46,7 @@ def test_token_loss_falls_and_accuracy_rises_on_a_fixed_batch(compose_cfg, tmp_p
     assert last["sft/token_accuracy"] > first["sft/token_accuracy"] + 0.1
     assert last["learner/version"] == 40.0
     # the exported checkpoint is marked as having trained action tokens and carries the statistics
-    stats = {"demo": {"action": {"q01": [-1.0] * 4, "q99": [1.0] * 4, "mask": [True] * 4},
+    stats = {"test": {"action": {"q01": [-1.0] * 4, "q99": [1.0] * 4, "mask": [True] * 4},
                       "proprio": {"q01": [-2.0] * 5, "q99": [2.0] * 5, "mask": [True] * 5}}}
     actors.set_statistics(stats)
     actors.export(tmp_path / "ckpt", 25, {TOKENS_TRAINED: True})
