@@ -89,6 +89,24 @@ def rollout_metrics(batch, H: int, collect_s: float) -> dict[str, float]:
     return metrics
 
 
+def collection_metrics(batch, stats: RolloutStats, H: int, collect_s: float) -> tuple[dict[str, float], dict[str, float]]:
+    """A step's collection timings (``time/*``: collection without ReMax's greedy rollouts, which count
+    apart, and its env / inference / channel-wait split) and metrics (:func:`rollout_metrics`, episodes
+    collected again, observation batches per transport, re-sampled group filtering's rollouts)."""
+    timings = {"time/collect": collect_s}
+    if stats.baseline_s:
+        timings["time/baseline_rollout"] = stats.baseline_s   # ReMax's greedy rollouts
+    timings.update({"time/env": stats.env_s, "time/inference": stats.infer_s, "time/channel_wait": stats.wait_s})
+    metrics = rollout_metrics(batch, H, collect_s)
+    metrics["train/dropped_episodes"] = float(stats.recollected_rows)
+    metrics["transport/shm_batches"] = float(stats.shm_batches)
+    metrics["transport/object_store_batches"] = float(stats.object_store_batches)
+    if stats.rollouts_drawn:
+        metrics["train/rollouts_drawn"] = float(stats.rollouts_drawn)
+        metrics["train/rollouts_kept"] = float(stats.rollouts_kept)
+    return timings, metrics
+
+
 class Runner:
     """Owns one run's components and its output folder (see module docstring)."""
 
@@ -254,22 +272,9 @@ class Runner:
             if r.val_before_train and start_step == 0:
                 self._log_eval(logger, rollouts, 0)
             for step in range(start_step + 1, max_steps + 1):
-                timings: dict[str, float] = {}
                 t0 = time.perf_counter()
                 batch, stats = self._collect(rollouts, step, starts_rng)
-                timings["time/collect"] = time.perf_counter() - t0 - stats.baseline_s
-                if stats.baseline_s:
-                    timings["time/baseline_rollout"] = stats.baseline_s   # ReMax's greedy rollouts
-                timings["time/env"] = stats.env_s
-                timings["time/inference"] = stats.infer_s
-                timings["time/channel_wait"] = stats.wait_s
-                metrics = rollout_metrics(batch, H, timings["time/collect"])
-                metrics["train/dropped_episodes"] = float(stats.recollected_rows)
-                metrics["transport/shm_batches"] = float(stats.shm_batches)
-                metrics["transport/object_store_batches"] = float(stats.object_store_batches)
-                if stats.rollouts_drawn:
-                    metrics["train/rollouts_drawn"] = float(stats.rollouts_drawn)
-                    metrics["train/rollouts_kept"] = float(stats.rollouts_kept)
+                timings, metrics = collection_metrics(batch, stats, H, time.perf_counter() - t0 - stats.baseline_s)
                 # advantages (driver side, on the whole batch) + update (every rank on its shard)
                 t1 = time.perf_counter()
                 if kl_active and D.LOGPROB_REF not in batch.keys():

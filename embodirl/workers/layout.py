@@ -76,3 +76,13 @@ def plan_from_config(cfg: DictConfig, layout: RolloutLayout, eval_layout: Rollou
     workers = {"env": num_env, "rollout": layout.num_rollout_workers,
                "actor": data_parallel_size(cfg, placement)}
     return plan_placement(placement, workers, num_nodes=num_nodes)
+
+
+def placement_options(placement, component: str, offset: int = 0):
+    """``WorkerSet`` options for worker ``k`` of ``component`` under ``placement`` ((plan, groups) or None)."""
+    if placement is None:
+        return None
+    from embodirl.workers.placement_groups import worker_options
+
+    plan, groups = placement
+    return lambda k: worker_options(plan, groups, component, offset + k)

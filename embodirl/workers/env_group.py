@@ -1,0 +1,116 @@
+"""The env worker group: K :class:`~embodirl.workers.env_worker.EnvWorker` s in a
+:class:`~embodirl.workers.worker_set.WorkerSet` (in this process or on Ray), each connected to its rollout
+worker; one collection is one ``collect`` per env worker, dead workers replaced
+(:mod:`embodirl.workers.recovery`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from embodirl import data as D
+from embodirl.plain import to_plain
+from embodirl.rollout.starts import EpisodeStarts, plan_starts
+from embodirl.workers import recovery
+from embodirl.workers.env_worker import EnvWorker
+from embodirl.workers.layout import RolloutLayout, placement_options
+from embodirl.workers.rollout_group import RolloutWorkerGroup
+from embodirl.workers.rollout_worker import TRAIN
+from embodirl.workers.transport import unpack_trajectory
+from embodirl.workers.worker_set import WorkerSet
+
+
+class EnvWorkerGroup:
+    """K env workers, each connected to its rollout worker (see module docstring)."""
+
+    def __init__(self, env_cfg: Mapping, layout: RolloutLayout, *, remote: bool, return_value: bool, seed: int = 0,
+                 use_shm: bool = True, queue_size: int = 4, placement=None,
+                 process_vars: Mapping[str, str] | None = None, mode: str = TRAIN,
+                 max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None):
+        self.env_cfg = to_plain(env_cfg)
+        self.layout = layout
+        self.rollout: RolloutWorkerGroup | None = None
+        self.mode = mode
+        self.max_faults = max_faults
+        self.events: list[dict] = []
+        self.videos: list[str] = []
+        self._rng = np.random.default_rng(seed)
+        self._kwargs = dict(num_stages=layout.num_stages, envs_per_stage=layout.envs_per_stage,
+                            num_decisions=layout.num_decisions, group_size=layout.group_size,
+                            return_value=return_value, seed=seed, use_shm=use_shm, queue_size=queue_size,
+                            process_vars=dict(process_vars or {}), env_builder=env_builder)
+        self.workers = WorkerSet(EnvWorker, remote=remote,
+                                 options_for=placement_options(placement, "env", env_placement_offset))
+        try:
+            for k in range(layout.num_env_workers):
+                self.start(k)
+            self.infos = self.workers.call_all("info")       # remote: also waits until every worker is built
+            self.spec = self.workers.call(0, "spec")
+        except BaseException:
+            self.close()
+            raise
+        self._connected_gen = [None] * layout.num_env_workers
+
+    @property
+    def remote(self) -> bool:
+        return self.workers.remote
+
+    def start(self, k: int) -> None:
+        """Create (or replace) env worker ``k`` with its slots."""
+        self.workers.start(k, self.env_cfg, **self._kwargs, slot_offset=k * self.layout.slots_per_worker)
+
+    def attach(self, rollout_group: RolloutWorkerGroup) -> None:
+        """Connect every env worker to its rollout worker (``k % R``)."""
+        self.rollout = rollout_group
+        for k in range(len(self.workers)):
+            self.connect(k)
+
+    def connect(self, k: int) -> None:
+        r = self.layout.rollout_worker_of(k)
+        same_node = self.infos[k]["node_id"] == self.rollout.infos[r]["node_id"]
+        self.workers.call(k, "connect", self.rollout.workers[r], same_node=same_node, mode=self.mode)
+        self._connected_gen[k] = self.rollout.generation[r]
+
+    # --- collection --------------------------------------------------------------------------------
+    def plan_starts(self) -> EpisodeStarts:
+        return plan_starts(self.env_cfg, self.spec, self.layout.num_slots, self.layout.group_size, self._rng)
+
+    def collect(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
+                step: int = 0, mode: str | None = None):
+        """One rollout of all N slots: the trajectory ``[N, T]``, slots in order. ``video_dir``: record
+        the envs the config's ``video`` section selects (paths in :attr:`videos`). ``mode``: the rollout
+        workers' sampling mode for this rollout only (default: the group's). Workers that die meanwhile
+        are replaced and their slots collected again (:func:`~embodirl.workers.recovery.collect_all`)."""
+        starts = starts if starts is not None else self.plan_starts()
+        if len(starts) != self.layout.num_slots:
+            raise ValueError(f"starts cover {len(starts)} slots, the group has {self.layout.num_slots}")
+        per = self.layout.slots_per_worker
+        parts = [starts.slice(k * per, (k + 1) * per) for k in range(len(self.workers))]
+        kwargs = dict(seed=seed, video_dir=None if video_dir is None else str(video_dir), step=step,
+                      packed=self.remote)        # through Ray: the cheap form to send
+        if mode is not None:
+            kwargs["mode"] = mode
+        results = recovery.collect_all(self, parts, kwargs)
+        self.videos = [v for vs in self.workers.call_all("videos_written") for v in vs] if video_dir else []
+        return D.concat([unpack_trajectory(r) if self.remote else r for r in results])
+
+    def transport_infos(self) -> list[dict]:
+        """How each env worker's observations reach its rollout worker (shared memory or Ray)."""
+        return self.workers.call_all("transport_info")
+
+    def last_stats(self) -> list:
+        """Every env worker's :class:`~embodirl.rollout.collector.RolloutStats` of the last collection."""
+        return self.workers.call_all("last_stats")
+
+    def env_worker_pids(self) -> list[int]:
+        return [info["pid"] for info in self.infos]
+
+    def offload(self) -> None:
+        self.workers.call_all("offload")
+
+    def onload(self) -> None:
+        self.workers.call_all("onload")
+
+    def close(self, wait_s: float = 60.0) -> None:
+        self.workers.close(wait_s)

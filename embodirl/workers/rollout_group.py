@@ -1,0 +1,160 @@
+"""The rollout worker group: R :class:`~embodirl.workers.rollout_worker.RolloutWorker` s in a
+:class:`~embodirl.workers.worker_set.WorkerSet` (in this process or on Ray), their weights (driver-side
+publications, or the learner ranks' handles) and restarts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from embodirl.plain import to_plain
+from embodirl.workers.layout import placement_options
+from embodirl.workers.rollout_worker import RolloutWorker
+from embodirl.workers.weight_sync import WeightPublisher
+from embodirl.workers.worker_set import WorkerSet
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorkerGroup:
+    """R rollout workers. In this process a worker given the driver's ``policy`` acts with that very
+    object (no copy, no weight transfer: the learner's updates are its weights) on its device, and samples
+    with the driver's generators; a Ray worker gets a copy and seeds its own (``seed + r + R*restarts``)."""
+
+    def __init__(self, model_cfg: Mapping, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
+                 remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
+                 seed: int | None = None, init_seed: int | None = None, weight_source=None):
+        self.model_cfg = to_plain(model_cfg)
+        self.env_spec = env_spec
+        self.backend = backend
+        self.sampling = dict(sampling)
+        self.process_vars = dict(process_vars or {})
+        self._policy = policy            # an existing policy object instead of building one
+        self.seed = seed
+        self.init_seed = init_seed       # seeded policy initialisation (the actor ranks use the same)
+        self.publisher: WeightPublisher | None = None
+        #: where a restarted worker's weights come from when an actor group publishes: a callable
+        #: returning a full WeightHandle (None: the driver-side publisher below)
+        self.weight_source = weight_source
+        self._version = 0                # the last version received from the actor group
+        self.sync_paths: dict[str, int] = {}   # how the last publication reached the workers
+        self.generation = [0] * num_workers   # bumped at every restart of worker r
+        self.workers = WorkerSet(RolloutWorker, remote=remote, options_for=placement_options(placement, "rollout"))
+        self.shares_policy = policy is not None and not remote
+        try:
+            for r in range(num_workers):
+                self._start(r, weights=None)
+            self.infos = self.workers.call_all("info")    # remote: also waits until every worker is built
+            if weight_source is None and not self.shares_policy:
+                self._driver_publisher()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def remote(self) -> bool:
+        return self.workers.remote
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def _driver_publisher(self) -> WeightPublisher:
+        if self.publisher is None:
+            # what a restarted worker loads when nothing was published yet: worker 0's start weights
+            self.publisher = WeightPublisher(self.workers.call(0, "trainable_state_dict"))
+        return self.publisher
+
+    def _start(self, r: int, weights) -> None:
+        kwargs = dict(backend=self.backend, sampling=self.sampling, weights=weights, process_vars=self.process_vars,
+                      policy=self._policy, init_seed=self.init_seed)
+        if self.shares_policy:           # the driver's policy acts where it is
+            param = next(self._policy.parameters(), None)
+            kwargs["device"] = str(param.device) if param is not None else "cpu"
+        elif self.seed is not None and self.remote:
+            kwargs["seed"] = self.seed + r + len(self.generation) * self.generation[r]
+        self.workers.start(r, self.model_cfg, self.env_spec, **kwargs)
+
+    # --- weights -----------------------------------------------------------------------------------
+    def sync_weights(self, tensors: Mapping, version: int | None = None) -> int:
+        """Publish the learner's changed trainable tensors; every worker holds them on return."""
+        return self._send(self._driver_publisher().publish(tensors, version))
+
+    def load_weights(self, tensors: Mapping, version: int) -> int:
+        """Replace every trainable tensor by ``tensors`` at ``version`` (a full update): the learner's
+        start or resumed weights, or a checkpoint's for evaluation."""
+        return self._send(self._driver_publisher().reset(tensors, version))
+
+    def receive_weights(self, handle) -> int:
+        """Every worker applies the actor group's publication ``handle`` (it reads the tensors itself:
+        shared memory on rank 0's node, the object store elsewhere; a worker sharing the learner's module
+        gets the version only, an int); returns the version."""
+        answers = self.workers.call_all("receive_weights", handle)
+        version = int(handle) if isinstance(handle, int) else handle.version
+        versions = [v for v, _ in answers]
+        if any(v != version for v in versions):
+            raise RuntimeError(f"rollout workers hold weight versions {versions} after publishing v{version}")
+        self.sync_paths = {}
+        for _, path in answers:
+            self.sync_paths[path] = self.sync_paths.get(path, 0) + 1
+        self._version = version
+        return version
+
+    def consumer_nodes(self) -> list:
+        return sorted({info.get("node_id") for info in self.infos}, key=str)
+
+    def _send(self, update) -> int:
+        shared = self.workers.share(update)    # one copy in the object store for all workers
+        versions = self.workers.call_all("update_weights", shared)
+        if any(v != update.version for v in versions):
+            raise RuntimeError(f"rollout workers hold weight versions {versions} after publishing v{update.version}")
+        return update.version
+
+    @property
+    def version(self) -> int:
+        if self.weight_source is not None or self.publisher is None:
+            return self._version
+        return self.publisher.version
+
+    def weight_versions(self) -> list[int]:
+        return self.workers.call_all("weight_version")
+
+    def rng_states(self) -> list[dict] | None:
+        """Each Ray worker's generator states (it samples actions in its own process); None when the
+        workers sample with the driver's generators (saved with the driver's state)."""
+        return self.workers.call_all("rng_state") if self.remote else None
+
+    def set_rng_states(self, states: list[dict] | None) -> None:
+        """Restore :meth:`rng_states` (a resumed run); skipped with a warning when the number of
+        workers changed since they were saved."""
+        if not self.remote or states is None:
+            return
+        if len(states) != len(self.workers):
+            log.warning("the checkpoint holds RNG states of %d rollout workers, this run has %d: their action "
+                        "sampling is reseeded", len(states), len(self.workers))
+            return
+        self.workers.call_each("set_rng_state", states)
+
+    # --- faults and lifecycle ------------------------------------------------------------------------
+    def restart(self, r: int, cause: str = "") -> None:
+        """Replace worker ``r`` by a new one holding the last published weights."""
+        self.workers.kill(r)
+        log.warning("rollout worker %d died%s; restarting it with weights v%d", r, f" ({cause})" if cause else "",
+                    self.version)
+        self.generation[r] += 1
+        from_actors = self.weight_source is not None
+        self._start(r, weights=None if from_actors else self._driver_publisher().full_update())
+        self.infos[r] = self.workers.call(r, "info")
+        if from_actors:
+            self.workers.call(r, "receive_weights", self.weight_source())
+
+    def forget_channels(self, prefix: str) -> None:
+        self.workers.call_all("forget_channels", prefix)
+
+    def offload(self) -> None:
+        self.workers.call_all("offload")
+
+    def onload(self) -> None:
+        self.workers.call_all("onload")
+
+    def close(self) -> None:
+        self.workers.close()
