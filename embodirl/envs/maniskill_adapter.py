@@ -37,4 +37,5 @@ class ManiSkillAdapter:
         from embodirl.envs.vector import ProcessVectorEnv
 
         factories = [functools.partial(make_sim_env, cfg, seed + env_offset + i) for i in range(num_envs)]
-        return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset)
+        return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset,
+                                            preload=("embodirl.envs.preload_maniskill",))

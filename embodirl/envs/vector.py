@@ -118,13 +118,16 @@ class ProcessVectorEnv(ChunkVectorEnv):
         step_timeout: seconds a sub-process may take for one command before it is presumed hung and
             restarted (None: wait forever).
         start_timeout: seconds a sub-process may take to build its simulator.
+        preload: modules the forkserver imports before forking the simulator processes (the adapter's heavy
+            imports, e.g. ``embodirl.envs.preload_maniskill``), so each process does not import them itself.
     """
 
     def __init__(self, env_fns: Sequence[Callable[[], SimEnv]], *, auto_reset: bool = False,
                  ignore_terminations: bool = False, reward_coef: float = 1.0, use_rel_reward: bool = False,
                  reward_type: str = "chunk_level", processes: bool = True, start_method: str = "forkserver",
                  max_restarts: int = DEFAULT_MAX_RESTARTS, record_env_ids: Sequence[int] = (),
-                 step_timeout: float | None = None, start_timeout: float = DEFAULT_START_TIMEOUT_S):
+                 step_timeout: float | None = None, start_timeout: float = DEFAULT_START_TIMEOUT_S,
+                 preload: Sequence[str] = ()):
         if not env_fns:
             raise ValueError("ProcessVectorEnv needs at least one env factory")
         if reward_type not in REWARD_TYPES:
@@ -144,6 +147,10 @@ class ProcessVectorEnv(ChunkVectorEnv):
         self.env_fns = list(env_fns)        # kept to restart sub-envs (and to rebuild in another mode)
         if processes:
             self._ctx = mp.get_context(start_method)
+            if start_method == "forkserver" and preload:
+                # modules the forkserver imports once before it forks each simulator process; takes effect
+                # when this process starts its forkserver (the first vector env), later calls keep that one
+                self._ctx.set_forkserver_preload(["embodirl.envs.subproc", *preload])
             self._factory_bytes = [cloudpickle.dumps(fn) for fn in self.env_fns]
         self._recovery = Recovery(max_restarts)
         self._slots = [SubEnvSlot(self._new_handle(i)) for i in range(self.num_envs)]

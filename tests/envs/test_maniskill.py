@@ -430,3 +430,21 @@ def test_batched_backend_matches_process_vector_env(overrides):
     finally:
         gpu.close()
         ref.close()
+
+
+def test_simulator_processes_fork_from_a_forkserver_that_imported_maniskill_once():
+    """The adapter's preload: the processes are children of the forkserver, which already mapped SAPIEN
+    (imported once there) before forking them - so no process imports ManiSkill itself."""
+    import psutil
+
+    env = make_env(compose(["env.train.num_envs=2"]).env.train, num_envs=2, seed=0)
+    try:
+        parents = {p.ppid() for p in psutil.Process().children(recursive=True)
+                   if p.ppid() != psutil.Process().pid}
+        assert parents, "the simulator processes are not forked from a server process"
+        server_maps = "".join(open(f"/proc/{pid}/maps").read() for pid in parents)
+        assert "sapien" in server_maps, "the forkserver did not import ManiSkill/SAPIEN before forking"
+        obs, _ = env.reset(seed=0)
+        assert np.isfinite(np.asarray(obs["state"])).all()
+    finally:
+        env.close()
