@@ -29,6 +29,8 @@ Reading (the API the SFT path uses)::
                                 #   instruction str, actions float32 [H, A], action_mask bool [H],
                                 #   episode_index, frame_index, index
     ds.stats["action"].q01      # per-dim float32 arrays: mean, std, min, max, q01, q99 (also "observation.state")
+    ds.all_actions()            # every frame's action, float32 [N, A], row i = sample i (read-only)
+    ds.all_proprio()            # every frame's observation.state, float32 [N, S] (read-only), None without proprio
     ds.episode(e)               # a whole episode: EpisodeData (images [T, h, w, 3] per camera, actions, states, task)
 
 The action chunk of frame t is ``actions[t : t + H]`` of its episode; rows past the episode's end repeat
@@ -380,6 +382,12 @@ def _column(table, name: str, path: Path) -> np.ndarray:
     return col.to_numpy(zero_copy_only=False)
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 class LeRobotDataset:
     """A LeRobot v2.0/v2.1 dataset on disk, as (images, proprio, instruction, action chunk) samples.
 
@@ -396,6 +404,7 @@ class LeRobotDataset:
     ``action_dim``, ``state_dim`` (None without proprio), ``num_episodes``, ``episode_lengths`` (int64 [E]),
     ``episode_starts`` (int64 [E], global index of each episode's frame 0), ``tasks`` (task_index -> instruction),
     ``stats`` (feature key -> :class:`FeatureStats`, computed from the frames for ``action`` and the state feature).
+    Every frame's actions and proprio at once, as arrays: :meth:`all_actions`, :meth:`all_proprio`.
     """
 
     def __init__(self, root: str | Path, *, action_chunk: int = 1, action_key: str = ACTION_KEY,
@@ -547,6 +556,17 @@ class LeRobotDataset:
     def __iter__(self):
         for i in range(len(self)):
             yield self[i]
+
+    def all_actions(self) -> np.ndarray:
+        """Every frame's action as float32 ``[len(self), action_dim]``: row ``i`` is frame ``i`` of the dataset (the
+        first action of ``self[i].actions``), episodes in ``episode_starts`` order. A read-only view of the frames
+        read at construction (no copy, no video decoding); ``.copy()`` it to change it."""
+        return _read_only(self._actions)
+
+    def all_proprio(self) -> np.ndarray | None:
+        """Every frame's proprio (the ``state_key`` feature) as float32 ``[len(self), state_dim]``, row ``i`` =
+        ``self[i].proprio``; None when the dataset has no proprio. A read-only view, like :meth:`all_actions`."""
+        return None if self._states is None else _read_only(self._states)
 
     def episode(self, episode_index: int) -> EpisodeData:
         """Every frame of one episode (by its ``episode_index``)."""

@@ -45,7 +45,7 @@ def action_mask(actions: np.ndarray) -> np.ndarray:
 def dataset_statistics(dataset, unnorm_key: str) -> dict:
     """The ``dataset_statistics.json`` content for ``dataset`` (a LeRobotDataset) under ``unnorm_key``."""
     action_stats = dataset.stats[dataset.action_key]
-    entry = {"action": _feature(action_stats, action_mask(dataset._actions)),
+    entry = {"action": _feature(action_stats, action_mask(dataset.all_actions())),
              "num_transitions": int(len(dataset)), "num_trajectories": int(dataset.num_episodes)}
     if dataset.state_key is not None:
         state_stats = dataset.stats[dataset.state_key]

@@ -96,6 +96,24 @@ def test_round_trip_is_exact(written):
     assert ds[-1].index == 21
 
 
+def test_all_actions_and_proprio_are_the_frames_read_only(written):
+    root, eps = written
+    ds = LeRobotDataset(root, action_chunk=3)
+    actions, proprio = ds.all_actions(), ds.all_proprio()
+    np.testing.assert_array_equal(actions, np.concatenate([e["actions"] for e in eps]))
+    np.testing.assert_array_equal(proprio, np.concatenate([e["states"] for e in eps]))
+    assert actions.dtype == proprio.dtype == np.float32 and actions.shape == (22, A) and proprio.shape == (22, S)
+    for i in (0, 9, 21):                                  # row i is sample i
+        np.testing.assert_array_equal(actions[i], ds[i].actions[0])
+        np.testing.assert_array_equal(proprio[i], ds[i].proprio)
+    with pytest.raises(ValueError):
+        actions[0, 0] = 1.0
+    with pytest.raises(ValueError):
+        proprio[0, 0] = 1.0
+    np.testing.assert_array_equal(ds.all_actions()[0], eps[0]["actions"][0])
+    assert LeRobotDataset(root, state_key=None).all_proprio() is None
+
+
 def test_stats_match_the_frames(written):
     root, eps = written
     ds = LeRobotDataset(root)
