@@ -1,4 +1,5 @@
-"""The ``embodirl`` command: ``embodirl train [overrides]`` and ``embodirl eval [overrides]``.
+"""The ``embodirl`` command: ``embodirl train|eval|doctor [overrides]``, and ``embodirl demos|sft [overrides]``
+(expert demonstrations as a LeRobot dataset, action-token SFT on it: :mod:`embodirl.demos`, :mod:`embodirl.sft`).
 
 Overrides use Hydra's syntax (``env=libero_10 model=openvla_oft actor.optim.lr=1e-5``); Hydra's own
 flags work too (``--cfg job`` prints the composed config, ``-m`` runs a sweep). ``eval`` is ``train``
@@ -19,7 +20,8 @@ USAGE = """usage: embodirl {train,eval,doctor,demos,sft} [hydra overrides] [--cf
   embodirl train -m actor.optim.lr=1e-4,3e-4       a sweep (one output dir per job)
   embodirl doctor env=libero_10 model=openvla_oft  check the set-up for a config (exit 0: all pass)
   embodirl demos env=maniskill_pushcube_rgb num_episodes=50   expert demos as a LeRobot dataset (config/demos.yaml)
-  embodirl sft env=maniskill_pushcube_rgb model=openvla_oft_tiny data.path=<dataset>   action-token SFT (config/sft.yaml)
+  embodirl sft env=maniskill_pushcube_rgb model=openvla_oft_tiny data.path=outputs/demos/maniskill_pushcube_rgb_50
+                                                   action-token SFT on those demos (config/sft.yaml)
 """
 COMMANDS = ("train", "eval", "doctor", "demos", "sft")
 # Hydra flags that take a value (the value is not an override).
