@@ -171,7 +171,7 @@ class Rollouts:
         for key in ("decisions", "restarts", "recollected_rows", "shm_batches", "object_store_batches"):
             setattr(stats, key, sum(getattr(s, key) for s in per_worker))
         self.stats = stats
-        if not self._transport_logged:
+        if self.remote and not self._transport_logged:        # in this process there is no transport to tell of
             self._transport_logged = True
             shm = sum(bool(info.get("shm")) for info in self.groups.env.transport_infos())
             log.info("rollout transport: %d of %d env workers stream observations through shared memory",
