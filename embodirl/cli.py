@@ -52,6 +52,12 @@ def _fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:   # the real command: the run's minutes count from the process start (imports included)
+        import psutil
+
+        from embodirl import runtime
+
+        runtime.command_started = psutil.Process().create_time()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)

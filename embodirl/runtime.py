@@ -22,6 +22,9 @@ from embodirl.paths import deps_dir
 
 log = logging.getLogger(__name__)
 _DONE = False
+#: when the ``embodirl`` command's process started (epoch seconds; set by the command-line entry point),
+#: the zero of the minutes a run prints; None when the library is used from another program
+command_started: float | None = None
 
 
 def local_vulkan_dir() -> Path | None:

@@ -38,6 +38,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from embodirl import data as D
+from embodirl import runtime
 from embodirl.algorithms.kl import KLController
 from embodirl.envs.video import step_folder
 from embodirl.errors import ConfigError, RunFailed
@@ -114,7 +115,10 @@ class Runner:
         self.cfg = cfg
         self.out = Path(cfg.runner.output_dir)
         self.seed = int(cfg.runner.seed)
-        self._t_start = time.perf_counter()
+        # the clock of the printed curve starts when the `embodirl` command's process did (interpreter start,
+        # imports and config composition included); used as a library, when this object is made
+        started = runtime.command_started
+        self._t_start = time.perf_counter() - (max(0.0, time.time() - started) if started is not None else 0.0)
         self._elapsed_offset = 0.0
         self._curve: list[tuple[int, float, float]] = []
         self._restart_source: Path | None = None
@@ -371,7 +375,7 @@ class Runner:
             logger.log_video(f"eval/video_{i}", out_dir / video, step, fps=float(self.cfg.env.eval.video.fps))
 
     def _elapsed_min(self) -> float:
-        """Minutes of this run (across resumes) since the runner started."""
+        """Minutes of this run (across resumes) since the command started (see ``__init__``)."""
         return self._elapsed_offset + (time.perf_counter() - self._t_start) / 60.0
 
     def _save(self, step: int, actors, starts_rng: np.random.Generator, env_steps: float = 0.0, *,
