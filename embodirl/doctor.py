@@ -14,7 +14,7 @@ dependencies        installed versions against the lock ``constraints.txt``     
 checkpoint          ``model.path``: files, heads and image count vs the model config, RL-ready     -
                     (:mod:`embodirl.models.openvla_oft.autoconfig`)
 memory              parameters, gradients, optimizer state, activations and rollout copies per     yes
-                    device against the memory found (an estimate, see :func:`memory_plan`)
+                    device against the memory found (an estimate: :mod:`embodirl.memory_plan`)
 ray                 the cluster's nodes and devices against ``cluster.component_placement``        -
 ==================  ============================================================================  ======
 
@@ -25,7 +25,6 @@ Rendering is probed in a child process, so a driver that crashes or hangs cannot
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -37,8 +36,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from embodirl.errors import AssetsMissing, ConfigError
+from embodirl.memory_plan import GIB, available_memory, memory_plan, model_size
 
-GIB = 1024**3
 PROBE_TIMEOUT_S = 120
 #: Vulkan device names of CPU (software) renderers
 SOFTWARE_VULKAN = ("llvmpipe", "lavapipe", "swiftshader")
@@ -47,20 +46,6 @@ LIBERO_ARENA_FIXTURES = {"floor", "kitchen_table", "study_table", "table", "main
                          "living_room_table"}
 LIBERO_ASSET_ENTRIES = ("articulated_objects", "scenes", "stable_hope_objects", "stable_scanned_objects",
                         "textures", "turbosquid_objects", "serving_region.xml", "wall.xml", "wall_frames.stl")
-#: bytes per trainable parameter on a learner rank: fp32 master copy, fp32 gradient, AdamW's two moments
-MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
-#: activation bytes per token per transformer layer in 16-bit (Korthikanti et al. 2022, "Reducing Activation
-#: Recomputation in Large Transformer Models", eq. 1 without the attention-score term: flash/sdpa attention)
-ACT_BYTES_PER_TOKEN_LAYER = 34
-#: with gradient checkpointing each layer keeps only its input (2 bytes per hidden unit)
-CKPT_BYTES_PER_TOKEN_LAYER = 2
-#: tokens of the prompt, proprio and action slots besides the image patches (OpenVLA-OFT: ~30 + 1 + 56)
-TEXT_AND_ACTION_TOKENS = 96
-#: private memory (USS: Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup) of one simulator process after
-#: its first reset, measured on this project's 2-core machine: LIBERO-10 0.9-1.05 GiB, ManiSkill PushCube
-#: (state obs, lavapipe) 0.33 GiB; shared libraries come on top once
-SIM_PROCESS_BYTES = {"libero": int(1.0 * GIB), "maniskill": int(0.35 * GIB)}
-OTHER_SIM_BYTES = int(0.1 * GIB)
 #: the fraction of a device's free memory an estimate may take (allocator fragmentation, CUDA context)
 USABLE_FRACTION = 0.9
 LOCK = "constraints.txt"
@@ -264,92 +249,6 @@ def _fix_of(message: str) -> str:
 # --------------------------------------------------------------------------------------------------
 # memory
 # --------------------------------------------------------------------------------------------------
-@dataclass
-class ModelSize:
-    params: int            # all parameters
-    trainable: int         # trainable parameters (LoRA + heads, or all with a full fine-tune)
-    param_bytes: int       # the parameters in their dtypes
-    layers: int            # transformer layers of the language model (0: none)
-    hidden: int
-    tokens: int            # tokens per decision (image patches + text + action slots)
-
-
-def model_size(cfg: DictConfig) -> ModelSize:
-    """Parameter counts of ``cfg.model`` built on torch's meta device (no memory, no weights loaded)."""
-    from embodirl.envs.base import EnvSpec
-    from embodirl.models.registry import make_policy
-    from embodirl.plain import to_plain
-
-    model = dict(to_plain(cfg.model))
-    model.update(path=None, base_path=None, device="meta")
-    images = int(model.get("num_images_in_input") or 2)
-    size = int(model.get("image_size") or 224)
-    spec = EnvSpec(action_dim=int(model.get("action_dim") or 7), max_episode_steps=int(cfg.env.train.max_episode_steps),
-                   task_descriptions=["doctor"], camera_names=[f"camera{i}" for i in range(images)],
-                   image_size=(size, size), state_dim=int(model.get("proprio_dim") or 8))
-    policy = make_policy(model, spec)
-    params = list(policy.parameters())
-    full = bool(cfg.actor.fsdp.get("full_finetune", False))
-    llm = model.get("llm") or {}
-    patch = int(((model.get("vision") or {}).get("siglip") or {}).get("patch_size") or 0)
-    tokens = images * (size // patch) ** 2 + TEXT_AND_ACTION_TOKENS if patch else 1
-    return ModelSize(params=sum(p.numel() for p in params),
-                     trainable=sum(p.numel() for p in params if full or p.requires_grad),
-                     param_bytes=sum(p.numel() * p.element_size() for p in params),
-                     layers=int(llm.get("num_hidden_layers") or 0), hidden=int(llm.get("hidden_size") or 0),
-                     tokens=tokens)
-
-
-def available_memory(accelerator: str, *, total: bool = False) -> list[int]:
-    """Free (``total``: all) bytes per device: each visible GPU, or this machine's RAM (one entry)."""
-    if accelerator == "gpu":
-        import torch
-
-        return [torch.cuda.mem_get_info(i)[1 if total else 0] for i in range(torch.cuda.device_count())]
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return [info["MemTotal"] if total else info.get("MemAvailable", info.get("MemFree", 0))]
-
-
-def memory_plan(cfg: DictConfig, size: ModelSize, accelerator: str) -> dict[str, int]:
-    """Estimated peak bytes per component instance: ``actor`` (one learner rank: parameters, fp32 master
-    weights, gradients and AdamW moments of the trainable ones, sharded over the ranks, and activations of one
-    micro-batch; evaluation: the policy's parameters), ``rollout`` (one inference copy, 0 when the learner's
-    own policy acts in this process) and ``env`` (one env worker's share of the training and evaluation
-    simulator processes on the CPU; 0 on a GPU)."""
-    from embodirl.placement import data_parallel_size, use_ray
-    from embodirl.rollout.records import decisions_per_episode
-
-    dp = data_parallel_size(cfg) if accelerator == "cpu" else None
-    if dp is None:
-        from embodirl.placement import detect_devices, parse_placement
-
-        n, acc = detect_devices(int(cfg.cluster.num_nodes), cfg.cluster.num_gpus_per_node)
-        spec = cfg.cluster.component_placement
-        spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
-        dp = data_parallel_size(cfg, parse_placement(spec, n, acc))
-    decisions = decisions_per_episode(cfg)
-    rows = int(cfg.actor.micro_batch_size) * decisions                    # decisions in one forward/backward
-    per_layer = (CKPT_BYTES_PER_TOKEN_LAYER if cfg.actor.fsdp.get("gradient_checkpointing")
-                 or cfg.model.get("gradient_checkpointing") else ACT_BYTES_PER_TOKEN_LAYER)
-    activations = rows * size.tokens * size.hidden * size.layers * per_layer
-    sharded = size.param_bytes + size.trainable * (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES)
-    only_eval = bool(cfg.runner.only_eval)
-    actor = size.param_bytes if only_eval else math.ceil(sharded / dp) + activations   # eval: the policy only
-    in_process = not use_ray(cfg)
-    workers = int(cfg.env_workers.num_workers)
-    envs_per_worker = int(cfg.env.train.num_envs) // workers
-    rollout_batch = envs_per_worker // int(cfg.rollout.pipeline_stage_num)
-    rollout = 0 if in_process else size.param_bytes + rollout_batch * size.tokens * size.hidden * 4 * 2
-    # simulators: training's, and evaluation's, which stay up between evaluations
-    evaluates = only_eval or bool(cfg.runner.val_check_interval) or bool(cfg.runner.val_before_train)
-    eval_envs = int(cfg.runner.get("eval_num_envs") or cfg.env.eval.num_envs) if evaluates else 0
-    sims = {"train": 0 if only_eval else int(cfg.env.train.num_envs), "eval": eval_envs}
-    per_sim = {k: SIM_PROCESS_BYTES.get(str(cfg.env[k].adapter), OTHER_SIM_BYTES) for k in sims}
-    env = sum(sims[k] * per_sim[k] for k in sims) // workers if accelerator == "cpu" else 0
-    return {"actor": actor, "rollout": rollout, "env": env}
-
-
 def check_memory(cfg: DictConfig, *, available: list[int] | None = None, accelerator: str | None = None) -> Check:
     """The estimate against each device's whole memory (what is free now is reported beside it: other
     programs' passing use should not make a set-up check fail)."""
