@@ -34,6 +34,7 @@ from embodirl.placement import data_parallel_size
 from embodirl.plain import to_plain
 from embodirl.workers.actor_worker import ActorWorker
 from embodirl.workers.transport import pack_trajectory
+from embodirl.workers.worker_set import WorkerSet
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,12 @@ class ActorRankDied(RuntimeError):
 
 
 class ActorGroup:
-    def __init__(self, workers: list, *, remote: bool, infos: list[dict]):
+    """The learner's ranks as one :class:`~embodirl.workers.worker_set.WorkerSet` of :class:`ActorWorker`
+    (objects in this process or Ray workers, told apart there only)."""
+
+    def __init__(self, workers: WorkerSet, *, infos: list[dict]):
         self.workers = workers
-        self.remote = remote
+        self.remote = workers.remote
         self.infos = infos
         self.world_size = len(workers)
 
@@ -53,32 +57,33 @@ class ActorGroup:
     @classmethod
     def local(cls, cfg: DictConfig | Mapping, spec, *, policy=None) -> ActorGroup:
         """One rank in this process (no process group); ``policy``: a module shared with inference."""
-        worker = ActorWorker(to_plain(cfg), spec, policy=policy)
-        info = worker.setup()
-        return cls([worker], remote=False, infos=[info])
+        workers = WorkerSet(ActorWorker, remote=False)
+        workers.start(0, to_plain(cfg), spec, policy=policy)
+        return cls(workers, infos=[workers.call(0, "setup")])
 
     @classmethod
     def remote_group(cls, cfg: DictConfig, spec, *, placement=None, process_vars: Mapping[str, str] | None = None
                      ) -> ActorGroup:
         """N ranks as Ray workers (see module docstring)."""
-        import ray
-
         plain = to_plain(cfg)
         N = data_parallel_size(cfg, _placement(cfg))
-        workers = []
-        for r in range(N):
-            options = {"max_restarts": 0, "max_concurrency": 1}
+
+        def options_for(rank: int) -> dict:
+            options = {"max_concurrency": 1}
             if placement is not None:
                 from embodirl.workers.placement_groups import worker_options
 
                 plan, groups = placement
-                options.update(worker_options(plan, groups, "actor", r))
-            workers.append(ray.remote(ActorWorker).options(**options).remote(
-                plain, spec, rank=r, world_size=N, process_vars=dict(process_vars or {})))
-        group = cls(workers, remote=True, infos=[{} for _ in workers])
+                options.update(worker_options(plan, groups, "actor", rank))
+            return options
+
+        workers = WorkerSet(ActorWorker, remote=True, options_for=options_for)
+        for r in range(N):
+            workers.start(r, plain, spec, rank=r, world_size=N, process_vars=dict(process_vars or {}))
+        group = cls(workers, infos=[{} for _ in range(N)])
         try:
-            address, port = group._gather([workers[0].rendezvous.remote()], "rendezvous")[0]
-            group.infos = group._gather([w.setup.remote(address, port) for w in workers], "setup")
+            address, port = group._gather([workers.submit(0, "rendezvous")], "rendezvous")[0]
+            group.infos = group._gather([workers.submit(r, "setup", address, port) for r in range(N)], "setup")
         except BaseException:
             group.close()
             raise
@@ -88,12 +93,12 @@ class ActorGroup:
     # --- calls ---------------------------------------------------------------------------------------
     def _call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
         args = per_rank_args or [()] * self.world_size
-        if not self.remote:
-            return [getattr(w, method)(*a, **kwargs) for w, a in zip(self.workers, args)]
-        return self._gather([getattr(w, method).remote(*a, **kwargs) for w, a in zip(self.workers, args)], method)
+        return self._gather([self.workers.submit(r, method, *a, **kwargs) for r, a in enumerate(args)], method)
 
     def _gather(self, refs: list, what: str) -> list:
-        """Results of one call per rank; a dead rank ends it with :class:`ActorRankDied`."""
+        """Results of one call per rank; a dead rank (a Ray worker's process) ends it with :class:`ActorRankDied`."""
+        if not self.remote:
+            return self.workers.get(refs)      # in this process an error is the call's own
         import ray
         from ray.exceptions import RayActorError
 
@@ -118,7 +123,7 @@ class ActorGroup:
         import ray
         from ray.exceptions import RayActorError
 
-        probes = [w.ready.remote() for w in self.workers]
+        probes = [self.workers.submit(r, "ready") for r in range(self.world_size)]
         ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
         dead = []
         for r, probe in enumerate(probes):
@@ -138,10 +143,8 @@ class ActorGroup:
 
     def _shards(self, batch) -> tuple[list, list[torch.Tensor]]:
         shards, indices = sharding.shard(batch, self.world_size)
-        if self.remote:
-            import ray
-
-            shards = [ray.put(pack_trajectory(s)) for s in shards]   # one object per rank, not via the call
+        if self.remote:   # packed for Ray's object store, one object per rank (in this process: the batch itself)
+            shards = [self.workers.share(pack_trajectory(s)) for s in shards]
         return shards, indices
 
     # --- a training step -----------------------------------------------------------------------------
@@ -170,8 +173,10 @@ class ActorGroup:
 
     def full_update(self, *, consumer_nodes=(), consumer_gpus=()):
         """Every trainable tensor at the current version, posted by rank 0 (restarted rollout workers)."""
-        return self._gather([self.workers[0].full_update.remote(consumer_nodes=list(consumer_nodes),
-                                                                consumer_gpus=list(consumer_gpus))], "full_update")[0]
+        return self._call_one(0, "full_update", consumer_nodes=list(consumer_nodes), consumer_gpus=list(consumer_gpus))
+
+    def _call_one(self, rank: int, method: str, *args, **kwargs):
+        return self._gather([self.workers.submit(rank, method, *args, **kwargs)], method)[0]
 
     # --- supervised fine-tuning (embodirl sft) --------------------------------------------------------
     def set_statistics(self, statistics: Mapping) -> None:
@@ -215,15 +220,8 @@ class ActorGroup:
         return self.workers[0].policy
 
     def close(self, *, kill: bool = False) -> None:
-        workers, self.workers = self.workers, []
-        if not self.remote:
-            for w in workers:
-                w.close()
-            return
-        from embodirl.workers.groups import _close_workers
-
         # killed at once when a peer died: the survivors wait in a collective and cannot close
-        _close_workers(workers, self.remote, wait_s=0.0 if kill else 30.0)
+        self.workers.close(wait_s=0.0 if kill else 30.0)
 
 
 def _placement(cfg: DictConfig):

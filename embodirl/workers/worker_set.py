@@ -56,7 +56,7 @@ class WorkerSet:
         return self.handles[rank]
 
     # --- creation ----------------------------------------------------------------------------------
-    def start(self, rank: int, *args, **kwargs):
+    def start(self, rank: int, /, *args, **kwargs):
         """Create worker ``rank`` (appended, or replacing the one at ``rank``) with ``cls(*args, **kwargs)``."""
         if self.remote:
             import ray
@@ -72,7 +72,7 @@ class WorkerSet:
         return handle
 
     # --- calls -------------------------------------------------------------------------------------
-    def submit(self, rank: int, method: str, *args, **kwargs):
+    def submit(self, rank: int, method: str, /, *args, **kwargs):
         """Start ``method`` on worker ``rank``: a Ray object ref, or (here) its settled outcome."""
         if self.remote:
             return getattr(self.handles[rank], method).remote(*args, **kwargs)
@@ -90,7 +90,7 @@ class WorkerSet:
             raise pending.error
         return pending.value
 
-    def call(self, rank: int, method: str, *args, **kwargs):
+    def call(self, rank: int, method: str, /, *args, **kwargs):
         return self.get(self.submit(rank, method, *args, **kwargs))
 
     def call_all(self, method: str, *args, **kwargs) -> list:
