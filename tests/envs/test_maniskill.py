@@ -5,6 +5,9 @@ on CPU against ProcessVectorEnv."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -432,19 +435,27 @@ def test_batched_backend_matches_process_vector_env(overrides):
         ref.close()
 
 
-def test_simulator_processes_fork_from_a_forkserver_that_imported_maniskill_once():
+def test_simulator_processes_fork_from_a_forkserver_that_imported_maniskill_once(tmp_path):
     """The adapter's preload: the processes are children of the forkserver, which already mapped SAPIEN
-    (imported once there) before forking them - so no process imports ManiSkill itself."""
-    import psutil
-
-    env = make_env(compose(["env.train.num_envs=2"]).env.train, num_envs=2, seed=0)
-    try:
-        parents = {p.ppid() for p in psutil.Process().children(recursive=True)
-                   if p.ppid() != psutil.Process().pid}
-        assert parents, "the simulator processes are not forked from a server process"
-        server_maps = "".join(open(f"/proc/{pid}/maps").read() for pid in parents)
-        assert "sapien" in server_maps, "the forkserver did not import ManiSkill/SAPIEN before forking"
-        obs, _ = env.reset(seed=0)
-        assert np.isfinite(np.asarray(obs["state"])).all()
-    finally:
-        env.close()
+    (imported once there) before forking them - so no process imports ManiSkill itself. In a fresh process:
+    a process's first vector env starts its forkserver, and the preload applies from then on."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import numpy as np, psutil\n"
+        "from embodirl.config import compose\n"
+        "from embodirl.envs.registry import make_env\n"
+        "if __name__ == '__main__':\n"
+        "    env = make_env(compose(['env.train.num_envs=2']).env.train, num_envs=2, seed=0)\n"
+        "    me = psutil.Process()\n"
+        "    parents = {p.ppid() for p in me.children(recursive=True) if p.ppid() != me.pid}\n"
+        "    maps = ''.join(open(f'/proc/{pid}/maps').read() for pid in parents)\n"
+        "    obs, _ = env.reset(seed=0)\n"
+        "    print(len(parents), 'sapien' in maps, bool(np.isfinite(np.asarray(obs['state'])).all()))\n"
+        "    env.close()\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    servers, preloaded, finite = proc.stdout.split()[-3:]
+    assert int(servers) >= 1, "the simulator processes are not forked from a server process"
+    assert preloaded == "True", "the forkserver did not import ManiSkill/SAPIEN before forking"
+    assert finite == "True"
