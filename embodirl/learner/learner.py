@@ -178,6 +178,12 @@ class Learner:
         """This rank's prepared rows -> replay buffer -> update (what an actor rank runs each step)."""
         self.replay.add(prepared, version=self.version)
         metrics = self.update(self.replay.sample(self.version))
+        observe = getattr(self.policy, "observe_batch", None)
+        if observe is not None:
+            # statistics the policy keeps of its training inputs (the state normaliser), from this step's fresh
+            # rows only (rows the replay buffer reuses are counted once): updated after the update, so the
+            # batch was scored with the statistics it was collected with; published with the changed weights
+            self._changed.update(observe(prepared))
         metrics.update(self.replay.stats())
         metrics["learner/world_size"] = torch.tensor(float(self.world_size))
         return metrics
@@ -238,11 +244,6 @@ class Learner:
                 if early_stop_kl is not None and float(step_metrics[-1]["actor/approx_kl"]) > early_stop_kl:
                     stopped = True
                     break
-        observe = getattr(self.policy, "observe_batch", None)
-        if observe is not None:
-            # statistics the policy keeps of its training inputs (the state normaliser): updated after the
-            # update, so this batch was scored with the statistics it was collected with; published as changed
-            self._changed.update(observe(batch))
         self.version += 1
         metrics = {key: torch.stack([m[key] for m in step_metrics]).mean() for key in
                    (step_metrics[0] if step_metrics else ())}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 
 from embodirl import data as D
@@ -26,14 +27,17 @@ def _valid_states(traj) -> torch.Tensor:
     return traj[D.STATE][traj[D.VALID].bool()].double()
 
 
-def test_the_normaliser_learns_the_training_states_and_travels_with_the_weights(compose_cfg):
+@pytest.mark.parametrize("reuse_last_k", [0, 1], ids=["on-policy", "replay"])
+def test_the_normaliser_learns_the_training_states_and_travels_with_the_weights(compose_cfg, reuse_last_k):
     cfg = compose_cfg("env=toy_reach", "model=state_mlp", "env.train.state_obs=true", "model.action_chunk=2",
                       "model.obs_norm=true", "env.train.max_episode_steps=8", "env.train.auto_reset=false")
     env = make_env(cfg.env.train, num_envs=4, seed=0)
     torch.manual_seed(0)
     policy = make_policy(cfg.model, env.spec)
     rollout_copy = copy.deepcopy(policy)                 # what a rollout worker holds
-    learner = Learner(policy, learner_cfg(ppo(update_epochs=2), {"global_batch_size": 4, "micro_batch_size": 4}),
+    # with replay, step 2 trains on step 1's rows again: they still count once in the statistics
+    learner = Learner(policy, learner_cfg(ppo(update_epochs=2), {"global_batch_size": 4, "micro_batch_size": 4,
+                                                                 "replay_buffer.reuse_last_k": reuse_last_k}),
                       task_table=[])
     collector = RolloutCollector([env], PolicyInference(rollout_copy, env.spec.task_descriptions, SAMPLE),
                                  num_decisions=4, auto_reset=False, return_value=True)
