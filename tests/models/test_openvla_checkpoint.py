@@ -435,3 +435,22 @@ def test_public_l1_checkpoint_acts_through_its_action_head(public, tmp_path):
     with pytest.raises(ConfigError) as exc:
         build_policy(tiny(path=str(missing), use_l1_regression=True), SPEC)
     assert exc.value.key == "model.use_l1_regression" and "action_head--<step>_checkpoint.pt" in one_sentence(exc)
+
+
+def test_fully_fine_tuned_towers_are_written_with_the_same_outputs(public, tmp_path):
+    """A full fine-tune also trains DINOv2's CLS position slot, which the public (timm) layout lacks: writing
+    folds it into cls_token, and the reloaded policy acts and scores exactly as the trained one."""
+    _, path = public
+    torch.manual_seed(2)
+    policy = build_policy(tiny(path=str(path)), SPEC)
+    with torch.no_grad():
+        for _, p in policy.named_parameters():   # every weight moved, as actor.fsdp.full_finetune=true moves them
+            p.add_(0.05 * torch.randn_like(p))
+    slot = policy.core.vision.dino.embeddings.position_embeddings[:, 0]
+    assert torch.count_nonzero(slot) > 0
+    out = policy.save_pretrained(tmp_path / "full", step=3)
+    again = build_policy(tiny(path=str(out)), SPEC)
+    assert torch.count_nonzero(again.core.vision.dino.embeddings.position_embeddings[:, 0]) == 0
+    obs = observation()
+    a, b = (p.act(obs, SamplingParams(greedy=True), return_value=True) for p in (policy, again))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -257,7 +257,7 @@ def build_model(cfg: OFTConfig, device: torch.device | str = "cpu", *, init_weig
         model.value_head.reset_parameters()
     if torch.device(device).type != "meta":
         with torch.no_grad():
-            # timm's DINOv2 adds no position embedding to CLS; keep that slot at zero so the tower stays
-            # representable in the public (timm-named) layout
+            # timm's DINOv2 adds no position embedding to CLS: start that slot at zero, as a loaded tower has it
+            # (a full fine-tune may train it; names.py folds it into cls_token when writing the public layout)
             model.vision.dino.embeddings.position_embeddings[:, 0].zero_()
     return model

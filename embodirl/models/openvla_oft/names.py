@@ -7,9 +7,9 @@ name(s), our name(s), and a lossless conversion both ways:
 * ``same``       - one tensor, renamed;
 * ``qkv``        - timm's fused ``attn.qkv`` (rows q, then k, then v; heads contiguous) <-> three
   projections ``q_proj``/``k_proj``/``v_proj``;
-* ``pos_cls``    - timm DINOv2 (``no_embed_class``) has position embeddings for the patches only,
-  ``[1, N, D]``; transformers' tensor has a CLS slot in front, ``[1, 1 + N, D]``, which must be zero for
-  the two to compute the same thing;
+* ``cls_pos``    - timm DINOv2 (``no_embed_class``) has position embeddings for the patches only,
+  ``[1, N, D]``; transformers' tensor has a CLS slot in front, ``[1, 1 + N, D]``, zero when loaded; a
+  full fine-tune trains it, and writing folds it into ``cls_token`` (the same sum enters the encoder);
 * ``pos_flat``   - timm SigLIP ``pos_embed [1, N, D]`` <-> ``position_embedding.weight [N, D]``;
 * ``in_proj``    - timm's attention-pool ``q`` and ``kv`` linears <-> ``nn.MultiheadAttention``'s
   ``in_proj`` (rows q, k, v).
@@ -52,17 +52,17 @@ def _split_q_kv(ts):
     return [w[:d], w[d:]]
 
 
-def _pos_cls_to_ours(ts):
-    t = ts[0]
-    return [torch.cat([t.new_zeros(1, 1, t.shape[-1]), t], dim=1)]
+def _cls_pos_to_ours(ts):
+    cls, pos = ts
+    return [cls, torch.cat([pos.new_zeros(1, 1, pos.shape[-1]), pos], dim=1)]
 
 
-def _pos_cls_to_public(ts):
-    t = ts[0]
-    if t.device.type != "meta" and torch.count_nonzero(t[:, 0]).item():
-        raise ValueError("the DINOv2 CLS position embedding is not zero, so the tower cannot be written in the "
-                         "public (timm) layout, which has no such slot")
-    return [t[:, 1:]]
+def _cls_pos_to_public(ts):
+    # timm's DINOv2 adds no position embedding to CLS; ours has a slot for it (zero when loaded, trained by a
+    # full fine-tune). CLS enters the encoder as cls_token + that slot at every resolution (interpolation
+    # keeps it), so folding the slot into cls_token writes the same tower
+    cls, pos = ts
+    return [cls + pos[:, :1].to(cls.dtype), pos[:, 1:]]
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,8 @@ def _in_proj_public_shapes(shapes):
 CONVERTERS = {
     "same": Converter(lambda ts: [ts[0]], lambda ts: [ts[0]], lambda s: [tuple(s[0])]),
     "qkv": Converter(_split3, _cat, _qkv_public_shapes),
-    "pos_cls": Converter(_pos_cls_to_ours, _pos_cls_to_public, lambda s: [(s[0][0], s[0][1] - 1, s[0][2])]),
+    "cls_pos": Converter(_cls_pos_to_ours, _cls_pos_to_public,
+                         lambda s: [tuple(s[0]), (s[1][0], s[1][1] - 1, s[1][2])]),
     "pos_flat": Converter(lambda ts: [ts[0][0]], lambda ts: [ts[0].unsqueeze(0)], lambda s: [(1, *s[0])]),
     "in_proj": Converter(_cat, _split_q_kv, _in_proj_public_shapes),
 }
@@ -114,9 +115,9 @@ def _qkv(public: str, ours: str, names: tuple[str, str, str]) -> list[Rule]:
 
 def dino_rules(num_layers: int) -> list[Rule]:
     P, O = PUBLIC_DINO, OURS_DINO
-    rules = [Rule((P + "cls_token",), (O + "embeddings.cls_token",)),
+    rules = [Rule((P + "cls_token", P + "pos_embed"), (O + "embeddings.cls_token", O + "embeddings.position_embeddings"),
+                  "cls_pos"),
              Rule((P + "reg_token",), (O + "embeddings.register_tokens",)),
-             Rule((P + "pos_embed",), (O + "embeddings.position_embeddings",), "pos_cls"),
              *_wb(P + "patch_embed.proj", O + "embeddings.patch_embeddings.projection"),
              *_wb(P + "norm", O + "layernorm")]
     for i in range(num_layers):
