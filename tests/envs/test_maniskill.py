@@ -35,7 +35,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:__array_wrap__ must accept conte
 
 @functools.cache
 def _composed(env: str) -> dict:
-    return OmegaConf.to_container(compose([f"env={env}"]).env.train, resolve=True)
+    # the env option as its YAML writes it: model=state_mlp's recipe for PushCube (the default job) switches it
+    # to joint control, and these tests drive the option's own end-effector actions
+    return OmegaConf.to_container(compose([f"env={env}", "model=openvla_oft_tiny"]).env.train, resolve=True)
 
 
 def ms_cfg(env: str = "maniskill_pickcube", **overrides) -> dict:
