@@ -108,6 +108,10 @@ def test_options_hide_shared_bases():
     (["actor.optim.lr_schedule=linear", "actor.optim.lr_decay_steps=null"],
      "actor.optim.lr_decay_steps", "positive number of training steps"),
     (["algorithm.early_stop_kl=-1"], "algorithm.early_stop_kl", "must be a positive number or null"),
+    # the default job's recipe trains and evaluates in joint control; changing only training's would crash
+    # the first evaluation on the action size
+    (["env.train.control_mode=pd_ee_delta_pos"], "env.eval.control_mode",
+     "is pd_joint_delta_pos but env.train.control_mode is pd_ee_delta_pos"),
 ])
 def test_malformed_configs_rejected_with_one_sentence(compose_cfg, overrides, key, fragment):
     cfg = compose_cfg(*overrides)

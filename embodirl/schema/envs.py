@@ -99,7 +99,13 @@ def env_schema(node: Any, key: str) -> tuple[type, bool]:
 
 
 def env_rules(cfg) -> None:
-    """Rules between an env group and the model: a chunk must fit in an episode."""
+    """Rules between the env groups and the model: a chunk must fit in an episode, and evaluation drives the
+    robot through the controller the policy was trained with (its action space)."""
+    train_mode, eval_mode = cfg.env.train.get("control_mode"), cfg.env.eval.get("control_mode")
+    if "control_mode" in cfg.env.train and "control_mode" in cfg.env.eval and train_mode != eval_mode:
+        raise ConfigError("env.eval.control_mode", f"is {eval_mode} but env.train.control_mode is {train_mode}; the "
+                                                   f"policy acts in the training action space, so set both "
+                                                   f"(env.eval.control_mode={train_mode})")
     H = int(cfg.model.action_chunk)
     for env_key in ("env.train", "env.eval"):
         steps = int(cfg.env[env_key.split(".")[1]].max_episode_steps)

@@ -59,7 +59,8 @@ def test_demos_sft_eval_train_and_resume(tmp_path):
     dataset = LeRobotDataset(ds, action_chunk=8)
 
     # dataset against env / model: one sentence before the run starts
-    bad = cli(["sft", *SMALL, f"data.path={ds}", "env.train.control_mode=pd_ee_delta_pose"], tmp_path, expect=2)
+    bad = cli(["sft", *SMALL, f"data.path={ds}", "env.train.control_mode=pd_ee_delta_pose",
+               "env.eval.control_mode=pd_ee_delta_pose"], tmp_path, expect=2)
     assert "data.path: " in one_line(bad) and "4-D actions" in one_line(bad)
     bad = cli(["sft", *SMALL, f"data.path={ds}", "model.action_chunk=32"], tmp_path, expect=2)
     assert "model.action_chunk: is 32 but the shortest episode" in one_line(bad)
