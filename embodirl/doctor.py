@@ -15,6 +15,7 @@ checkpoint          ``model.path``: files, heads and image count vs the model co
                     (:mod:`embodirl.models.openvla_oft.autoconfig`)
 memory              parameters, gradients, optimizer state, activations and rollout copies per     yes
                     device against the memory found (an estimate: :mod:`embodirl.memory_plan`)
+video               the ffmpeg writer (imageio-ffmpeg) when the run writes videos                  yes
 ray                 the cluster's nodes and devices against ``cluster.component_placement``        -
 ==================  ============================================================================  ======
 
@@ -288,6 +289,41 @@ def check_memory(cfg: DictConfig, *, available: list[int] | None = None, acceler
 
 
 # --------------------------------------------------------------------------------------------------
+# video
+# --------------------------------------------------------------------------------------------------
+def video_key(cfg: DictConfig) -> tuple[str, str] | None:
+    """The key that makes this run write videos and the value that turns it off, or None."""
+    r = cfg.runner
+    evaluates = bool(r.only_eval or r.val_check_interval or r.val_before_train)
+    if evaluates and int(r.eval_num_videos) > 0:
+        return "runner.eval_num_videos", "0"
+    if not r.only_eval and int(r.train_video_interval or 0) > 0:
+        return "runner.train_video_interval", "0"
+    for k in ("train", "eval"):
+        if (OmegaConf.select(cfg, f"env.{k}.video.enabled") or False) and (k == "eval" or not r.only_eval):
+            return f"env.{k}.video.enabled", "false"
+    return None
+
+
+def check_video(cfg: DictConfig) -> Check:
+    """Videos are written through imageio's ffmpeg plugin; without the ``imageio-ffmpeg`` package imageio picks
+    another writer that fails on the first frame, at the first evaluation."""
+    wanted = video_key(cfg)
+    if wanted is None:
+        return Check("video", True, "this run writes no video")
+    key, off = wanted
+    try:
+        import imageio_ffmpeg
+
+        exe = imageio_ffmpeg.get_ffmpeg_exe()
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return Check("video", False, f"{key} asks for videos but imageio's ffmpeg writer is missing ({reason})",
+                     f"install imageio-ffmpeg (it is in constraints.txt), or set {key}={off}")
+    return Check("video", True, f"ffmpeg writer: {exe}")
+
+
+# --------------------------------------------------------------------------------------------------
 # Ray
 # --------------------------------------------------------------------------------------------------
 def check_ray(cfg: DictConfig) -> Check:
@@ -351,6 +387,7 @@ def fast_checks(cfg: DictConfig) -> list[Check]:
     if "maniskill" in adapters:
         rows.append(_guarded("render/vulkan", check_vulkan))
     rows.append(_guarded("memory", lambda: check_memory(cfg)))
+    rows.append(_guarded("video", lambda: check_video(cfg)))
     return rows
 
 
@@ -369,7 +406,7 @@ def all_checks(cfg: DictConfig) -> list[Check]:
     rows.append(_guarded("checkpoint", lambda: check_checkpoint(cfg)))
     rows.append(_guarded("ray", lambda: check_ray(cfg)))
     order = ["config", "render/mujoco", "render/vulkan", "assets/train", "assets/eval", "dependencies", "checkpoint",
-             "memory", "ray"]
+             "memory", "video", "ray"]
     return sorted(rows, key=lambda r: order.index(r.name) if r.name in order else len(order))
 
 

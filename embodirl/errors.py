@@ -8,6 +8,17 @@ class ConfigError(ValueError):
         self.key = key
         super().__init__(f"{key}: {message}" if key else message)
 
+    def __reduce__(self):
+        # crosses processes (Ray workers) whole: rebuilt from its text, not by calling __init__ again
+        return _restore, (type(self), self.key, str(self))
+
+
+def _restore(cls: type, key: str, text: str) -> ConfigError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, text)
+    exc.key = key
+    return exc
+
 
 class AssetsMissing(FileNotFoundError):
     """Data a simulator task needs is not on disk; the message names it and the command that fetches it."""
@@ -16,3 +27,8 @@ class AssetsMissing(FileNotFoundError):
 class RunFailed(RuntimeError):
     """A run cannot go on (a learner rank died and no restart is left); the message is one sentence and
     says where the last complete checkpoint is. The CLI prints it and exits with status 1."""
+
+
+class NonFiniteUpdate(RunFailed):
+    """A loss term or the gradient of an update is not finite: the optimizer step was not taken (the weights are
+    the previous step's). The message names the training step and the term."""

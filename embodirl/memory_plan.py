@@ -13,11 +13,16 @@ from omegaconf import DictConfig, OmegaConf
 GIB = 1024**3
 #: bytes per trainable parameter on a learner rank: fp32 master copy, fp32 gradient, AdamW's two moments
 MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
-#: activation bytes per token per transformer layer in 16-bit (Korthikanti et al. 2022, "Reducing Activation
-#: Recomputation in Large Transformer Models", eq. 1 without the attention-score term: flash/sdpa attention)
-ACT_BYTES_PER_TOKEN_LAYER = 34
-#: with gradient checkpointing each layer keeps only its input (2 bytes per hidden unit)
+#: activation bytes per token per transformer layer and hidden unit while training. Korthikanti et al. 2022
+#: ("Reducing Activation Recomputation in Large Transformer Models", eq. 1 without the attention-score term, as
+#: flash/memory-efficient SDPA keeps no scores) count 34 for a 16-bit layer; peft's LoRA adapters run in float32
+#: and keep float32 copies of every adapted layer's input, which brings OpenVLA-OFT with LoRA on all linear layers
+#: to 80, as the full-size dry run measures (embodirl/dry_run.py, tests/test_dry_run.py: within 15 %)
+ACT_BYTES_PER_TOKEN_LAYER = 80
+#: with gradient checkpointing each layer keeps only its input (2 bytes per hidden unit) ...
 CKPT_BYTES_PER_TOKEN_LAYER = 2
+#: ... and backward holds one recomputed layer's activations and gradient temporaries at a time (the dry run: 128)
+RECOMPUTED_LAYER_BYTES_PER_TOKEN = 128
 #: tokens of the prompt, proprio and action slots besides the image patches (OpenVLA-OFT: ~30 + 1 + 56)
 TEXT_AND_ACTION_TOKENS = 96
 #: private memory (USS: Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup) of one simulator process after
@@ -93,9 +98,11 @@ def memory_plan(cfg: DictConfig, size: ModelSize, accelerator: str) -> dict[str,
         dp = data_parallel_size(cfg, parse_placement(spec, n, acc))
     decisions = decisions_per_episode(cfg)
     rows = int(cfg.actor.micro_batch_size) * decisions                    # decisions in one forward/backward
-    per_layer = (CKPT_BYTES_PER_TOKEN_LAYER if cfg.actor.fsdp.get("gradient_checkpointing")
-                 or cfg.model.get("gradient_checkpointing") else ACT_BYTES_PER_TOKEN_LAYER)
-    activations = rows * size.tokens * size.hidden * size.layers * per_layer
+    if cfg.actor.fsdp.get("gradient_checkpointing") or cfg.model.get("gradient_checkpointing"):
+        per_token = size.layers * CKPT_BYTES_PER_TOKEN_LAYER + RECOMPUTED_LAYER_BYTES_PER_TOKEN * bool(size.layers)
+    else:
+        per_token = size.layers * ACT_BYTES_PER_TOKEN_LAYER
+    activations = rows * size.tokens * size.hidden * per_token
     sharded = size.param_bytes + size.trainable * (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES)
     only_eval = bool(cfg.runner.only_eval)
     actor = size.param_bytes if only_eval else math.ceil(sharded / dp) + activations   # eval: the policy only

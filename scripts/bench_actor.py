@@ -333,6 +333,14 @@ def part_full(args) -> list[str]:
     finally:
         worker.close()
     last_train = phases[f"train #{args.repeats}"]
+    args.results = {"model": args.model, "parameters": numel, "trainable": trainable, "dtype": args.param_dtype,
+                    "device": args.device, "fsdp": worker.learner.use_fsdp, "trajectories": args.trajectories,
+                    "decisions_per_trajectory": args.decisions, "micro_batch": args.micro_batch,
+                    "seconds": phases, "decisions": float(metrics["learner/decisions"]),
+                    "decisions_per_s": float(metrics["learner/decisions"]) / last_train,
+                    "publication_bytes": handle.nbytes,
+                    **({"train_peak_bytes": train_peak, "run_peak_bytes": total_peak, "resident_bytes": resident,
+                        "offloaded_bytes": offloaded} if cuda else {})}
     lines = [f"3. full preset: model={args.model} ({numel / 1e9:.2f}B parameters, {trainable / 1e6:.1f}M trainable), "
              f"{args.param_dtype}, LoRA, gradient checkpointing, offload, 1 rank (FSDP2={worker.learner.use_fsdp}), "
              f"{args.device}, GRPO N={args.trajectories} x T={args.decisions}, micro-batch {args.micro_batch}"]
@@ -369,7 +377,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="full preset")
     parser.add_argument("--model", default="openvla_oft", help="full preset: the model option")
     parser.add_argument("--param-dtype", default="bfloat16", help="full preset: model.dtype")
+    parser.add_argument("--json", default=None, help="full preset: also write its numbers to this file")
     args = parser.parse_args(argv)
+    args.results = None
     full = args.preset == "full"
     for key, tiny, big in (("trajectories", 16, 4), ("decisions", 4, 4), ("micro_batch", 2, 1), ("repeats", 3, 1)):
         if getattr(args, key) is None:
@@ -384,6 +394,10 @@ def main(argv=None) -> None:
               f"{time.strftime('%Y-%m-%d')}")
     if args.preset == "full":
         lines = part_full(args)
+        if args.json:
+            import json
+
+            Path(args.json).write_text(json.dumps(args.results, indent=1))
     else:
         lines = []
         if args.part in ("all", "learner"):

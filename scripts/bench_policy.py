@@ -37,10 +37,12 @@ LIBERO_LIKE = EnvSpec(action_dim=7, max_episode_steps=520, task_descriptions=["p
 INSTRUCTION = "put both the alphabet soup and the tomato sauce in the basket"
 
 
-def observation(batch: int, spec: EnvSpec, device) -> dict:
+def observation(batch: int, spec: EnvSpec, device=None) -> dict:
+    """An observation batch as a run hands it to the policy: CPU tensors (the policy does its CPU-side work on them,
+    then moves its inputs to its device)."""
     h, w = spec.image_size
-    return {"images": torch.randint(0, 256, (batch, len(spec.camera_names), 3, h, w), dtype=torch.uint8, device=device),
-            "state": torch.randn(batch, spec.state_dim, device=device), "instruction": [INSTRUCTION] * batch}
+    return {"images": torch.randint(0, 256, (batch, len(spec.camera_names), 3, h, w), dtype=torch.uint8),
+            "state": torch.randn(batch, spec.state_dim), "instruction": [INSTRUCTION] * batch}
 
 
 def sync(device) -> None:
@@ -82,9 +84,16 @@ def decode_autoregressive(core, inputs) -> torch.Tensor:
     return torch.stack(indices, dim=1)
 
 
+#: a token the cached decode chose counts as a tie with the teacher-forced argmax when its forced logit lies within
+#: this many units of the model dtype's last place (relative to the top logit) below the top one: in bfloat16 the two
+#: passes round differently and near-equal logits swap (97.3 % exact agreement at batch 8 on an H200)
+TIE_ULPS = 4
+
+
 @torch.no_grad()
-def check_autoregressive(core, inputs, indices) -> None:
-    """Teacher-forced causal pass over prefix + decoded tokens must reproduce the cached decode."""
+def check_autoregressive(core, inputs, indices) -> dict:
+    """Teacher-forced causal pass over prefix + decoded tokens must reproduce the cached decode: every position
+    agrees or is a tie within :data:`TIE_ULPS` of the dtype's precision. Returns the agreement and tie counts."""
     prefix = core.embed_prefix(**inputs)
     tokens = core.action_tokenizer.index_to_ids(indices)
     embeds = torch.cat([prefix.embeds, core.language_model.get_input_embeddings()(tokens[:, :-1])], dim=1)
@@ -94,10 +103,18 @@ def check_autoregressive(core, inputs, indices) -> None:
     positions = (mask.long().cumsum(1) - 1).clamp(min=0)
     hidden = core.decoder_hidden(SequenceInputs(embeds, mask, positions), attention_mask=causal)
     L = indices.shape[1]
-    forced = core.action_logits(hidden[:, -L:]).argmax(-1)
-    agree = (forced == indices).float().mean().item()
-    if agree < 0.99:
-        raise RuntimeError(f"KV-cached decode disagrees with the teacher-forced pass ({agree:.1%} agree)")
+    logits = core.action_logits(hidden[:, -L:])                                      # (B, L, bins) float32
+    top = logits.max(-1).values                                                      # (B, L)
+    chosen = logits.gather(-1, indices[..., None]).squeeze(-1)                       # (B, L)
+    margin = TIE_ULPS * torch.finfo(core.dtype).eps * top.abs().clamp(min=1.0)
+    agree = logits.argmax(-1) == indices
+    tie = ~agree & (top - chosen <= margin)
+    if not bool((agree | tie).all()):
+        worst = float(((top - chosen) / top.abs().clamp(min=1.0))[~(agree | tie)].max())
+        raise RuntimeError(f"KV-cached decode disagrees with the teacher-forced pass beyond a tie: "
+                           f"{float(agree.float().mean()):.1%} agree, {int(tie.sum())} ties, a gap of {worst:.2e} of the "
+                           f"top logit where {TIE_ULPS} units of {core.dtype}'s last place are allowed")
+    return {"agree": float(agree.float().mean()), "ties": int(tie.sum())}
 
 
 def timed(fn, device) -> float:
@@ -111,7 +128,7 @@ def timed(fn, device) -> float:
 def compare_decoding(policy, batch: int, rounds: int, device) -> dict:
     core = policy.core
     inputs = policy.prepare_inputs(observation(batch, LIBERO_LIKE, device))
-    check_autoregressive(core, inputs, decode_autoregressive(core, inputs))
+    check = check_autoregressive(core, inputs, decode_autoregressive(core, inputs))
     for _ in range(2):  # warm-up
         decode_parallel(core, inputs)
         decode_autoregressive(core, inputs)
@@ -121,7 +138,8 @@ def compare_decoding(policy, batch: int, rounds: int, device) -> dict:
         ar.append(timed(lambda: decode_autoregressive(core, inputs), device))
     p, a = statistics.median(par), statistics.median(ar)
     return {"batch": batch, "parallel_chunks_per_s": batch / p, "autoregressive_chunks_per_s": batch / a,
-            "speedup": a / p, "parallel_ms": 1e3 * p, "autoregressive_ms": 1e3 * a}
+            "speedup": a / p, "parallel_ms": 1e3 * p, "autoregressive_ms": 1e3 * a,
+            "decode_agreement": check["agree"], "decode_ties": check["ties"]}
 
 
 def decisions_per_second(policy, batch: int, rounds: int, device) -> dict:

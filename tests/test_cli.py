@@ -81,3 +81,53 @@ def test_help_and_eval_sets_only_eval(tmp_path, command):
     assert proc.returncode == 0, proc.stderr
     assert ("only_eval: true" in proc.stdout) == (command == "eval")
     assert "usage: embodirl" in run_cli(["--help"], tmp_path).stdout
+
+
+@pytest.mark.parametrize("override, key", [
+    ("env.train.reward_coef=nan", "env.train.reward_coef"),      # accepted before: the default job trained on NaN
+    ("actor.optim.lr=inf", "actor.optim.lr"),
+    ("algorithm.entropy_bonus=-inf", "algorithm.entropy_bonus"),
+    ("model.hidden_sizes=[256,nan]", "model.hidden_sizes[1]"),
+])
+def test_non_finite_numbers_are_refused(tmp_path, override, key):
+    _assert_rejected(run_cli(["train", override], tmp_path), tmp_path, f"{key}: must be a finite number")
+
+
+def _damaged_checkpoints(root):
+    """A tiny public OpenVLA-OFT checkpoint (one image, no proprio: toy_reach's), and copies with garbage in a
+    safetensors shard and in config.json."""
+    from tests.models.test_openvla_checkpoint import direct_model, write_public_checkpoint
+
+    good = write_public_checkpoint(root / "good", direct_model(seed=3))
+    for head in good.glob("proprio_projector--*.pt"):
+        head.unlink()
+    garbage, broken = root / "garbage", root / "broken"
+    shutil.copytree(good, garbage)
+    shutil.copytree(good, broken)
+    next(garbage.glob("*.safetensors")).write_bytes(os.urandom(100))   # SafetensorError: header too large
+    (broken / "config.json").write_text("{not json")
+    return garbage, broken
+
+
+def test_damaged_checkpoint_files_are_one_sentence(tmp_path):
+    """`embodirl eval model=openvla_oft_tiny env=toy_reach model.path=<dir>` with a garbage model.safetensors ended in
+    SafetensorError's traceback inside the worker, and with a config.json that is not JSON in a CheckpointError
+    traceback; both are now refused before anything starts, naming the file, and doctor names them too."""
+    garbage, broken = _damaged_checkpoints(tmp_path / "ckpts")
+    work = tmp_path / "work"
+    work.mkdir()
+    for path, fragment in ((garbage, "is not a safetensors file"), (broken, "config.json is not valid JSON")):
+        proc = run_cli(["eval", "model=openvla_oft_tiny", "env=toy_reach", f"model.path={path}"], work)
+        _assert_rejected(proc, work, fragment)
+        assert "model.path: " in proc.stderr and "write or download it again" in proc.stderr
+        proc = run_cli(["doctor", "model=openvla_oft_tiny", "env=toy_reach", f"model.path={path}"], work)
+        assert proc.returncode == 1 and fragment in proc.stdout, proc.stdout
+
+
+def test_a_damaged_state_policy_file_is_one_sentence(tmp_path):
+    bad = tmp_path / "policy.safetensors"
+    bad.write_bytes(os.urandom(64))
+    work = tmp_path / "work"
+    work.mkdir()
+    _assert_rejected(run_cli(["eval", f"model.path={bad}"], work), work, "is not a safetensors file")
+    _assert_rejected(run_cli(["eval", f"model.path={tmp_path / 'absent.safetensors'}"], work), work, "does not exist")

@@ -112,6 +112,12 @@ def test_options_hide_shared_bases():
     # the first evaluation on the action size
     (["env.train.control_mode=pd_ee_delta_pos"], "env.eval.control_mode",
      "is pd_joint_delta_pos but env.train.control_mode is pd_ee_delta_pos"),
+    (["rollout.merge_lora=true"], "rollout.merge_lora", "has no LoRA adapter to merge"),
+    (["env=toy_reach", "model=openvla_oft_tiny", "rollout.merge_lora=true", "cluster.use_ray=false"],
+     "rollout.merge_lora", "the rollout acts with the learner's module"),
+    (["runner.guard.enabled=true", "runner.val_check_interval=0"], "runner.guard.success_drop", "never evaluates"),
+    (["runner.guard.enabled=true", "runner.guard.max_kl=0.1"], "runner.guard.max_kl", "algorithm.kl_beta > 0"),
+    (["runner.guard.lr_factor=0"], "runner.guard.lr_factor", "in (0, 1]"),
 ])
 def test_malformed_configs_rejected_with_one_sentence(compose_cfg, overrides, key, fragment):
     cfg = compose_cfg(*overrides)

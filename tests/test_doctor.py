@@ -43,8 +43,8 @@ def failing(stdout: str) -> list[str]:
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ([], {"config", "render/vulkan", "assets/train", "dependencies", "checkpoint", "memory", "ray"}),
-    (TINY_LIBERO, {"config", "render/mujoco", "assets/train", "dependencies", "checkpoint", "memory", "ray"}),
+    ([], {"config", "render/vulkan", "assets/train", "dependencies", "checkpoint", "memory", "video", "ray"}),
+    (TINY_LIBERO, {"config", "render/mujoco", "assets/train", "dependencies", "checkpoint", "memory", "video", "ray"}),
 ])
 def test_every_check_passes_on_this_machine(overrides, expected, tmp_path):
     proc = run(["doctor", *overrides], tmp_path)
@@ -97,6 +97,31 @@ def test_no_vulkan_device_in_doctor_and_before_train_starts(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("embodirl: render/vulkan:") and "fix: run scripts/setup.sh" in lines[0]
     assert list(work.iterdir()) == []
+
+
+def test_a_missing_video_writer_is_one_sentence_before_anything_starts(tmp_path):
+    """A machine without imageio-ffmpeg (the GPU machine at d1d7c5b) crashed at its first evaluation with
+    "TiffWriter.write() got an unexpected keyword argument 'fps'". Here the package is hidden behind a module that
+    fails to import, as an absent one does: doctor names the key that asks for videos, train stops before any
+    worker starts and writes nothing, and the same run without videos is not refused."""
+    shadow = tmp_path / "shadow" / "imageio_ffmpeg"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'imageio_ffmpeg'\")\n")
+    hidden = {"PYTHONPATH": os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = run(["doctor"], tmp_path, env=hidden)
+    table = rows(proc.stdout)
+    assert "video" in failing(proc.stdout), proc.stdout
+    assert "runner.eval_num_videos asks for videos" in table["video"][1]
+    assert "runner.eval_num_videos=0" in table["video.fix"][1]
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run(["train"], work, env=hidden)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("embodirl: video: runner.eval_num_videos asks for videos"), lines
+    assert list(work.iterdir()) == []
+    proc = run(["doctor", "runner.eval_num_videos=0"], tmp_path, env=hidden)
+    assert rows(proc.stdout)["video"][0] == "PASS", proc.stdout
 
 
 def test_too_little_memory_names_the_component(tmp_path):

@@ -290,6 +290,18 @@ def compute_loss(out: Mapping[str, torch.Tensor], batch: TensorDict, *, old_logp
     return loss, metrics
 
 
+def max_ratio_error(logprob: torch.Tensor, old_logprob: torch.Tensor, valid: torch.Tensor, *, action_dim: int,
+                    executed: torch.Tensor | None = None) -> torch.Tensor:
+    """``max |exp(logprob - old_logprob) - 1|`` over the executed tokens of valid decisions (0-dim float32, detached):
+    how far the importance ratio is from 1 where the rows are on-policy. Inputs ``(n, T, L)`` and ``(n, T)``."""
+    N, T, L = logprob.shape
+    token_mask = valid[:, :, None].expand(N, T, L)
+    if executed is not None:
+        token_mask = token_mask & executed.repeat_interleave(action_dim, dim=2)
+    error = (logprob.detach().float() - old_logprob.float()).exp() - 1.0
+    return torch.where(token_mask, error.abs(), torch.zeros_like(error)).amax() if error.numel() else error.new_zeros(())
+
+
 def importance_weight(prox_logprob: torch.Tensor, behaviour_logprob: torch.Tensor, valid: torch.Tensor, *,
                       logprob_type: str, action_dim: int, max_weight: float) -> torch.Tensor:
     """Truncated importance weight ``min(pi_prox / pi_behaviour, max_weight)`` per ratio unit

@@ -189,6 +189,21 @@ class ProcessSubEnv:
         child_conn.close()   # so that the child's death reads as EOF here
         self.conn = parent_conn
 
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def waitables(self) -> list:
+        """What :func:`multiprocessing.connection.wait` watches for this sub-env's answer or death."""
+        if self._pending_failure is not None:
+            return []
+        return [self.conn, self.process.sentinel]
+
+    @property
+    def failed_to_send(self) -> bool:
+        return self._pending_failure is not None
+
     def send(self, command: str, kwargs: dict) -> None:
         try:
             self.conn.send((command, kwargs))
@@ -236,7 +251,7 @@ class ProcessSubEnv:
         if self.process is None:
             return
         if self.process.is_alive():
-            self.process.kill()
+            self.process.kill()     # SIGKILL: a stopped (SIGSTOP) or hung process cannot ignore it
             self.process.join(CLOSE_TIMEOUT_S)
         try:
             self.conn.close()

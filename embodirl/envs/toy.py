@@ -101,6 +101,10 @@ def render(pos: np.ndarray, goal: np.ndarray, colour: tuple[int, int, int], size
     return image.transpose(2, 0, 1)                                        # (3, h, w)
 
 
+#: the chunk of an episode at which a ``crash_init_state`` episode raises
+CRASH_AT_CHUNK = 2
+
+
 class ToySimEnv(SimEnv):
     """TEST FIXTURE: one toy reach scene (see module docstring). ``cfg`` is the env config dict."""
 
@@ -127,7 +131,11 @@ class ToySimEnv(SimEnv):
         # hang_at_step-th chunk creates hang_marker and never answers again; later processes see the marker
         self.hang_at_step = cfg.get("hang_at_step")
         self.hang_marker = cfg.get("hang_marker")
+        # a simulator that crashes on purpose (evaluation tests): every episode from this init state raises at its
+        # second chunk, on every re-run, as a MuJoCo instability the policy's own greedy actions cause would
+        self.crash_init_state = cfg.get("crash_init_state")
         self.chunks_stepped = 0
+        self.episode_chunks = 0
 
     def reset(self, task_id: int | None = None, init_state_id: int | None = None,
               seed: int | None = None) -> dict[str, np.ndarray]:
@@ -140,6 +148,7 @@ class ToySimEnv(SimEnv):
         if init_state_id is None:
             init_state_id = int(self.init_pool[self.rng.integers(len(self.init_pool))])
         self.task_id, self.init_state_id = int(task_id), int(init_state_id)
+        self.episode_chunks = 0
         self.goal = goal_position(self.task_id, self.num_tasks)
         self.pos = init_position(self.init_state_id)
         return self._obs()
@@ -171,8 +180,12 @@ class ToySimEnv(SimEnv):
     def step_chunk(self, actions: np.ndarray, render_all: bool = False) -> ChunkResult:
         """Move by each action ``[H, A]``; stops at success (the time limit is the vector env's)."""
         self.chunks_stepped += 1
+        self.episode_chunks += 1
         if self.hang_at_step is not None and self.chunks_stepped >= int(self.hang_at_step):
             self._hang_once()
+        if self.crash_init_state is not None and self.init_state_id == int(self.crash_init_state) \
+                and self.episode_chunks >= CRASH_AT_CHUNK:
+            raise RuntimeError(f"toy simulator: unstable state at init state {self.init_state_id} (crash_init_state)")
         rewards, frames = [], []
         success = False
         for action in np.asarray(actions, np.float64):
@@ -252,6 +265,11 @@ class ToyAdapter:
                                  or not cfg.get("hang_marker") or not cfg.get("processes")):
             raise ConfigError("env.hang_at_step", f"must be null or a chunk count >= 1 with env.hang_marker (a file "
                                                   f"path) and env.processes=true, got {hang!r}")
+        crash = cfg.get("crash_init_state")
+        if crash is not None and (isinstance(crash, bool) or not isinstance(crash, int)
+                                  or not 0 <= crash < cfg["num_init_states"]):
+            raise ConfigError("env.crash_init_state", f"must be null or a toy init state 0..{cfg['num_init_states'] - 1}, "
+                                                      f"got {crash!r}")
         if not cfg["cameras"] and not cfg["state_obs"]:
             raise ConfigError("env.cameras", "the toy task needs a camera or state_obs: true to observe anything")
         if min(cfg["image_size"]) < MIN_IMAGE_SIZE:

@@ -74,15 +74,17 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import time
 import weakref
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait as wait_connections
 
 import cloudpickle
 import numpy as np
 
 from embodirl.envs.base import REWARD_TYPES, ChunkVectorEnv, EnvSpec, SimEnv
 from embodirl.envs.episodes import NO_INIT_STATE, EpisodeRunner, ResetOut, video_frame
-from embodirl.envs.recovery import DEFAULT_MAX_RESTARTS, Recovery, SubEnvCrashed, SubEnvSlot
+from embodirl.envs.recovery import DEFAULT_MAX_RESTARTS, HangLimits, Recovery, SubEnvCrashed, SubEnvSlot
 from embodirl.envs.subproc import START_METHODS, LocalSubEnv, ProcessSubEnv, SubEnvFailure
 
 DEFAULT_START_TIMEOUT_S = 600.0   # building a LIBERO scene on a busy 2-core machine takes seconds
@@ -116,7 +118,8 @@ class ProcessVectorEnv(ChunkVectorEnv):
         max_restarts: consecutive failures of one sub-env tolerated before :class:`SubEnvCrashed`.
         record_env_ids: envs whose every low-level step is rendered for video (``info["frames"]``).
         step_timeout: seconds a sub-process may take for one command before it is presumed hung and
-            restarted (None: wait forever).
+            restarted (None: wait forever); within it a step much slower than the sub-env's own recent steps
+            is presumed hung sooner (:class:`~embodirl.envs.recovery.HangLimits`).
         start_timeout: seconds a sub-process may take to build its simulator.
         preload: modules the forkserver imports before forking the simulator processes (the adapter's heavy
             imports, e.g. ``embodirl.envs.preload_maniskill``), so each process does not import them itself.
@@ -153,6 +156,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
                 self._ctx.set_forkserver_preload(["embodirl.envs.subproc", *preload])
             self._factory_bytes = [cloudpickle.dumps(fn) for fn in self.env_fns]
         self._recovery = Recovery(max_restarts)
+        self._hangs = HangLimits()
         self._slots = [SubEnvSlot(self._new_handle(i)) for i in range(self.num_envs)]
         _LIVE.add(self)
         try:
@@ -231,15 +235,42 @@ class ProcessVectorEnv(ChunkVectorEnv):
                                       start_timeout=self.start_timeout, step_timeout=self.step_timeout)
 
     def _gather(self, env_ids: Sequence[int], command: str, kwargs: Sequence[dict]) -> dict[int, object]:
-        """Send ``command`` to every env first, then collect: sub-processes work in parallel."""
+        """Send ``command`` to every env first, then collect: sub-processes work in parallel, and their answers
+        (or deaths) are awaited together, each up to its own hang limit, so several hung sub-envs are found at
+        once. A failure is returned as the env's :class:`SubEnvFailure`."""
         for i, kw in zip(env_ids, kwargs):
             self._slots[i].handle.send(command, kw)
+        sent = time.monotonic()
         results: dict[int, object] = {}
+        pending: dict[int, ProcessSubEnv] = {}
         for i in env_ids:
-            try:
-                results[i] = self._slots[i].handle.recv(self.step_timeout)
+            handle = self._slots[i].handle
+            if isinstance(handle, ProcessSubEnv) and not handle.failed_to_send:
+                pending[i] = handle
+                continue
+            try:                     # in this process the command runs now; a failed send raises its failure
+                results[i] = handle.recv(self.step_timeout)
             except SubEnvFailure as failure:
                 results[i] = failure
+        limits = {i: self._hangs.limit(i, command, self.step_timeout) for i in pending}
+        while pending:
+            waits = [sent + limits[i] - time.monotonic() for i in pending if limits[i] is not None]
+            ready = set(wait_connections([w for h in pending.values() for w in h.waitables],
+                                         max(0.0, min(waits)) if waits else None))
+            now = time.monotonic()
+            for i, handle in list(pending.items()):
+                if ready.intersection(handle.waitables):
+                    try:
+                        results[i] = handle.recv(0)
+                        self._hangs.record(i, command, now - sent)
+                    except SubEnvFailure as failure:
+                        results[i] = failure
+                elif limits[i] is not None and now - sent >= limits[i]:
+                    results[i] = SubEnvFailure(TimeoutError(
+                        f"{handle.name} did not answer '{command}' within {limits[i]:.1f} s ({self._hangs.describe(i)})"))
+                else:
+                    continue
+                del pending[i]
         return results
 
     # -- ChunkVectorEnv --------------------------------------------------------------------------

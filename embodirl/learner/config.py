@@ -33,6 +33,7 @@ class LearnerConfig:
     loss: LossParams
     update_epochs: int
     early_stop_kl: float | None
+    recompute_old_logprob: bool
     micro_batch_size: int
     global_batch_size: int
     optim: dict
@@ -66,6 +67,7 @@ class LearnerConfig:
         fsdp = actor["fsdp"]
         out = cls(
             algorithm=alg, loss=loss, update_epochs=int(alg["update_epochs"]),
+            recompute_old_logprob=bool(alg["recompute_old_logprob"]),
             early_stop_kl=None if alg["early_stop_kl"] is None else float(alg["early_stop_kl"]),
             micro_batch_size=int(actor["micro_batch_size"]), global_batch_size=int(actor["global_batch_size"]),
             optim=dict(actor["optim"]), fsdp_enabled=fsdp["enabled"], param_dtype=fsdp["param_dtype"],

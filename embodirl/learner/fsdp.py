@@ -72,6 +72,13 @@ def init_process_group(*, rank: int, world_size: int, master_addr: str, master_p
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def host_device(device: torch.device) -> torch.device:
+    """Where the learner keeps the small tensors its Python control flow reads (loss normalisers, metric
+    sums, flags): the CPU in a single process, so that reading them never waits for the accelerator; the
+    compute ``device`` when a process group reduces them (NCCL reduces device tensors only)."""
+    return torch.device(device) if is_distributed() and world_size() > 1 else torch.device("cpu")
+
+
 def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce across the learner ranks (identity in a single process)."""
     if is_distributed() and world_size() > 1:
@@ -209,6 +216,19 @@ def wrap_policy(policy: nn.Module, *, device: torch.device, param_dtype: torch.d
     log.info("FSDP2: %d unit(s) + root over %d rank(s), param_dtype=%s reduce_dtype=%s cpu_offload=%s",
              len(units), world_size(), param_dtype, reduce_dtype, cpu_offload)
     return policy
+
+
+def learner_compute_dtype(actor_fsdp: dict, model_dtype: str) -> str | None:
+    """The dtype learner ranks with a process group (the Ray actor group) compute the trainable tensors in:
+    FSDP2's ``param_dtype`` (default: the model's dtype) when they shard with FSDP2, as
+    :class:`~embodirl.learner.learner.Learner` decides it; else None (their float32 master weights compute
+    themselves). FSDP2 is on with ``actor.fsdp.enabled: true``, and with ``auto`` for several ranks or a
+    low-precision model - the rank count changes nothing here, since a float32 model then computes in float32."""
+    enabled = actor_fsdp.get("enabled", "auto")
+    low_precision = _DTYPES.get(model_dtype, torch.float32) != torch.float32
+    if enabled is True or (enabled == "auto" and low_precision):
+        return actor_fsdp.get("param_dtype") or model_dtype
+    return None
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,13 @@ from embodirl.algorithms import kl as kl_mod
 from embodirl.algorithms import losses
 from embodirl.algorithms.advantages import compute_advantages
 from embodirl.algorithms.filtering import drop_filtered
-from embodirl.errors import ConfigError
+from embodirl.errors import ConfigError, NonFiniteUpdate
 from embodirl.learner import fsdp
 from embodirl.learner.config import LearnerConfig, plain
 from embodirl.learner.optim import build_optimizer, clip_grad_norm, lr_schedule, refresh_lr, trainable_named_parameters
 from embodirl.learner.replay_buffer import ReplayBuffer, row_versions
 from embodirl.models.base import Policy, scoring_temperature
+from embodirl.progress import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class Learner:
         self.world_size, self.rank = fsdp.world_size(), fsdp.rank()
         self.cfg.check(self.world_size)
         self.device = torch.device(device) if device is not None else fsdp.default_device()
+        self.host = fsdp.host_device(self.device)   # where the control flow's small tensors live
         self.task_table = list(task_table)
         # greedy rollouts (rollout.temperature=0) were scored at temperature 1: recompute them there
         self.temperature = scoring_temperature(temperature)
@@ -138,6 +140,7 @@ class Learner:
         self._trainable = trainable_named_parameters(policy)
         self._changed: set[str] = set()
         self.optimizer_steps = 0
+        self._steps_before_update = 0
 
     # --- public API ----------------------------------------------------------------------------------
     @property
@@ -192,6 +195,7 @@ class Learner:
         """Train on this rank's prepared rows for ``update_epochs``; returns detached metrics
         (global over ranks, averaged over optimizer steps). Bumps :attr:`version`."""
         self._check_batch(batch)
+        batch = batch.cpu()   # rows are selected and observations gathered on the CPU; each micro-batch moves once
         N = batch.batch_size[0]
         sizes = fsdp.all_gather_ints(N, self.device)
         if len(set(sizes)) > 1:
@@ -201,27 +205,32 @@ class Learner:
         L = batch.get(self.policy.action_field).shape[-1]
         value_dims = batch.get(D.VALUE).dim() if self.cfg.uses_critic else 2
         params = self.cfg.loss
-        old_logprob, is_weight = self._old_logprob(batch)
+        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.version)
+        orders = [torch.randperm(N, generator=generator) for _ in range(self.cfg.update_epochs)]
+        old_logprob, is_weight = self._old_logprob(batch, first_epoch=self._steps(orders[0], rows_per_step))
         kl_coef = self.kl_coef if params.use_kl_loss else 0.0
 
         self.policy.train()
         refresh_lr(self.scheduler)  # the decay follows the training step
-        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.version)
         early_stop_kl = self.cfg.early_stop_kl
         step_metrics: list[dict[str, torch.Tensor]] = []
         steps_per_epoch = math.ceil(N / rows_per_step)
         stopped = False
         skipped = 0
-        for _ in range(self.cfg.update_epochs):
+        first_ratio_error = torch.zeros((), device=self.device)
+        self._steps_before_update = self.optimizer_steps
+        ticker, total_steps = Ticker(), len(orders) * steps_per_epoch
+        for epoch, order in enumerate(orders):
             if stopped:
                 break
-            order = torch.randperm(N, generator=generator)
-            for start in range(0, N, rows_per_step):
-                rows = order[start:start + rows_per_step]
+            for rows in self._steps(order, rows_per_step):
+                if ticker.due() and self.rank == 0:   # a long update (a 7B model) says where it is
+                    log.info("update: optimizer step %d of %d (epoch %d of %d), %.0f s", len(step_metrics) + skipped + 1,
+                             total_steps, epoch + 1, len(orders), ticker.elapsed)
                 norms = fsdp.all_reduce_(losses.normalisers(
                     batch.get(D.VALID)[rows], params, L=L, action_dim=action_dim, value_dims=value_dims,
                     executed=batch.get(D.EXECUTED)[rows] if D.EXECUTED in batch.keys() else None,
-                ).to(self.device))
+                ).to(self.host))
                 if float(norms[losses.NORMALISER_KEYS.index("token_units")]) == 0:
                     # no valid decision on any rank (e.g. every group filtered): an applied step would
                     # still move the weights by Adam's momentum and weight decay. The count is global,
@@ -229,13 +238,19 @@ class Learner:
                     skipped += 1
                     continue
                 sums: dict[str, torch.Tensor] = {}
+                device_norms = norms.to(self.device)
                 for micro_rows in rows.split(self.cfg.micro_batch_size):
-                    micro = batch[micro_rows].to(self.device)
+                    micro = batch[micro_rows]                                       # (n, T) on the CPU
                     out = self._forward(micro, return_value=self.cfg.uses_critic, return_entropy=True)
+                    fields = micro.exclude(D.IMAGES).to(self.device)
+                    old = old_logprob[micro_rows].to(self.device)
                     loss, micro_metrics = losses.compute_loss(
-                        out, micro, old_logprob=old_logprob[micro_rows].to(self.device), params=params, norms=norms,
-                        action_dim=action_dim, kl_coef=kl_coef,
-                        is_weight=None if is_weight is None else is_weight[micro_rows].to(self.device))
+                        out, fields, old_logprob=old, params=params, norms=device_norms, action_dim=action_dim,
+                        kl_coef=kl_coef, is_weight=None if is_weight is None else is_weight[micro_rows].to(self.device))
+                    if not step_metrics and not skipped:   # the update's first optimizer step: on-policy, ratio 1
+                        first_ratio_error = torch.maximum(first_ratio_error, losses.max_ratio_error(
+                            out[losses.LOGPROB], old, fields.get(D.VALID), action_dim=action_dim,
+                            executed=fields.get(D.EXECUTED) if D.EXECUTED in fields.keys() else None))
                     loss.backward()
                     for key, value in micro_metrics.items():
                         sums[key] = sums.get(key, 0.0) + value
@@ -252,6 +267,9 @@ class Learner:
         metrics["learner/optimizer_steps"] = torch.tensor(float(len(step_metrics)))
         metrics["learner/early_stopped"] = torch.tensor(float(stopped))
         metrics["learner/skipped_empty_steps"] = torch.tensor(float(skipped))
+        # max |ratio - 1| over the first optimizer step's tokens: the rollout's and the learner's forwards disagree by
+        # this much (numerics only, when the rows are on-policy; see algorithm.recompute_old_logprob)
+        metrics["actor/first_step_ratio_error"] = fsdp.all_reduce_(first_ratio_error.to(self.host), "max").cpu()
         self.kl_ctrl.update(self._measured_kl(metrics), N * self.world_size)
         metrics["actor/kl_coef"] = torch.tensor(self.kl_coef)
         metrics["learner/version"] = torch.tensor(float(self.version))
@@ -269,9 +287,10 @@ class Learner:
         B = actions.shape[0]
         L = actions[0].numel()
         norms = fsdp.all_reduce_(torch.tensor([B * (L + int(stop_token)), B * L], dtype=torch.float32,
-                                              device=self.device))
+                                              device=self.host)).to(self.device)
         self.policy.train()
         refresh_lr(self.scheduler)
+        self._steps_before_update = self.optimizer_steps
         sums: dict[str, torch.Tensor] = {}
         for rows in torch.arange(B).split(int(micro_batch_size)):
             obs = {key: _take(batch[key], rows) for key in (D.IMAGES, D.STATE, "instruction")
@@ -294,6 +313,13 @@ class Learner:
         metrics["sft/samples"] = raw["sft/tokens"] / L
         metrics["learner/version"] = torch.tensor(float(self.version))
         return metrics
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Learning rates from now on: every parameter group's configured rate times ``scale`` (the collapse guard's
+        rollback); the schedule's warm-up and decay apply on top, and checkpoints keep the scaled rates."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            self.scheduler.base_lrs[i] = float(group["initial_lr"]) * float(scale)
+        refresh_lr(self.scheduler)
 
     def publish_weights(self, *, full: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
         """``(version, tensors)``: the trainable tensors changed since the last call (all trainable
@@ -376,9 +402,11 @@ class Learner:
         return obs
 
     def _forward(self, micro: TensorDict, *, return_value: bool, return_entropy: bool) -> dict[str, torch.Tensor]:
-        """Evaluate the valid decisions of ``micro`` ``[n, T]`` and scatter the outputs back to
-        ``(n, T, ...)`` (zeros elsewhere). A micro-batch without valid decisions still runs one
-        (masked) decision, so that every rank takes part in the same FSDP collectives."""
+        """Evaluate the valid decisions of ``micro`` ``[n, T]`` (on the CPU: the valid decisions are found
+        and their observations gathered there, and the policy moves its inputs to its device once) and
+        scatter the outputs back to ``(n, T, ...)`` on the device (zeros elsewhere). A micro-batch without
+        valid decisions still runs one (masked) decision, so that every rank takes part in the same FSDP
+        collectives."""
         valid = micro.get(D.VALID)  # (n, T)
         n, T = valid.shape
         idx_n, idx_t = valid.nonzero(as_tuple=True)  # (B,), (B,)
@@ -392,7 +420,8 @@ class Learner:
         for key in (losses.LOGPROB, losses.ENTROPY, D.VALUE):
             if key in out and out[key] is not None:
                 x = out[key]  # (B, ...)
-                scattered[key] = x.new_zeros((n, T, *x.shape[1:])).index_put((idx_n, idx_t), x)
+                where = (idx_n.to(x.device), idx_t.to(x.device))
+                scattered[key] = x.new_zeros((n, T, *x.shape[1:])).index_put(where, x)
         return scattered
 
     def _reshard(self) -> None:
@@ -400,21 +429,37 @@ class Learner:
             self.policy.reshard()
 
     @torch.no_grad()
-    def _logprob_no_grad(self, batch: TensorDict) -> torch.Tensor:
-        """Log-probs ``(N, T, L)`` of the batch's actions under the current weights (CPU float32)."""
+    def _logprob_no_grad(self, batch: TensorDict, micro_batches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Log-probs ``(N, T, L)`` of the batch's actions under the current weights (CPU float32), computed in
+        ``micro_batches`` (row indices covering every row once; default: ``micro_batch_size`` rows in order)."""
         self.policy.eval()
-        parts = []
-        for rows in torch.arange(batch.batch_size[0]).split(self.cfg.micro_batch_size):
-            out = self._forward(batch[rows].to(self.device), return_value=False, return_entropy=False)
-            parts.append(out[losses.LOGPROB].float().cpu())
-        return torch.cat(parts)
+        N = batch.batch_size[0]
+        micro_batches = micro_batches or list(torch.arange(N).split(self.cfg.micro_batch_size))
+        out = None
+        for rows in micro_batches:
+            logprob = self._forward(batch[rows].cpu(), return_value=False, return_entropy=False)[losses.LOGPROB]
+            if out is None:
+                out = torch.zeros((N, *logprob.shape[1:]), dtype=torch.float32)
+            out[rows] = logprob.float().cpu()
+        return out
 
-    def _old_logprob(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Behaviour log-probs for on-policy rows; for replayed (stale) rows the current "proximal"
-        log-probs plus truncated importance weights (decoupled PPO; see :mod:`.replay_buffer`)."""
+    @staticmethod
+    def _steps(order: torch.Tensor, rows_per_step: int) -> list[torch.Tensor]:
+        """An epoch's row order cut into optimizer steps."""
+        return list(order.split(rows_per_step))
+
+    def _old_logprob(self, batch: TensorDict, first_epoch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Behaviour log-probs for on-policy rows - or, with ``algorithm.recompute_old_logprob``, this learner's
+        own log-probs of them, computed in the micro-batches of the first epoch (``first_epoch``: its optimizer
+        steps' rows), so that the first optimizer step's ratio is 1 up to the difference between a forward with and
+        without autograd; for replayed (stale) rows the current "proximal" log-probs plus truncated importance
+        weights (decoupled PPO; see :mod:`.replay_buffer`)."""
         behaviour = batch.get(D.LOGPROB_BEHAVIOR)
-        stale = torch.tensor(float((row_versions(batch, self.version) < self.version).any()), device=self.device)
+        stale = torch.tensor(float((row_versions(batch, self.version) < self.version).any()), device=self.host)
         if not fsdp.all_reduce_(stale, "max").item():
+            if self.cfg.recompute_old_logprob:
+                micro = [m for rows in first_epoch for m in rows.split(self.cfg.micro_batch_size)]
+                return self._logprob_no_grad(batch, micro), None
             return behaviour, None
         prox = self._logprob_no_grad(batch)
         weight = losses.importance_weight(prox, behaviour, batch.get(D.VALID), logprob_type=self.cfg.loss.logprob_type,
@@ -422,39 +467,57 @@ class Learner:
         return prox, weight
 
     def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Reduce the step's metric sums over the ranks, clip the gradient and step - unless a loss term or the
+        gradient is not finite: then :class:`NonFiniteUpdate` names the term, before the weights change (every rank
+        sees the same reduced values and the same global norm, so all ranks raise together)."""
         lrs = {f"actor/lr_{g.get('name', 'group')}": torch.tensor(float(g["lr"])) for g in self.optimizer.param_groups}
-        grad_norm = clip_grad_norm([p for _, p in self._trainable], self.cfg.optim["clip_grad"])
-        if torch.isfinite(grad_norm):
-            self._changed.update(name for name, p in self._trainable if p.grad is not None)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer_steps += 1
-        else:
-            log.warning("non-finite gradient norm %s: optimizer step skipped", float(grad_norm))
-        self.optimizer.zero_grad(set_to_none=True)
         keys = sorted(sums)
-        stacked = fsdp.all_reduce_(torch.stack([torch.as_tensor(sums[k], device=self.device).float() for k in keys]))
+        stacked = fsdp.all_reduce_(torch.stack([torch.as_tensor(sums[k]).float().to(self.host) for k in keys]))
         metrics = {k: v.detach().cpu() for k, v in zip(keys, stacked.unbind(0))}
+        grad_norm = clip_grad_norm([p for _, p in self._trainable], self.cfg.optim["clip_grad"])
+        self._check_finite(metrics, grad_norm)
+        self._changed.update(name for name, p in self._trainable if p.grad is not None)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
         metrics["actor/grad_norm"] = grad_norm.detach().float().cpu()
         metrics.update(lrs)  # the learning rates this step used
         return metrics
+
+    def _check_finite(self, metrics: Mapping[str, torch.Tensor], grad_norm: torch.Tensor) -> None:
+        step, within = self.version + 1, self.optimizer_steps - self._steps_before_update + 1
+        bad = next((k for k in sorted(metrics, key=lambda k: ("loss" not in k, k))
+                    if not bool(torch.isfinite(metrics[k]).all())), None)
+        if bad is None and bool(torch.isfinite(grad_norm)):
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        if bad is not None:
+            what = f"the loss term {bad} is {float(metrics[bad])}"
+        else:
+            params = [n for n, p in self._trainable if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+            what = (f"the gradient norm is {float(grad_norm)} (non-finite in {len(params)} tensor(s), e.g. "
+                    f"{params[0] if params else '?'})")
+        raise NonFiniteUpdate(f"training step {step}, optimizer step {within} of its update: {what}, so the update "
+                              "stopped before that optimizer step changed the weights; lower actor.optim.lr, or set "
+                              "runner.guard.enabled=true to roll back and go on")
 
     def _batch_metrics(self, batch: TensorDict, L: int, epochs: float) -> dict[str, torch.Tensor]:
         """Whole-batch metrics over all ranks: valid decisions, explained variance of the critic,
         KL(behaviour || reference) when reference log-probs are present."""
         valid = batch.get(D.VALID)
-        decisions = fsdp.all_reduce_(valid.sum().float().to(self.device)).cpu()
+        decisions = fsdp.all_reduce_(valid.sum().float().to(self.host)).cpu()
         # rows with a valid decision (padding rows that even out the ranks' shards have none)
-        rows = fsdp.all_reduce_(valid.any(-1).sum().float().to(self.device)).cpu()
+        rows = fsdp.all_reduce_(valid.any(-1).sum().float().to(self.host)).cpu()
         metrics = {"learner/decisions": decisions * epochs, "learner/trajectories": rows}
         if self.cfg.uses_critic:
             sums = fsdp.all_reduce_(losses.explained_variance_sums(
-                batch.get(D.VALUE), batch.get(D.RETURNS), valid).to(self.device)).cpu()
+                batch.get(D.VALUE), batch.get(D.RETURNS), valid).to(self.host)).cpu()
             metrics["critic/explained_variance"] = losses.explained_variance(sums)
         if D.LOGPROB_REF in batch.keys():
             token_kl = kl_mod.kl_divergence(batch.get(D.LOGPROB_BEHAVIOR), batch.get(D.LOGPROB_REF),
                                             self.cfg.loss.kl_penalty) * valid[:, :, None]
-            sums = fsdp.all_reduce_(torch.stack([token_kl.sum(), valid.sum().float() * L]).to(self.device)).cpu()
+            sums = fsdp.all_reduce_(torch.stack([token_kl.sum(), valid.sum().float() * L]).to(self.host)).cpu()
             metrics["kl/behaviour_ref_kl"] = sums[0] / sums[1].clamp(min=1)
         return metrics
 

@@ -68,7 +68,12 @@ def save_learner(learner, folder: str | Path) -> None:
 
     folder = Path(folder)
     rank = fsdp.rank()
+    # before the first optimizer step AdamW has no state; torch's state-dict API creates it by a zero-learning-rate
+    # step (its _init_optim_state), which would start Adam's step counters at 1 and change the run: put it back
+    fresh = not learner.optimizer.state
     tensors, settings = _tensor_state(learner)
+    if fresh:
+        learner.optimizer.state.clear()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder / TENSORS), save_distributed=True))
@@ -79,7 +84,7 @@ def save_learner(learner, folder: str | Path) -> None:
         state = {"version": learner.version, "optimizer_steps": learner.optimizer_steps, "world_size": fsdp.world_size(),
                  "kl_ctrl": learner.kl_ctrl.state_dict(), "scheduler": learner.scheduler.state_dict(),
                  "optimizer_settings": settings, "replay_dropped_rows": rollouts["dropped_rows"],
-                 "replay_ranks": bool(rollouts["rollouts"])}
+                 "replay_ranks": bool(rollouts["rollouts"]), "fresh_optimizer": fresh}
         (folder / STATE).write_text(json.dumps(state, indent=1))
 
 
@@ -121,6 +126,8 @@ def load_learner(learner, folder: str | Path) -> None:
         optim_sd[key] = tuple(value) if key.endswith(".betas") else value
     set_state_dict(learner.policy, learner.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=_options(strict=False))
+    if state.get("fresh_optimizer"):      # saved before any optimizer step: no AdamW state, as then
+        learner.optimizer.state.clear()
     learner.scheduler.load_state_dict(state["scheduler"])
     learner.kl_ctrl.load_state_dict(state["kl_ctrl"])
     learner.version, learner.optimizer_steps = int(state["version"]), int(state["optimizer_steps"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 #: Llama-2's vocabulary before OpenVLA's padding to a multiple of 64 (32000 -> 32064 rows).
 LLAMA_BASE_VOCAB_SIZE = 32000
@@ -26,13 +27,17 @@ DEFAULT_NUM_BINS = 256
 ACTION_LOW, ACTION_HIGH = -1.0, 1.0
 
 
-class ActionTokenizer:
+class ActionTokenizer(nn.Module):
     """Uniform-bin tokenizer over [-1, 1] mapped onto the last ``num_bins`` base-vocabulary ids.
 
-    Shapes are arbitrary: every method is elementwise over ``(...,)``.
+    Shapes are arbitrary: every method is elementwise over ``(...,)``. The bin edges and centres are
+    (non-persistent) buffers created on ``device`` (default: torch's current default device, so a network
+    built under ``torch.device(...)`` gets them there) and moved with the network's ``.to()``.
     """
 
-    def __init__(self, num_bins: int = DEFAULT_NUM_BINS, base_vocab_size: int = LLAMA_BASE_VOCAB_SIZE):
+    def __init__(self, num_bins: int = DEFAULT_NUM_BINS, base_vocab_size: int = LLAMA_BASE_VOCAB_SIZE, *,
+                 device: torch.device | str | None = None):
+        super().__init__()
         if not 2 <= num_bins <= base_vocab_size:
             raise ValueError(f"num_bins must lie in [2, {base_vocab_size}], got {num_bins}")
         self.num_bins = num_bins
@@ -42,8 +47,11 @@ class ActionTokenizer:
         self.end_id = base_vocab_size
         # numpy's float64 linspace, bit for bit the edges OpenVLA trained with (torch.linspace differs in
         # the last ulp for some edges, which moves actions that sit exactly on an edge)
-        self.edges = torch.from_numpy(np.linspace(ACTION_LOW, ACTION_HIGH, num_bins))  # (num_bins,) float64
-        self.centers = (self.edges[:-1] + self.edges[1:]) / 2.0  # (num_bins - 1,)
+        edges = np.linspace(ACTION_LOW, ACTION_HIGH, num_bins)
+        self.register_buffer("edges", torch.tensor(edges, dtype=torch.float64, device=device),
+                             persistent=False)  # (num_bins,)
+        self.register_buffer("centers", torch.tensor((edges[:-1] + edges[1:]) / 2.0, dtype=torch.float64,
+                                                     device=device), persistent=False)  # (num_bins - 1,)
 
     # --- actions <-> token ids -----------------------------------------------------------------
     def encode(self, actions: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,17 @@ class SamplingParams:
         return self.greedy or self.temperature == 0
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Build modules directly in ``dtype`` (no float32 copy of a 7B model)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def scoring_temperature(temperature: float) -> float:
     """The temperature at which the log-probs of actions chosen at ``temperature`` were scored: greedy
     decisions (temperature 0) are scored at 1, so the learner recomputes them there."""
@@ -101,6 +112,14 @@ class Policy(nn.Module, abc.ABC):
                     raise ValueError(f"weight update for '{name}' has shape {tuple(tensor.shape)}, "
                                      f"the model's is {tuple(target.shape)}")
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def cast_trainable_(self, dtype: torch.dtype) -> None:
+        """Hold the trainable tensors in ``dtype``: an inference copy computes them in the dtype its learner
+        computes them in (FSDP2's mixed precision casts the float32 master weights to it), so that its
+        log-probs are the learner's; weight updates are cast on arrival (:meth:`load_trainable_state_dict`)."""
+        for param in self.parameters():
+            if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
 
     # --- the trained weights on disk -----------------------------------------------------------
     def save_trainable(self, folder: str | Path, tensors: Mapping[str, torch.Tensor] | None = None) -> None:

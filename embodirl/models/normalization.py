@@ -60,15 +60,17 @@ def resolve_unnorm_key(stats: Mapping, key: str | None, config_key: str = "model
 class BoundsNormalizer(torch.nn.Module):
     """Affine map between a dataset's ``[low, high]`` and [-1, 1] on the masked dimensions.
 
-    Buffers (float32 ``[D]``): ``low``, ``high``, ``mask`` (bool). Elementwise over ``(..., D)``.
+    Buffers (float32 ``[D]``): ``low``, ``high``, ``mask`` (bool), created on ``device`` (default: torch's
+    current default device) and moved by ``.to()``. Elementwise over ``(..., D)``.
     """
 
-    def __init__(self, low, high, mask=None, *, clip: bool = True):
+    def __init__(self, low, high, mask=None, *, clip: bool = True, device: torch.device | str | None = None):
         super().__init__()
         self.clip = clip
-        low = torch.as_tensor(low, dtype=torch.float32)
-        high = torch.as_tensor(high, dtype=torch.float32)
-        mask = torch.ones_like(low, dtype=torch.bool) if mask is None else torch.as_tensor(mask, dtype=torch.bool)
+        low = torch.as_tensor(low, dtype=torch.float32, device=device)
+        high = torch.as_tensor(high, dtype=torch.float32, device=device)
+        mask = (torch.ones_like(low, dtype=torch.bool) if mask is None
+                else torch.as_tensor(mask, dtype=torch.bool, device=low.device))
         if not (low.shape == high.shape == mask.shape) or low.ndim != 1:
             raise ValueError(f"low/high/mask must be 1-D of one length, got {tuple(low.shape)}, "
                              f"{tuple(high.shape)}, {tuple(mask.shape)}")
@@ -77,13 +79,14 @@ class BoundsNormalizer(torch.nn.Module):
         self.register_buffer("mask", mask)
 
     @classmethod
-    def identity(cls, dim: int) -> BoundsNormalizer:
+    def identity(cls, dim: int, *, device: torch.device | str | None = None) -> BoundsNormalizer:
         """Pass-through (no statistics): every dimension masked out and no clipping, so values are
         returned unchanged in both directions."""
-        return cls(-torch.ones(dim), torch.ones(dim), torch.zeros(dim, dtype=torch.bool), clip=False)
+        return cls([-1.0] * dim, [1.0] * dim, [False] * dim, clip=False, device=device)
 
     @classmethod
-    def from_statistics(cls, entry: Mapping, kind: str = "bounds_q99") -> BoundsNormalizer:
+    def from_statistics(cls, entry: Mapping, kind: str = "bounds_q99", *,
+                        device: torch.device | str | None = None) -> BoundsNormalizer:
         """From one ``{"q01", "q99", "min", "max", "mask", ...}`` block of the statistics."""
         if kind not in BOUNDS_KEYS:
             raise ConfigError("model.normalization", f"unknown normalisation '{kind}'; use one of "
@@ -92,7 +95,7 @@ class BoundsNormalizer(torch.nn.Module):
         missing = [k for k in (low_key, high_key) if k not in entry]
         if missing:
             raise ValueError(f"dataset statistics lack {missing} needed for '{kind}' normalisation")
-        return cls(entry[low_key], entry[high_key], entry.get("mask"))
+        return cls(entry[low_key], entry[high_key], entry.get("mask"), device=device)
 
     @property
     def dim(self) -> int:

@@ -31,10 +31,12 @@ import math
 import re
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # --- Llama-2 special ids (OpenVLA's prompt and sequence layout) --------------------------------
 LLAMA_BOS_ID = 1
@@ -59,6 +61,8 @@ UINT8_MAX = 255.0
 #: TF ``convert_image_dtype`` float -> uint8 scales by ``max + 0.5`` before truncating
 TF_FLOAT_TO_UINT8_SCALE = UINT8_MAX + 0.5
 PROMPT_CACHE_SIZE = 4096
+#: a JPEG round trip takes ~1 ms per image: fewer images than this per thread are not worth a thread
+JPEG_IMAGES_PER_THREAD = 4
 #: ``tf.image.encode_jpeg``'s default quality: OFT's resize_image_for_policy and its RLDS builder encode with it
 OFT_JPEG_QUALITY = 95
 LANCZOS3_RADIUS = 3.0
@@ -76,7 +80,8 @@ def _as_uint8_tensor(images) -> torch.Tensor:
 
 def jpeg_round_trip(images: torch.Tensor, quality: int = OFT_JPEG_QUALITY) -> torch.Tensor:
     """Encode and decode each uint8 image ``(N, 3, h, w)`` as TensorFlow does; returns uint8 ``(N, 3, h, w)``
-    on the input's device. Runs on the CPU, image by image.
+    on the CPU (the codec runs there; callers keep this step on the CPU side, before the batch moves).
+    Images are coded in parallel on up to ``torch.get_num_threads()`` threads (the codecs release the GIL).
 
     ``tf.image.encode_jpeg`` writes baseline JPEG with 4:2:0 chroma and the accurate integer DCT, which is
     what Pillow's encoder writes (same libjpeg-turbo coefficients); ``tf.io.decode_image`` decodes with
@@ -87,11 +92,20 @@ def jpeg_round_trip(images: torch.Tensor, quality: int = OFT_JPEG_QUALITY) -> to
 
     frames = images.permute(0, 2, 3, 1).contiguous().cpu().numpy()  # (N, h, w, 3)
     out = np.empty_like(frames)
-    for i, frame in enumerate(frames):
+
+    def code(i: int) -> None:
         buffer = io.BytesIO()
-        Image.fromarray(frame).save(buffer, format="JPEG", quality=quality, subsampling="4:2:0")
+        Image.fromarray(frames[i]).save(buffer, format="JPEG", quality=quality, subsampling="4:2:0")
         out[i] = simplejpeg.decode_jpeg(buffer.getvalue(), colorspace="RGB", fastdct=True, fastupsample=False)
-    return torch.from_numpy(out).permute(0, 3, 1, 2).to(images.device)
+
+    threads = min(torch.get_num_threads(), len(frames) // JPEG_IMAGES_PER_THREAD)
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(code, range(len(frames))))
+    else:
+        for i in range(len(frames)):
+            code(i)
+    return torch.from_numpy(out).permute(0, 3, 1, 2)
 
 
 def _lanczos(x: np.ndarray, radius: float) -> np.ndarray:
@@ -149,7 +163,7 @@ def tf_lanczos3_resize(images: torch.Tensor, size: int) -> torch.Tensor:
 
 def oft_resize(images: torch.Tensor, size: int) -> torch.Tensor:
     """OFT's ``resize_image_for_policy`` on uint8 ``(N, 3, h, w)``: JPEG round trip, lanczos3 resize,
-    round-half-even, clip. Returns float32 uint8 levels ``(N, 3, size, size)``."""
+    round-half-even, clip. Returns float32 uint8 levels ``(N, 3, size, size)`` on the CPU."""
     decoded = jpeg_round_trip(images)
     return torch.round(tf_lanczos3_resize(decoded.float(), size)).clamp(0.0, UINT8_MAX)
 
@@ -172,49 +186,62 @@ def tf_center_crop_and_resize(images: torch.Tensor, area: float, size: int) -> t
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=True)
 
 
-class ImageProcessor:
+class ImageProcessor(nn.Module):
     """uint8 ``[B, V, 3, h, w]`` camera images -> float32 pixels ``[B, V * 6, S, S]`` for the fused towers.
 
-    Runs on the device of its input (the rollout worker passes GPU tensors straight from the obs channel).
+    Two halves, so that the CPU work happens before the batch moves and only once:
+    :meth:`uint8_levels` (steps 1-2 of the module docstring: JPEG, resize, crop) runs on the CPU when a
+    resize needs the JPEG codec, else where the images are, and returns uint8 - the smallest thing to move;
+    :meth:`normalize` (step 3) runs on the device of the levels with the per-tower means and stds, which are
+    buffers created on ``device`` and moved with the policy's ``.to()``.
     """
 
     def __init__(self, image_size: int, center_crop: bool = False,
                  means: Sequence[Sequence[float]] = (DINO_MEAN, SIGLIP_MEAN),
                  stds: Sequence[Sequence[float]] = (DINO_STD, SIGLIP_STD),
-                 crop_area: float = CENTER_CROP_AREA):
+                 crop_area: float = CENTER_CROP_AREA, *, device: torch.device | str | None = None):
+        super().__init__()
         if len(means) != TOWERS or len(stds) != TOWERS:
             raise ValueError(f"the fused backbone needs {TOWERS} means/stds (DINOv2, SigLIP), got {len(means)}")
         self.image_size = int(image_size)
         self.center_crop = bool(center_crop)
         self.crop_area = float(crop_area)
-        self.means = torch.tensor(means, dtype=torch.float32).reshape(TOWERS * RGB_CHANNELS, 1, 1)  # (6, 1, 1)
-        self.stds = torch.tensor(stds, dtype=torch.float32).reshape(TOWERS * RGB_CHANNELS, 1, 1)    # (6, 1, 1)
+        shape = (TOWERS * RGB_CHANNELS, 1, 1)
+        self.register_buffer("means", torch.tensor(means, dtype=torch.float32, device=device).reshape(shape),
+                             persistent=False)   # (6, 1, 1)
+        self.register_buffer("stds", torch.tensor(stds, dtype=torch.float32, device=device).reshape(shape),
+                             persistent=False)   # (6, 1, 1)
 
-    def __call__(self, images) -> torch.Tensor:
+    def forward(self, images) -> torch.Tensor:
+        """Both halves; the pixels are on the device of the buffers."""
         images = _as_uint8_tensor(images)
-        B, V = images.shape[:2]
+        return self.normalize(self.uint8_levels(images).to(self.means.device), images.shape[0])
+
+    def normalize(self, levels: torch.Tensor, batch: int) -> torch.Tensor:
+        """uint8 levels ``[B*V, 3, S, S]`` -> normalised float32 pixels ``[B, V * 6, S, S]`` on their device."""
         S = self.image_size
-        x = self.uint8_levels(images) / UINT8_MAX  # (B*V, 3, S, S) in [0, 1]
+        x = levels.to(torch.float32) / UINT8_MAX  # (B*V, 3, S, S) in [0, 1]
         stacked = x.repeat(1, TOWERS, 1, 1)  # (B*V, 6, S, S): DINOv2 channels then SigLIP channels
-        stacked = (stacked - self.means.to(x.device)) / self.stds.to(x.device)
-        return stacked.reshape(B, V * CHANNELS_PER_IMAGE, S, S)
+        stacked = (stacked - self.means) / self.stds
+        return stacked.reshape(batch, -1, S, S)
 
     def uint8_levels(self, images) -> torch.Tensor:
-        """Steps 1-2 of the module docstring: uint8 ``[B, V, 3, h, w]`` -> float32 uint8 levels
-        ``[B*V, 3, S, S]``, the image OFT hands to the Prismatic processor."""
+        """Steps 1-2 of the module docstring: uint8 ``[B, V, 3, h, w]`` -> uint8 ``[B*V, 3, S, S]``, the image
+        OFT hands to the Prismatic processor. On the CPU when a resize is needed (the JPEG codec runs there),
+        else on the images' device."""
         images = _as_uint8_tensor(images)
         if images.ndim != 5 or images.shape[2] != RGB_CHANNELS:
             raise ValueError(f"images must be [B, V, 3, h, w] uint8, got shape {tuple(images.shape)}")
         B, V, C, h, w = images.shape
         S = self.image_size
         if (h, w) != (S, S):
-            x = oft_resize(images.reshape(B * V, C, h, w), S)   # (B*V, 3, S, S) uint8 levels
+            x = oft_resize(images.reshape(B * V, C, h, w).cpu(), S)   # (B*V, 3, S, S) uint8 levels, CPU
         else:
-            x = images.reshape(B * V, C, h, w).to(torch.float32)  # (B*V, 3, S, S) in [0, 255]
+            x = images.reshape(B * V, C, h, w).to(torch.float32)    # (B*V, 3, S, S) in [0, 255]
         if self.center_crop:
             x = tf_center_crop_and_resize(x / UINT8_MAX, self.crop_area, S).clamp(0.0, 1.0)
             x = torch.trunc(x * TF_FLOAT_TO_UINT8_SCALE).clamp(0.0, UINT8_MAX)  # (B*V, 3, S, S) uint8 levels
-        return x
+        return x.to(torch.uint8)   # the levels are integers: exact
 
     def to_config(self) -> dict:
         """Prismatic ``preprocessor_config.json`` fields describing this processor."""

@@ -23,7 +23,7 @@ from torch import nn
 
 from embodirl import data as D
 from embodirl.errors import ConfigError
-from embodirl.models.base import Policy, SamplingParams
+from embodirl.models.base import Policy, SamplingParams, default_dtype
 from embodirl.models.registry import register_policy
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
@@ -169,13 +169,13 @@ class StateMLPPolicy(Policy):
         sample = mean if greedy else mean + log_std.exp() * torch.randn_like(mean)  # (B, L)
         chunk = sample.view(B, self.action_chunk, self.action_dim)
         chunk = torch.maximum(torch.minimum(chunk, self.action_high), self.action_low)  # (B, H, A)
-        out = {
-            D.ACTION_CHUNK: chunk.float().cpu(),
-            D.ACTION_SAMPLE: sample.float().cpu(),
-            D.LOGPROB_BEHAVIOR: self._log_prob(sample, mean, log_std).float().cpu(),
+        out = {                                        # on the policy's device, as every policy returns them
+            D.ACTION_CHUNK: chunk.float(),
+            D.ACTION_SAMPLE: sample.float(),
+            D.LOGPROB_BEHAVIOR: self._log_prob(sample, mean, log_std).float(),
         }
         if return_value:
-            out[D.VALUE] = self._value(state).float().cpu()
+            out[D.VALUE] = self._value(state).float()
         return out
 
     def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
@@ -199,14 +199,11 @@ def build_state_policy(cfg: dict, env_spec) -> StateMLPPolicy:
     value_type = cfg.get("value_type", "chunk_level")
     if value_type not in VALUE_TYPES:
         raise ConfigError("model.value_type", f"'{value_type}' is not one of {', '.join(VALUE_TYPES)}")
-    policy = StateMLPPolicy(
-        env_spec.state_dim, env_spec.action_dim, int(cfg["action_chunk"]),
-        hidden_sizes=tuple(cfg.get("hidden_sizes", (256, 256))),
-        critic_hidden_sizes=tuple(cfg.get("critic_hidden_sizes", (256, 256))),
-        activation=cfg.get("activation", "tanh"), init_log_std=float(cfg.get("init_log_std", -0.5)),
-        value_type=value_type, action_low=env_spec.action_low, action_high=env_spec.action_high,
-        obs_norm=bool(cfg.get("obs_norm", False)),
-    )
+    from embodirl.learner.fsdp import parse_dtype
+
+    # model.device / model.dtype: where and in which dtype every tensor of the policy is created
+    with torch.device(cfg.get("device") or "cpu"), default_dtype(parse_dtype(cfg.get("dtype") or "float32")):
+        policy = _build(cfg, env_spec, value_type)
     if cfg.get("path"):
         from safetensors.torch import load_file
 
@@ -214,11 +211,41 @@ def build_state_policy(cfg: dict, env_spec) -> StateMLPPolicy:
     return policy
 
 
+def _build(cfg: dict, env_spec, value_type: str) -> StateMLPPolicy:
+    return StateMLPPolicy(
+        env_spec.state_dim, env_spec.action_dim, int(cfg["action_chunk"]),
+        hidden_sizes=tuple(cfg.get("hidden_sizes", (256, 256))),
+        critic_hidden_sizes=tuple(cfg.get("critic_hidden_sizes", (256, 256))),
+        activation=cfg.get("activation", "tanh"), init_log_std=float(cfg.get("init_log_std", -0.5)),
+        value_type=value_type, action_low=env_spec.action_low, action_high=env_spec.action_high,
+        obs_norm=bool(cfg.get("obs_norm", False)),
+    )
+
+
 def check_config(cfg: dict) -> None:
     if cfg.get("activation", "tanh") not in _ACTIVATIONS:
         raise ConfigError("model.activation", f"'{cfg['activation']}' is not one of {', '.join(_ACTIVATIONS)}")
     if int(cfg.get("action_chunk", 1)) < 1:
         raise ConfigError("model.action_chunk", "must be at least 1")
+    if cfg.get("path"):
+        check_weights_file(cfg["path"])
+
+
+def check_weights_file(path) -> None:
+    """``model.path`` is a readable safetensors file (its header parses): one sentence before anything starts."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError("model.path", f"{file} does not exist; give the policy's safetensors file")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            f.keys()
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError("model.path", f"{file} is not a safetensors file ({reason}); write it again") from None
 
 
 build_state_policy.check_config = check_config

@@ -28,7 +28,10 @@ Episode bookkeeping:
   truncated, info)`` and are flushed at the end;
 * a slot whose simulator crashed and was replaced mid-episode (``info["restarted"]``) lost that
   episode: after the pass the stage is run again from the same starts and the broken rows are taken
-  from the new pass (up to ``max_recollect`` times), so the result always holds valid trajectories.
+  from the new pass (up to ``max_recollect`` times), so the result always holds valid trajectories. An
+  episode that crashes on every re-run raises :class:`RecollectFailed` - or, with ``keep_lost_episodes``
+  (evaluation, as OpenVLA-OFT's ``run_libero_eval.py`` counts an episode that raised as a failure), stays in
+  the result as it was collected, its slot listed in ``stats.crashed_slots``.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from embodirl import data as D
 from embodirl.envs.base import ChunkVectorEnv
+from embodirl.progress import Ticker
 from embodirl.rollout.inference import InferenceClient, Pending
 from embodirl.rollout.records import DecisionRecorder
 from embodirl.rollout.starts import EpisodeStarts, group_ids
@@ -83,6 +87,7 @@ class RolloutStats:
     baseline_s: float = 0.0      # ReMax's greedy baseline rollouts (filled by the runner)
     rollouts_drawn: int = 0      # re-sampled group filtering: trajectories collected / kept (runner)
     rollouts_kept: int = 0
+    crashed_slots: list[int] = field(default_factory=list)   # global slots whose episode kept crashing (kept)
 
 
 @dataclass
@@ -123,11 +128,13 @@ class RolloutCollector:
         group_size: GRPO group size G (``group_id`` of slot n is ``(slot_offset + n) // G``).
         slot_offset: global index of this collector's first slot.
         seed: base seed; stage s is reset with ``seed + (slot_offset + s*B)`` (sub-env i adds i).
+        max_recollect: re-runs of a stage whose episodes a simulator crash cut short.
+        keep_lost_episodes: keep (and list in ``stats.crashed_slots``) episodes still crashing after them.
     """
 
     def __init__(self, envs: Sequence[ChunkVectorEnv], inference: InferenceClient, *, num_decisions: int,
                  auto_reset: bool = False, return_value: bool = False, group_size: int = 1, slot_offset: int = 0,
-                 seed: int | None = None, max_recollect: int = DEFAULT_MAX_RECOLLECT):
+                 seed: int | None = None, max_recollect: int = DEFAULT_MAX_RECOLLECT, keep_lost_episodes: bool = False):
         if not envs:
             raise ValueError("a collector needs at least one env batch")
         sizes = {env.num_envs for env in envs}
@@ -144,6 +151,7 @@ class RolloutCollector:
         self.slot_offset = int(slot_offset)
         self.seed = seed
         self.max_recollect = int(max_recollect)
+        self.keep_lost_episodes = bool(keep_lost_episodes)
         self.spec = self.envs[0].spec
         self.stats = RolloutStats()
 
@@ -178,6 +186,7 @@ class RolloutCollector:
 
     # --- the pipelined loop ------------------------------------------------------------------------
     def _run(self, stages: list[tuple[int, _Stage]], seed: int | None) -> None:
+        ticker = Ticker()
         for s, stage in stages:
             self._reset(s, stage, seed)
             stage.pending = self.inference.submit(stage.obs, return_value=self.return_value)
@@ -185,6 +194,11 @@ class RolloutCollector:
             for _, stage in stages:
                 if stage.finished_at is None:
                     self._decide(t, stage)
+            if ticker.due():   # a long rollout (a 7B policy, long episodes) says where it is
+                running = sum(int(stage.alive.sum()) for _, stage in stages if stage.finished_at is None)
+                log.info("rollout: decision %d of %d, %d of %d episodes running, %.0f s (env %.0f s, waiting for "
+                         "the policy %.0f s)", t + 1, self.T, running, len(stages) * self.B, ticker.elapsed,
+                         self.stats.env_s, self.stats.wait_s)
         if self.return_value:
             for _, stage in stages:
                 stage.bootstrap_value = self._bootstrap_values(stage)
@@ -269,7 +283,13 @@ class RolloutCollector:
         while stage.broken.any():
             attempt += 1
             if attempt > self.max_recollect:
-                raise RecollectFailed(f"stage {s}: rows {np.flatnonzero(stage.broken).tolist()} lost their episodes "
+                rows = np.flatnonzero(stage.broken).tolist()
+                if self.keep_lost_episodes:
+                    log.warning("rollout: the episodes of rows %s of stage %d crashed their simulators %d times in a "
+                                "row; they count as failures", rows, s, attempt)
+                    self.stats.crashed_slots += [self.slot_offset + s * self.B + r for r in rows]
+                    return
+                raise RecollectFailed(f"stage {s}: rows {rows} lost their episodes "
                                       f"{self.max_recollect} times in a row; the simulators keep crashing")
             rows = np.flatnonzero(stage.broken)
             log.warning("rollout: collecting %d lost episode(s) of stage %d again (attempt %d)", len(rows), s, attempt)

@@ -11,14 +11,13 @@ all pipelining needs, and it hides where inference runs:
   object store) and returns a handle on the remote call.
 
 :func:`act` is the one place that turns an env observation into a policy call (instructions looked up
-from the env's task table, tensors on the policy's device, ``torch.inference_mode``); rollout backends
-reuse it.
+from the env's task table, CPU tensors the policy moves to its device after its CPU-side work,
+``torch.inference_mode``); rollout backends reuse it.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -77,37 +76,28 @@ class FutureResult:
         return self._future.result()
 
 
-def policy_obs(obs: Mapping[str, np.ndarray], task_descriptions: Sequence[str], device: torch.device | str = "cpu",
-               ) -> dict:
-    """An env observation batch as the policy's input: tensors on ``device`` (uint8 images stay
-    uint8) plus ``instruction`` (list[str] of length B) looked up by ``task_id``.
+def policy_obs(obs: Mapping[str, np.ndarray], task_descriptions: Sequence[str]) -> dict:
+    """An env observation batch as the policy's input: CPU tensors (uint8 images stay uint8) plus
+    ``instruction`` (list[str] of length B) looked up by ``task_id``. The policy does its CPU-side work
+    on them (image resizing, prompt ids) and then moves its inputs to its device, once.
 
     Inputs may be read-only views (a shared-memory slot that is handed back right after the decision):
-    the result never aliases them - on the CPU they are copied, to an accelerator they are transferred
-    synchronously."""
-    device = torch.device(device)
+    the result never aliases them (they are copied)."""
     out: dict = {}
     for key, value in obs.items():
         arr = np.asarray(value)
-        if device.type == "cpu":
-            out[key] = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
-        else:
-            with warnings.catch_warnings():   # read-only source, only read by the copy below
-                warnings.simplefilter("ignore", UserWarning)
-                out[key] = torch.from_numpy(arr).to(device, non_blocking=False)
+        out[key] = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
     task_ids = np.asarray(obs[D.TASK_ID]).reshape(-1)
     out[INSTRUCTION] = [task_descriptions[int(k)] for k in task_ids]
     return out
 
 
 def act(policy: Policy, obs: Mapping[str, np.ndarray], task_descriptions: Sequence[str], sampling: SamplingParams,
-        *, return_value: bool = False, device: torch.device | str | None = None) -> dict[str, np.ndarray]:
-    """One batched decision under ``torch.inference_mode``; returns numpy arrays (leading dim B)."""
-    if device is None:
-        param = next(policy.parameters(), None)
-        device = param.device if param is not None else "cpu"
+        *, return_value: bool = False) -> dict[str, np.ndarray]:
+    """One batched decision under ``torch.inference_mode`` on the policy's device; returns numpy arrays
+    (leading dim B)."""
     with torch.inference_mode():
-        out = policy.act(policy_obs(obs, task_descriptions, device), sampling, return_value=return_value)
+        out = policy.act(policy_obs(obs, task_descriptions), sampling, return_value=return_value)
     return {key: to_numpy(value.float() if value.is_floating_point() else value) for key, value in out.items()}
 
 

@@ -7,16 +7,16 @@ pc_success, n_episodes, eval_s, eval_ep_s, video_paths}``, per episode ``sum_rew
 seed``), so the file reads in LeRobot users' tooling. A task group is a suite::
 
     {
-      "per_episode": [{"episode_ix", "suite", "task_id", "task", "init_state_id", "seed", "success",
+      "per_episode": [{"episode_ix", "suite", "task_id", "task", "init_state_id", "seed", "success", "crashed",
                        "return", "sum_reward", "max_reward", "length", "video_path"}, ...],
-      "per_task":    [{"suite", "task_group", "task_id", "task", "n_episodes", "n_successes", "success_rate",
+      "per_task":    [{"suite", "task_group", "task_id", "task", "n_episodes", "n_successes", "crashed", "success_rate",
                        "success_rate_ci95", "pc_success", "avg_return", "avg_length", "video_paths",
                        "metrics": {"sum_rewards", "max_rewards", "successes", "video_paths"}}, ...],
       "per_suite":   {"<suite>": {"n_episodes", "n_tasks", "n_successes", "success_rate", "success_rate_ci95",
                                   "avg_return", "avg_length", ...LeRobot's keys}},
       "per_group":   the same as per_suite (LeRobot's name),
-      "overall":     {"n_episodes", "n_successes", "success_rate", "success_rate_ci95", "avg_return", "avg_length",
-                      "n_rerun_after_crash", "eval_s", "eval_ep_s", "pc_success", "avg_sum_reward",
+      "overall":     {"n_episodes", "n_successes", "crashed", "success_rate", "success_rate_ci95", "avg_return",
+                      "avg_length", "n_rerun_after_crash", "eval_s", "eval_ep_s", "pc_success", "avg_sum_reward",
                       "avg_max_reward", "video_paths"}
     }
 
@@ -25,7 +25,8 @@ p ± 1.96·sqrt(p(1-p)/n) it stays inside [0, 1] and does not collapse to a poin
 is where small per-task samples often sit. The suite success rate averages episodes (every task has the
 same number of trials in the standard protocol, so this equals the mean of per-task rates there), and its
 interval treats the suite's episodes as one sample. ``seed`` and ``init_state_id`` with ``task_id`` say
-how to run an episode again (``runner.eval_episodes=[<episode_ix>, ...]``).
+how to run an episode again (``runner.eval_episodes=[<episode_ix>, ...]``). ``crashed`` counts the episodes
+whose simulator crashed on every re-run: they are failures, and the sweep went on without them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class EpisodeResult:
     seed: int | None = None        # the seed the episode's simulator was reset with
     max_reward: float | None = None  # the largest single-step reward (LeRobot's max_reward)
     episode_ix: int | None = None  # its index in the evaluation sweep (None: its position in the list)
+    crashed: bool = False          # its simulator crashed on every re-run: a failure (the sweep went on)
 
 
 #: two-sided 95 % normal quantile
@@ -84,6 +86,7 @@ def _summary(episodes: list[EpisodeResult]) -> dict:
     return {
         "n_episodes": n,
         "n_successes": k,
+        "crashed": sum(bool(e.crashed) for e in episodes),
         "success_rate": rate,
         "success_rate_ci95": [round(low, 6), round(high, 6)],
         "avg_return": _mean(returns) or 0.0,
@@ -146,19 +149,19 @@ def print_table(info: dict) -> None:
     from rich.table import Table
 
     table = Table(title="evaluation (success with its 95 % Wilson interval)")
-    for column in ("suite", "task", "episodes", "success", "95 % interval", "return", "length"):
+    for column in ("suite", "task", "episodes", "success", "95 % interval", "crashed", "return", "length"):
         table.add_column(column, justify="left" if column in ("suite", "task") else "right")
+
+    def cells(row: dict) -> list[str]:
+        return [str(row["n_episodes"]), f"{row['success_rate']:.1%}", _interval(row), str(row.get("crashed", 0)),
+                f"{row['avg_return']:.3g}", f"{row['avg_length']:.1f}"]
+
     for row in info["per_task"]:
-        table.add_row(row["suite"], f"{row['task_id']}: {row['task'][:60]}", str(row["n_episodes"]),
-                      f"{row['success_rate']:.1%}", _interval(row), f"{row['avg_return']:.3g}",
-                      f"{row['avg_length']:.1f}")
+        table.add_row(row["suite"], f"{row['task_id']}: {row['task'][:60]}", *cells(row))
     if len(info["per_suite"]) > 1:
         for suite, row in info["per_suite"].items():
-            table.add_row(suite, "(suite)", str(row["n_episodes"]), f"{row['success_rate']:.1%}", _interval(row),
-                          f"{row['avg_return']:.3g}", f"{row['avg_length']:.1f}", style="italic")
-    o = info["overall"]
-    table.add_row("all", "", str(o["n_episodes"]), f"{o['success_rate']:.1%}", _interval(o), f"{o['avg_return']:.3g}",
-                  f"{o['avg_length']:.1f}", style="bold")
+            table.add_row(suite, "(suite)", *cells(row), style="italic")
+    table.add_row("all", "", *cells(info["overall"]), style="bold")
     Console().print(table)
 
 

@@ -15,9 +15,11 @@ its time limit, the rollout workers sampling with the evaluation parameters
 episodes are recorded (every low-level step, with the info overlay).
 
 An episode whose simulator crashed and was replaced mid-way (``info["restarted"]``) is collected again
-from its start by the collector, as in training (``n_rerun_after_crash`` in ``eval_info.json``); a
-simulator that keeps crashing ends the evaluation with
-:class:`~embodirl.rollout.collector.RecollectFailed`.
+from its start by the collector, as in training (``n_rerun_after_crash`` in ``eval_info.json``). An episode
+that crashes its simulator on every re-run (a MuJoCo instability the policy's own greedy actions cause) does
+not end the sweep: it counts as a failure, as OpenVLA-OFT's ``run_libero_eval.py`` counts an episode that
+raised (``run_episode``'s ``except Exception``, moojink/openvla-oft @213c5ff8), and is reported as
+``crashed`` per episode, per task and overall.
 
 Episode ``j`` of the sweep is reset with seed ``seed + j`` (slot ``i`` of the batch starting at ``j - i``),
 its ``seed`` in ``eval_info.json``. ``runner.eval_episodes=[j, ...]`` runs only those episodes of the sweep,
@@ -160,10 +162,13 @@ def run_sweep(groups, cfg: DictConfig, *, out_dir: str | Path, seed: int) -> dic
         batch_seed = seed + part[0][0]                   # slot i: seed + episode_ix in the whole sweep
         # step=None: the files go straight into <out_dir>/videos/ (out_dir is the evaluation's step folder)
         traj = groups.evaluate(starts, seed=batch_seed, video_dir=video_dir, step=None)
-        # the collector runs an episode a simulator crash cut short again from its start: count them
-        reruns += sum(s.recollected_rows for s in groups.eval_env.last_stats())
+        # the collector runs an episode a simulator crash cut short again from its start: count them; an episode
+        # that crashed on every re-run is kept and counts as a failure
+        stats = groups.eval_env.last_stats()
+        reruns += sum(s.recollected_rows for s in stats)
+        crashed = {slot for s in stats for slot in s.crashed_slots}
         videos = _videos_by_slot(groups.eval_env.videos if video_dir else [], num_videos, out_dir)
-        results += episode_results(traj, part, spec, videos, seed)
+        results += episode_results(traj, part, spec, videos, seed, crashed=crashed)
         log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
                  np.mean([r.success for r in results]))
     return build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
@@ -180,12 +185,13 @@ def _videos_by_slot(paths: list[str], num_videos: int, out_dir: Path) -> dict[in
 
 
 def episode_results(traj, part: list[tuple[int, int, int]], spec, videos: Mapping[int, str],
-                    seed: int | None = None) -> list[EpisodeResult]:
+                    seed: int | None = None, crashed: set[int] = frozenset()) -> list[EpisodeResult]:
     """One :class:`EpisodeResult` per scheduled ``(episode_ix, task_id, init_state_id)`` from an evaluation
     trajectory ``[N, T]`` (one episode per row; padding rows beyond ``part`` are dropped). An episode
     succeeded when ``success`` held at one of its valid decisions; its return sums its valid rewards, its
     length counts the low-level steps it executed (``executed`` at valid decisions); ``seed``: the sweep's base seed (episode
-    ``j`` is reset with ``seed + j``)."""
+    ``j`` is reset with ``seed + j``); ``crashed``: rows whose episode crashed its simulator on every re-run, failures
+    whatever their rows hold."""
     valid = traj.get(D.VALID)                                                    # (N, T)
     step_reward = traj.get(D.REWARD)
     step_reward = step_reward if step_reward.dim() == 3 else step_reward[..., None]  # (N, T, H or 1)
@@ -195,7 +201,8 @@ def episode_results(traj, part: list[tuple[int, int, int]], spec, videos: Mappin
     # chunk-level rewards: the largest chunk (action-level: step) reward of the episode
     max_reward = step_reward.masked_fill(~valid[..., None], float("-inf")).amax(dim=(1, 2))   # (N,)
     return [EpisodeResult(suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id],
-                          init_state_id=init_id, success=bool(success[i]), episode_return=float(episode_return[i]),
+                          init_state_id=init_id, success=bool(success[i]) and i not in crashed,
+                          crashed=i in crashed, episode_return=float(episode_return[i]),
                           length=int(length[i]), video_path=videos.get(i), episode_ix=episode_ix,
                           seed=None if seed is None else seed + episode_ix,
                           max_reward=float(max_reward[i]) if bool(valid[i].any()) else None)

@@ -41,13 +41,15 @@ from embodirl import data as D
 from embodirl import runtime
 from embodirl.algorithms.kl import KLController
 from embodirl.envs.video import step_folder
-from embodirl.errors import ConfigError, RunFailed
+from embodirl.errors import ConfigError, NonFiniteUpdate, RunFailed
 from embodirl.learner.learner import prepare_batch
+from embodirl.progress import Ticker
 from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import plan_starts
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.eval_report import plot_learning_curve, plot_success, print_table, write_eval_info
+from embodirl.runner.guard import ROLLBACK, STOP, CollapseGuard, GuardSettings
 from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
 from embodirl.runner.rollouts import Rollouts
 
@@ -122,6 +124,7 @@ class Runner:
         self._elapsed_offset = 0.0
         self._curve: list[tuple[int, float, float]] = []
         self._restart_source: Path | None = None
+        self.guard = CollapseGuard(GuardSettings())
 
     # --- shared pieces -------------------------------------------------------------------------------
     def _write_config(self) -> None:
@@ -241,6 +244,7 @@ class Runner:
 
     def _train(self, rollouts) -> None:
         cfg, r = self.cfg, self.cfg.runner
+        self.guard = CollapseGuard(GuardSettings.from_config(OmegaConf.to_container(r.guard, resolve=True)))
         actors = rollouts.make_actors()
         starts_rng = np.random.default_rng(self.seed)
         start_step, env_steps = 0, 0.0
@@ -254,6 +258,7 @@ class Runner:
             env_steps = float(runner_state.get("env_steps", 0.0))
             self._elapsed_offset = float(runner_state.get("elapsed_min", 0.0))
             kl_coef = float(runner_state.get("kl_coef", kl_coef))
+            self.guard.load_state_dict(runner_state.get("guard"))
             ckpt.load_rng(source / "runner")
             rollouts.set_rng_states(ckpt.load_worker_rng(source / "runner"))
             log.info("resumed from %s (step %d)", source, start_step)
@@ -272,9 +277,25 @@ class Runner:
             from tqdm import tqdm
 
             progress = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", leave=False)
+        state = {"env_steps": env_steps, "kl_coef": kl_coef}
+
+        def save(step: int) -> Path:
+            return self._save(step, actors, starts_rng, state["env_steps"], rollouts=rollouts, kl_coef=state["kl_coef"])
+
+        def evaluate(step: int) -> None:
+            success = self._log_eval(logger, rollouts, step)
+            if not self.guard.enabled:
+                return
+            if self.guard.is_new_best(success):   # the rollback target: this evaluation's weights and learner state
+                self.guard.record_best(step, success, str(save(step)))
+            else:
+                self._guard_check(self.guard.after_eval(step, success), step, actors, rollouts, logger)
+
         try:
+            if self.guard.enabled and start_step == 0 and not r.val_before_train:
+                self.guard.state.best_checkpoint, self.guard.state.best_step = str(save(0)), 0   # before any evaluation
             if r.val_before_train and start_step == 0:
-                self._log_eval(logger, rollouts, 0)
+                evaluate(0)
             for step in range(start_step + 1, max_steps + 1):
                 t0 = time.perf_counter()
                 batch, stats = self._collect(rollouts, step, starts_rng)
@@ -285,8 +306,16 @@ class Runner:
                     batch = actors.with_ref_logprob(batch)
                 prepared, prepare_metrics = prepare_batch(batch, cfg.algorithm, kl_coef=kl_coef)
                 timings["time/advantages"] = time.perf_counter() - t1
-                update_metrics = actors.train(prepared)
-                kl_coef = float(update_metrics.get("actor/kl_coef", kl_coef))
+                try:
+                    update_metrics = actors.train(prepared)
+                except NonFiniteUpdate as exc:
+                    if not (self.guard.enabled and self.guard.settings.nonfinite):
+                        raise RunFailed(_last_line(exc)) from None
+                    self._guard_check(_last_line(exc), step, actors, rollouts, logger)
+                    if progress is not None:
+                        progress.update(1)
+                    continue
+                kl_coef = state["kl_coef"] = float(update_metrics.get("actor/kl_coef", kl_coef))
                 timings["time/update"] = time.perf_counter() - t1
                 # sync weights: the tensors this update changed go from rank 0 to the acting policy
                 t2 = time.perf_counter()
@@ -301,19 +330,38 @@ class Runner:
                 metrics.update(sync_metrics)
                 metrics.update(timings)
                 env_steps += metrics["train/episode_length"] * metrics["train/episodes"]
+                state["env_steps"] = env_steps
                 metrics["env/total_steps"] = env_steps
                 metrics["time/elapsed_min"] = self._elapsed_min()
                 logger.log(step, metrics)
                 if progress is not None:
                     progress.update(1)
+                if self.guard.enabled:
+                    self._guard_check(self.guard.after_step(metrics), step, actors, rollouts, logger)
                 if r.val_check_interval and step % int(r.val_check_interval) == 0:
-                    self._log_eval(logger, rollouts, step)
+                    evaluate(step)
                 if r.save_interval and (step % int(r.save_interval) == 0 or step == max_steps):
-                    self._save(step, actors, starts_rng, env_steps, rollouts=rollouts, kl_coef=kl_coef)
+                    save(step)
         finally:
             if progress is not None:
                 progress.close()
             logger.close()
+
+    def _guard_check(self, reason: str | None, step: int, actors, rollouts, logger: MetricsLogger) -> None:
+        """A tripped collapse guard (``reason``): log the event; roll every learner rank back to the best
+        checkpoint, scale the learning rate and publish the restored weights - or stop the run."""
+        if reason is None:
+            return
+        action, sentence = self.guard.decide(step, reason)
+        st = self.guard.state
+        logger.event(step, "guard", sentence, {"guard/rollbacks": st.rollbacks, "guard/lr_scale": st.lr_scale,
+                                               "guard/rolled_back_to": st.best_step if action == ROLLBACK else -1})
+        if action == STOP:
+            raise RunFailed(sentence)
+        self._load_actor_state(actors, Path(st.best_checkpoint))
+        actors.set_lr_scale(st.lr_scale)
+        rollouts.receive_weights(actors.publish(full=True, consumer_nodes=rollouts.consumer_nodes(),
+                                                consumer_gpus=rollouts.consumer_gpus()))
 
     def _collect(self, rollouts, step: int, starts_rng: np.random.Generator) -> tuple:
         """``rollout.rollout_epoch`` rollouts -> one batch ``[N, T]`` and their summed timings; the first
@@ -326,8 +374,12 @@ class Runner:
         # algorithm.filter_groups.resample: draw rollouts until the step has a full batch of informative groups
         keeper = InformativeGroups.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True),
                                                num_slots=rollouts.num_slots, rollout_epoch=int(cfg.rollout.rollout_epoch))
-        epoch = 0
+        epoch, ticker = 0, Ticker()
         while keeper is not None or epoch < int(cfg.rollout.rollout_epoch):
+            if epoch and ticker.due():   # a step of many rollouts (the 7B recipe's 16) says where it is
+                most = cfg.rollout.rollout_epoch if keeper is None else f"at most {keeper.max_rollouts}"
+                log.info("[step %d] collecting rollout %d of %s, %.1f min so far", step, epoch + 1, most,
+                         ticker.elapsed / 60)
             starts = plan_starts(env_cfg, rollouts.spec, rollouts.num_slots, int(cfg.algorithm.group_size), starts_rng)
             seed = self.seed + 1_000_003 * step + 7_919 * epoch
             batch = rollouts.collect(starts, seed=seed, video_dir=video_dir if epoch == 0 else None, step=step)
@@ -345,7 +397,7 @@ class Runner:
                 break
         return (D.concat(batches) if len(batches) > 1 else batches[0]), stats
 
-    def _log_eval(self, logger: MetricsLogger, rollouts, step: int) -> None:
+    def _log_eval(self, logger: MetricsLogger, rollouts, step: int) -> float:
         out_dir = self.out / "eval" / step_folder(step)            # step_<n>, as checkpoints/step_<n>
         info = self._evaluate(rollouts, step, out_dir)
         o = info["overall"]
@@ -361,6 +413,7 @@ class Runner:
         curve = "  ".join(f"{m:.1f}min:{sr:.2f}" for _, m, sr in self._curve[-8:])
         print(f"[eval step {step}] success {o['success_rate']:.2f} over {o['n_episodes']} episodes "
               f"at {elapsed:.1f} min | curve {curve}", flush=True)
+        return float(o["success_rate"])
 
     def _dashboards(self, logger: MetricsLogger, step: int, info: dict, out_dir: Path) -> None:
         """``learning_curve.png`` in the run folder, rewritten from every evaluation in ``metrics.jsonl`` (so
@@ -394,7 +447,7 @@ class Runner:
         def write_runner(folder: Path) -> None:
             (folder / "state.json").write_text(json.dumps({"step": step, "starts_rng": starts_rng.bit_generator.state,
                                                            "env_steps": env_steps, "elapsed_min": self._elapsed_min(),
-                                                           "kl_coef": kl_coef}))
+                                                           "kl_coef": kl_coef, "guard": self.guard.state_dict()}))
             ckpt.save_rng(folder)
             ckpt.save_worker_rng(folder, worker_rng)
 

@@ -85,6 +85,24 @@ class MetricsLogger:
             print(f"[step {step:>5}] " + "  ".join(shown), flush=True)
         return record
 
+    def event(self, step: int, kind: str, message: str, metrics: Mapping[str, float] | None = None) -> dict:
+        """Something that happened to the run (the collapse guard's trip): one ``metrics.jsonl`` record with
+        ``event`` and ``message`` beside its scalars, a console line, and TensorBoard text."""
+        clean = {k: v for k, v in ((k, _scalar(v)) for k, v in (metrics or {}).items()) if v is not None}
+        record = {"step": int(step), "wall_time": round(time.time() - self._start, 3), "event": kind,
+                  "message": message, **clean}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            self._tb.add_text(f"events/{kind}", message, global_step=step)
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({**clean, f"events/{kind}": message}, step=step)
+        print(f"[{kind}] {message}", flush=True)
+        return record
+
     def log_hparams(self, config: Mapping) -> None:
         """The run's config: flattened ``a.b.c`` values in TensorBoard's HParams panel and as YAML text
         (wandb has it from ``init``)."""

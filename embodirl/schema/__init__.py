@@ -24,7 +24,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from embodirl.errors import ConfigError
 from embodirl.schema.envs import ENV_SCHEMAS, env_rules, env_schema
-from embodirl.schema.fields import check_fields, required, section
+from embodirl.schema.fields import check_fields, check_finite, required, section
 from embodirl.schema.models import MODEL_SCHEMAS, model_rules, model_schema
 from embodirl.schema.sections import SECTIONS, Actor, Algorithm, Cluster, EnvWorkers, Rollout, Runner
 
@@ -141,6 +141,9 @@ class Context:
 def check_types(cfg: DictConfig) -> None:
     """Steps 1 and 2 of :func:`check`: every key declared and of its type, every value in range and among its
     choices (no rule between keys, no device placement)."""
+    from omegaconf import OmegaConf
+
+    check_finite(OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg)
     own = {k: v for k, v in cfg.items() if k not in ("env", "model") and k not in EXTRA_SECTIONS}
     typed(Config, own | {"env": {}, "model": {}})
     for name, schema in EXTRA_SECTIONS.items():

@@ -57,6 +57,7 @@ class ToyEnv(CommonEnv):
     processes: bool = required()
     hang_at_step: int | None = num(1, null=True)
     hang_marker: str | None = required()
+    crash_init_state: int | None = num(0, null=True)
     num_init_states: int = num(1)
 
 

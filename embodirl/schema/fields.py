@@ -109,3 +109,16 @@ def check_fields(schema: type, node: Mapping, prefix: str) -> None:
             check_fields(f.default_factory, value or {}, key)
         elif f.metadata:
             check_value(key, value, f.metadata, f.metadata.get("integer") or _is_int(f.type))
+
+
+def check_finite(node: Any, prefix: str = "") -> None:
+    """Every float anywhere in ``node`` (a plain container) is finite: NaN and infinity are no setting of any key
+    (``env.train.reward_coef=nan`` would train on NaN rewards for as long as the run lasts)."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            check_finite(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            check_finite(value, f"{prefix}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(prefix, f"must be a finite number, got {node}")

@@ -36,7 +36,8 @@ class StateMLP(CommonModel):
     activation: str = required()
     init_log_std: float = required()
     obs_norm: bool = required()
-    dtype: str = required()
+    dtype: str = one_of(("float32", "float64"))
+    device: str | None = required()
 
 
 @dataclass

@@ -80,6 +80,24 @@ class Logger:
     project: str = required()
 
 
+def _guard_actions():
+    from embodirl.runner.guard import ACTIONS
+    return ACTIONS
+
+
+@dataclass
+class Guard:
+    enabled: bool = required()
+    success_drop: float | None = num(0, 1, lo_open=True, null=True)
+    patience: int = num(1)
+    max_kl: float | None = num(0, lo_open=True, null=True)
+    min_entropy: float | None = num(null=True)
+    nonfinite: bool = required()
+    action: str = one_of(_guard_actions)
+    lr_factor: float = num(0, 1, lo_open=True)
+    max_rollbacks: int = num(0)
+
+
 @dataclass
 class Runner:
     experiment_name: str = required()
@@ -103,10 +121,19 @@ class Runner:
     eval_protocol: str = one_of(_eval_protocols)
     eval_episodes: list[int] | None = required()
     eval_num_envs: int | None = num(1, null=True)
+    guard: Guard = section(Guard)
 
     @staticmethod
     def rules(cfg, ctx) -> None:
         from embodirl.runner.checkpoint import eval_model_path, resume_source
+
+        guard = cfg.runner.guard
+        if guard.enabled and guard.success_drop is not None and not cfg.runner.val_check_interval:
+            _fail("runner.guard.success_drop", "watches evaluation success, and runner.val_check_interval=0 never "
+                                               "evaluates: set runner.val_check_interval, or success_drop=null")
+        if guard.enabled and guard.max_kl is not None and not float(cfg.algorithm.kl_beta) > 0:
+            _fail("runner.guard.max_kl", "watches the KL to the reference policy, which a run measures only with "
+                                         "algorithm.kl_beta > 0; set it, or max_kl=null")
         from embodirl.runner.evaluation import check_eval_episodes, check_eval_num_envs, check_eval_protocol
 
         check_eval_protocol(cfg.runner, cfg.env.eval)
@@ -160,6 +187,7 @@ class Algorithm:
     filter_groups: FilterGroups = section(FilterGroups)
     update_epochs: int = num(1)
     early_stop_kl: float | None = num(0, lo_open=True, null=True)
+    recompute_old_logprob: bool = required()
 
     @staticmethod
     def rules(cfg, ctx) -> None:
@@ -218,11 +246,21 @@ class Rollout:
     top_k: int | None = num(1, null=True)
     top_p: float | None = num(0, 1, lo_open=True, null=True)
     enable_offload: bool = required()
+    merge_lora: bool = required()
     channel: Channel = section(Channel)
 
     @staticmethod
     def rules(cfg, ctx) -> None:
         import math
+
+        if cfg.rollout.merge_lora:
+            if not (cfg.model.get("lora") or {}).get("enabled", False):
+                _fail("rollout.merge_lora", f"model {cfg.model.name} has no LoRA adapter to merge; set "
+                                            "rollout.merge_lora=false")
+            if not ctx.use_ray:
+                _fail("rollout.merge_lora", "folds the adapter into a rollout worker's own copy of the policy, and "
+                                            "without Ray the rollout acts with the learner's module: set "
+                                            "cluster.use_ray=true, or rollout.merge_lora=false")
 
         H, steps = int(cfg.model.action_chunk), int(cfg.env.train.max_episode_steps)
         explicit = cfg.rollout.max_decisions

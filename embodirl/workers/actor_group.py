@@ -203,6 +203,9 @@ class ActorGroup:
     def load(self, checkpoint_dir) -> int:
         return self._call_all("load", [(str(checkpoint_dir),)] * self.world_size)[0]
 
+    def set_lr_scale(self, scale: float) -> None:
+        self._call_all("set_lr_scale", [(float(scale),)] * self.world_size)
+
     def offload(self) -> None:
         self._call_all("offload")
 

@@ -156,6 +156,10 @@ class ActorWorker:
         return self.outbox.post(self.publisher.full_update(), set(consumer_nodes), inline=inline,
                                 consumer_gpus=set(consumer_gpus))
 
+    def set_lr_scale(self, scale: float) -> None:
+        """The configured learning rates times ``scale`` from now on (every rank)."""
+        self.learner.set_lr_scale(scale)
+
     # --- checkpoints --------------------------------------------------------------------------------
     def save(self, learner_dir: str, policy_dir: str | None = None) -> None:
         """Learner state, sharded (every rank); the policy export in its public layout (rank 0)."""

@@ -39,7 +39,9 @@ class EnvWorkerGroup:
         self._kwargs = dict(num_stages=layout.num_stages, envs_per_stage=layout.envs_per_stage,
                             num_decisions=layout.num_decisions, group_size=layout.group_size,
                             return_value=return_value, seed=seed, use_shm=use_shm, queue_size=queue_size,
-                            process_vars=dict(process_vars or {}), env_builder=env_builder)
+                            process_vars=dict(process_vars or {}), env_builder=env_builder,
+                            # an evaluation sweep never aborts: an episode that keeps crashing counts as a failure
+                            keep_lost_episodes=mode != TRAIN)
         self.workers = WorkerSet(EnvWorker, remote=remote,
                                  options_for=placement_options(placement, "env", env_placement_offset))
         try:

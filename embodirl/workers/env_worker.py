@@ -42,12 +42,14 @@ class EnvWorker:
         process_vars: the driver's environment variables (see :mod:`embodirl.workers.process_env`).
         env_builder: builds one stage's batch as ``env_builder(env_cfg, num_envs=, seed=, env_offset=)``;
             default: the adapter registry's ``make_env`` (a callable here must be picklable for Ray).
+        keep_lost_episodes: an episode whose simulator crashes on every re-run is kept, marked in the
+            collection's ``stats.crashed_slots``, instead of ending the collection (evaluation).
     """
 
     def __init__(self, env_cfg: Mapping, *, num_stages: int, envs_per_stage: int, num_decisions: int,
                  slot_offset: int = 0, group_size: int = 1, return_value: bool = False, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, process_vars: Mapping[str, str] | None = None,
-                 env_builder: Callable | None = None):
+                 env_builder: Callable | None = None, keep_lost_episodes: bool = False):
         process_env.adopt(process_vars)
         if env_builder is None:
             from embodirl.envs.registry import make_env as env_builder  # after adopt(): runtime set up
@@ -60,6 +62,7 @@ class EnvWorker:
         self.seed = int(seed)
         self.use_shm = bool(use_shm)
         self.queue_size = int(queue_size)
+        self.keep_lost_episodes = bool(keep_lost_episodes)
         self.envs = []
         self.client = None
         self.collector: RolloutCollector | None = None
@@ -129,7 +132,8 @@ class EnvWorker:
         self.collector = RolloutCollector(self.envs, client, num_decisions=self.T,
                                           auto_reset=bool(self.env_cfg.get("auto_reset", False)),
                                           return_value=self.return_value, group_size=self.group_size,
-                                          slot_offset=self.slot_offset, seed=self.seed)
+                                          slot_offset=self.slot_offset, seed=self.seed,
+                                          keep_lost_episodes=self.keep_lost_episodes)
 
     # --- work --------------------------------------------------------------------------------------
     def collect(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,

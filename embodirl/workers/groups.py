@@ -62,6 +62,15 @@ def _close_workers(workers: list, remote: bool, wait_s: float = 10.0) -> None:
     closing.close(wait_s)
 
 
+def trainable_dtype(cfg: DictConfig, train: bool) -> str | None:
+    """The dtype a rollout copy holds its trainable tensors in: the one the learner ranks compute them in
+    (training), so that the rollout's log-probs are the learner's; evaluation only: the policy's own."""
+    from embodirl.learner.fsdp import learner_compute_dtype
+
+    model_dtype = cfg.model.get("dtype") or "float32"
+    return learner_compute_dtype(to_plain(cfg.actor.fsdp), str(model_dtype)) if train else None
+
+
 class WorkerGroups:
     """The runner's handle on rollout collection (see module docstring). Build it with
     :meth:`from_config`; :meth:`evaluate` creates the evaluation env workers (``env.eval``) on first use
@@ -124,7 +133,8 @@ class WorkerGroups:
                                                remote=remote,
                                                placement=placement, process_vars=process_vars, policy=policy,
                                                seed=int(cfg.runner.seed), init_seed=int(cfg.runner.seed),
-                                               weight_source=weight_source)
+                                               weight_source=weight_source, trainable_dtype=trainable_dtype(cfg, train),
+                                               merge_lora=bool(rollout_cfg.get("merge_lora", False)))
             for group in (env_group, eval_group):
                 if group is not None:
                     group.attach(rollout_group)

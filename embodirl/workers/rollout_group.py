@@ -23,7 +23,8 @@ class RolloutWorkerGroup:
 
     def __init__(self, model_cfg: Mapping, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
                  remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
-                 seed: int | None = None, init_seed: int | None = None, weight_source=None):
+                 seed: int | None = None, init_seed: int | None = None, weight_source=None,
+                 trainable_dtype: str | None = None, merge_lora: bool = False):
         self.model_cfg = to_plain(model_cfg)
         self.env_spec = env_spec
         self.backend = backend
@@ -32,6 +33,8 @@ class RolloutWorkerGroup:
         self._policy = policy            # an existing policy object instead of building one
         self.seed = seed
         self.init_seed = init_seed       # seeded policy initialisation (the actor ranks use the same)
+        self.trainable_dtype = trainable_dtype   # a built copy computes its trainable tensors as the learner does
+        self.merge_lora = bool(merge_lora)       # ... or with its adapters folded into its weights
         self.publisher: WeightPublisher | None = None
         #: where a restarted worker's weights come from when an actor group publishes: a callable
         #: returning a full WeightHandle (None: the driver-side publisher below)
@@ -70,8 +73,10 @@ class RolloutWorkerGroup:
         if self.shares_policy:           # the driver's policy acts where it is
             param = next(self._policy.parameters(), None)
             kwargs["device"] = str(param.device) if param is not None else "cpu"
-        elif self.seed is not None and self.remote:
-            kwargs["seed"] = self.seed + r + len(self.generation) * self.generation[r]
+        else:
+            kwargs.update(trainable_dtype=self.trainable_dtype, merge_lora=self.merge_lora)
+            if self.seed is not None and self.remote:
+                kwargs["seed"] = self.seed + r + len(self.generation) * self.generation[r]
         self.workers.start(r, self.model_cfg, self.env_spec, **kwargs)
 
     # --- weights -----------------------------------------------------------------------------------

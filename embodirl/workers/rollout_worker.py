@@ -70,24 +70,35 @@ class RolloutWorker:
             where the generators are the driver's.
         init_seed: build the policy with this seeded initialisation (as the actor ranks do) when no
             ``policy`` is given.
+        trainable_dtype: hold the trainable tensors of a policy built here in this dtype (the one the learner
+            ranks compute them in: :func:`embodirl.learner.fsdp.learner_compute_dtype`), so that the rollout's
+            log-probs are the learner's and the importance ratio starts at 1.
+        merge_lora: fold the LoRA adapters into this copy's weights at every weight update (``rollout.merge_lora``).
     """
 
     def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, backend: str = "huggingface",
                  sampling: Mapping[str, SamplingParams] | None = None, weights: WeightUpdate | None = None,
                  device: str | None = None, process_vars: Mapping[str, str] | None = None, policy=None,
-                 seed: int | None = None, init_seed: int | None = None):
+                 seed: int | None = None, init_seed: int | None = None, trainable_dtype: str | None = None,
+                 merge_lora: bool = False):
         process_env.adopt(process_vars)
         if policy is None and init_seed is not None:
             # the actor ranks build the same seeded initialisation: a random frozen base needs no transfer
             from embodirl.workers.actor_worker import build_policy
 
             policy = build_policy(model_cfg, env_spec, init_seed)
+        if trainable_dtype is not None and policy is not None:
+            from embodirl.learner.fsdp import parse_dtype
+
+            policy.cast_trainable_(parse_dtype(trainable_dtype))
         if seed is not None:
             import torch
 
             torch.manual_seed(seed)
             np.random.seed(seed % 2**32)
         kwargs = {"device": device}
+        if merge_lora:
+            kwargs["merge_lora"] = True
         if policy is not None:
             kwargs["policy"] = policy
         self.backend = make_backend(backend, model_cfg, env_spec, **kwargs)

@@ -47,3 +47,23 @@ def test_crashed_episode_is_run_again_and_counted(tmp_path):
     assert info["per_episode"] == clean["per_episode"]
     written = json.loads(write_eval_info(info, tmp_path).read_text())
     assert written["overall"]["n_rerun_after_crash"] == 1
+
+
+def test_an_episode_that_always_crashes_counts_as_a_failure_and_the_sweep_finishes(tmp_path):
+    """The toy simulator crashes at the second chunk of every episode from init state 2, on every re-run (as a
+    MuJoCo instability the policy's greedy actions cause would). `embodirl eval` finishes the sweep: each such
+    episode is a failure marked crashed, per episode, per task and overall, and the console table shows it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "eval", "env=toy_reach", "env.train.state_obs=true",
+                           "env.eval.state_obs=true", "env.eval.num_envs=4", "env.eval.crash_init_state=2",
+                           "runner.eval_episodes_per_task=4", "runner.eval_num_videos=0", "runner.experiment_name=crash"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((tmp_path / "outputs" / "crash" / "eval_info.json").read_text())
+    assert info["overall"]["n_episodes"] == 16 and info["overall"]["crashed"] == 4
+    crashed = [e for e in info["per_episode"] if e["crashed"]]
+    assert sorted(e["init_state_id"] for e in crashed) == [2, 2, 2, 2] and not any(e["success"] for e in crashed)
+    assert [t["crashed"] for t in info["per_task"]] == [1, 1, 1, 1]
+    assert "crashed" in proc.stdout and "they count as failures" in proc.stdout + proc.stderr

@@ -59,3 +59,17 @@ def test_resume_reproduces_uninterrupted_metrics(tmp_path):
     for a, b in zip(full, part):
         for key in ("train/return", "actor/pg_loss", "critic/value_loss", "actor/approx_kl", "actor/entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+def test_a_long_step_says_where_it_is(tmp_path):
+    """With progress lines due at once (EMBODIRL_PROGRESS_INTERVAL_S=0; 30 s by default) a step reports its
+    rollouts, the decisions inside each and the update's optimizer steps while they run."""
+    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "train", *BASE, "runner.max_steps=1",
+                           "rollout.rollout_epoch=2", "runner.val_check_interval=0", "runner.save_interval=0"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "EMBODIRL_PROGRESS_INTERVAL_S": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "[step 1] collecting rollout 2 of 2" in out
+    assert "rollout: decision 1 of " in out and "episodes running" in out
+    assert "update: optimizer step 1 of " in out

@@ -42,3 +42,62 @@ def test_timeout_and_hang_settings_are_checked(override, key):
     with pytest.raises(ConfigError) as exc:
         validate(compose([*TOY, override]))
     assert key in str(exc.value) and "\n" not in str(exc.value)
+
+
+def _simulator_processes(root: int) -> list:
+    """The simulator processes under ``root``: children of its multiprocessing fork server."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(root).children(recursive=True):
+        try:
+            if "forkserver" in " ".join(child.parent().cmdline()):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_frozen_simulators_are_replaced_within_seconds(tmp_path):
+    """The default job (ManiSkill PushCube, state) on 4 simulator processes; after step 3 two of them are frozen
+    with SIGSTOP. Each is found hung from its own recent step latency (15 s floor; env.step_timeout_s stays 300 s),
+    both in the same wait, killed with SIGKILL and replaced, and their episodes collected again: that step takes
+    well under 30 s longer than the others, and no frozen process is left behind."""
+    import signal
+    import statistics
+    import time
+
+    import psutil
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "embodirl.cli", "train", "env.train.num_envs=4",
+                             "actor.global_batch_size=8", "runner.max_steps=6", "runner.val_check_interval=0",
+                             "runner.save_interval=0", "runner.progress_bar=false", "runner.logger.tensorboard=false",
+                             f"runner.output_dir={out}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    frozen = []
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and any(r["step"] >= 3 for r in read_metrics(metrics)):
+                frozen = _simulator_processes(proc.pid)[:2]
+                for p in frozen:
+                    os.kill(p.pid, signal.SIGSTOP)
+                break
+            time.sleep(0.2)
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert len(frozen) == 2
+    assert "did not answer 'step' within 15.0 s" in output
+    assert not [p for p in frozen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    records = read_metrics(out / "metrics.jsonl")
+    steps = {r["step"]: r for r in records}
+    hit = max(steps, key=lambda s: steps[s]["time/step"])
+    usual = statistics.median(r["time/step"] for s, r in steps.items() if s != hit)
+    assert hit >= 4 and steps[hit]["train/dropped_episodes"] >= 2
+    assert steps[hit]["time/step"] - usual < 30, (steps[hit]["time/step"], usual)

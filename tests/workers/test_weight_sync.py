@@ -117,3 +117,39 @@ def test_reset_starts_over_at_a_given_version_and_deltas_build_on_it():
     delta = pub.publish(changed, version=8)
     assert (delta.base_version, delta.version, set(delta.tensors)) == (7, 8, {"lora.B"})
     assert rx.apply(delta) and rx.version == 8
+
+
+def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(compose_cfg):
+    """rollout.merge_lora: a rollout worker folds the adapter into its copy's weights at every update. With trained
+    (non-zero) adapters it acts as the unmerged copy (float32: greedy tokens equal, log-probs within float rounding),
+    and after other weights and then the first ones again, its weights are bit-identical to the first merge: every
+    merge starts from the original weights, so no rounding accumulates."""
+    from embodirl.workers.weight_sync import WeightUpdate
+
+    cfg = compose_cfg("env=toy_reach", "model=openvla_oft_tiny", "model.lora.target_modules=[all-linear,lm_head]")
+    env = make_env(cfg.env.eval, num_envs=4, seed=0)
+    obs, _ = env.reset(seed=0)
+    env.close()
+    workers = {merge: RolloutWorker(cfg.model, env.spec, init_seed=1, merge_lora=merge,
+                                    sampling={"train": SamplingParams(), "eval": SamplingParams(greedy=True)})
+               for merge in (False, True)}
+
+    def trained(seed):
+        g = torch.Generator().manual_seed(seed)
+        return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in workers[False].trainable_state_dict().items()}
+
+    first, second = trained(1), trained(2)
+    outputs = {}
+    for merge, worker in workers.items():
+        worker.update_weights(WeightUpdate(version=1, base_version=None, tensors=first, full=True))
+        outputs[merge] = worker.infer(obs, mode="eval").fields
+    np.testing.assert_array_equal(outputs[True][D.ACTION_TOKENS], outputs[False][D.ACTION_TOKENS])
+    np.testing.assert_allclose(outputs[True][D.LOGPROB_BEHAVIOR], outputs[False][D.LOGPROB_BEHAVIOR], atol=1e-4)
+    merged, plain = workers[True].backend.policy, dict(workers[False].backend.policy.named_parameters())
+    weights = {n: p.detach().clone() for n, p in merged.named_parameters() if n.endswith("base_layer.weight")}
+    assert weights and not any(torch.equal(w, plain[n]) for n, w in weights.items())   # folded in: they differ
+    for version, tensors in ((2, second), (3, first)):
+        workers[True].update_weights(WeightUpdate(version=version, base_version=None, tensors=tensors, full=True))
+    for name, param in merged.named_parameters():
+        if name in weights:
+            assert torch.equal(param, weights[name]), name

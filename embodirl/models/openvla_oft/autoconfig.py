@@ -111,6 +111,9 @@ def inspect(path: str, *, download: bool = False) -> CheckpointContents | None:
     directory = _local_directory(str(path), download)
     if directory is None:
         return None
+    from embodirl.models.openvla_oft.weights import check_readable
+
+    check_readable(directory)            # a damaged file is one sentence now, not a worker's traceback later
     config = _json(directory / CONFIG_FILE) if (directory / CONFIG_FILE).is_file() else {}
     recorded = config.get(NUM_IMAGES_KEY)
     if recorded is None:  # checkpoints written before the key existed carry the model section

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embodirl.models.action_tokenizer import ActionTokenizer
+from embodirl.models.base import default_dtype
 from embodirl.models.openvla_oft.config import OFTConfig
 from embodirl.models.openvla_oft.projector import (
     FusedMLPProjector,
@@ -70,17 +71,6 @@ class SequenceInputs:
     embeds: torch.Tensor
     mask: torch.Tensor
     position_ids: torch.Tensor
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Build modules directly in ``dtype`` (no float32 copy of a 7B model)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 class OpenVLAOFT(nn.Module):

@@ -75,9 +75,11 @@ class OpenVLAOFTPolicy(Policy):
         self.prompts = PromptTokenizer(loaded.tokenizer if loaded is not None else None)
         means, stds = (loaded.image_means_stds if loaded is not None and loaded.image_means_stds
                        else ((DINO_MEAN, SIGLIP_MEAN), (DINO_STD, SIGLIP_STD)))
-        self.images = ImageProcessor(cfg.image_size, cfg.center_crop, means, stds)
+        # every tensor the policy holds is created on the network's device (and moves with .to())
+        self.images = ImageProcessor(cfg.image_size, cfg.center_crop, means, stds, device=self.device)
         self.statistics = loaded.statistics if loaded is not None else None
         self.unnorm_key, self.action_normalizer, self.proprio_normalizer = self._normalizers()
+        self._unmerged: list[torch.Tensor] | None = None   # the adapted weights before merge_adapters_
 
     # --- construction helpers ------------------------------------------------------------------
     def _apply_deferred(self, loaded: ckpt.LoadedCheckpoint) -> None:
@@ -90,16 +92,17 @@ class OpenVLAOFTPolicy(Policy):
                     active[f"{ckpt.PROPRIO}.{key}"].copy_(tensor)
 
     def _normalizers(self):
-        cfg = self.cfg
+        """``(unnorm_key, action normaliser, proprio normaliser or None)`` on the policy's device."""
+        cfg, device = self.cfg, self.device
         if self.statistics is None:
             if cfg.path is not None:
                 log.warning("checkpoint %s has no dataset statistics: actions and proprio are not "
                             "(un-)normalised", cfg.path)
-            proprio = BoundsNormalizer.identity(cfg.proprio_dim) if cfg.use_proprio else None
-            return None, BoundsNormalizer.identity(cfg.action_dim), proprio
+            proprio = BoundsNormalizer.identity(cfg.proprio_dim, device=device) if cfg.use_proprio else None
+            return None, BoundsNormalizer.identity(cfg.action_dim, device=device), proprio
         key = resolve_unnorm_key(self.statistics, cfg.unnorm_key)
         entry = self.statistics[key]
-        action = BoundsNormalizer.from_statistics(entry["action"], cfg.normalization)
+        action = BoundsNormalizer.from_statistics(entry["action"], cfg.normalization, device=device)
         if action.dim != cfg.action_dim:
             raise ConfigError("model.action_dim", f"is {cfg.action_dim} but the '{key}' statistics describe "
                                                   f"{action.dim}-D actions")
@@ -107,7 +110,7 @@ class OpenVLAOFTPolicy(Policy):
         if cfg.use_proprio:
             if "proprio" not in entry:
                 raise ConfigError("model.use_proprio", f"the '{key}' statistics have no proprio entry")
-            proprio = BoundsNormalizer.from_statistics(entry["proprio"], cfg.normalization)
+            proprio = BoundsNormalizer.from_statistics(entry["proprio"], cfg.normalization, device=device)
             if proprio.dim != cfg.proprio_dim:
                 raise ConfigError("model.proprio_dim", f"is {cfg.proprio_dim} but the '{key}' statistics "
                                                        f"describe a {proprio.dim}-D proprio state")
@@ -126,7 +129,8 @@ class OpenVLAOFTPolicy(Policy):
     # --- inputs ----------------------------------------------------------------------------------
     def prepare_inputs(self, obs: Mapping) -> dict[str, torch.Tensor | None]:
         """Observation dict -> the network's keyword inputs (pixels, prompt ids/mask, normalised proprio),
-        on the policy's device."""
+        on the policy's device. The CPU work (JPEG and resize of the images, prompt ids, instructions from
+        task ids) is done first, where the observation is; then each input moves to the device once."""
         device = self.device
         images = obs.get(D.IMAGES)
         if images is None:
@@ -136,7 +140,8 @@ class OpenVLAOFTPolicy(Policy):
             raise ValueError(f"obs['{D.IMAGES}'] has shape {tuple(images.shape)}; expected [B, V>="
                              f"{self.cfg.num_images_in_input}, 3, h, w]")
         B = images.shape[0]
-        pixel_values = self.images(images[:, : self.cfg.num_images_in_input].to(device))
+        levels = self.images.uint8_levels(images[:, : self.cfg.num_images_in_input])   # (B*V, 3, S, S) uint8
+        pixel_values = self.images.normalize(levels.to(device, non_blocking=True), B)  # (B, V*6, S, S)
         instructions = obs.get(INSTRUCTION)
         if instructions is None and obs.get(D.TASK_ID) is not None and self.task_descriptions:
             task_ids = torch.as_tensor(np.asarray(obs[D.TASK_ID]) if not torch.is_tensor(obs[D.TASK_ID])
@@ -187,13 +192,15 @@ class OpenVLAOFTPolicy(Policy):
 
     def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
                  return_value: bool = True, return_entropy: bool = True) -> dict[str, torch.Tensor]:
-        out = self.core(**self.prepare_inputs(obs))
-        tokens = torch.as_tensor(actions).to(self.device)
-        if tokens.shape != out.action_logits.shape[:2]:
-            raise ValueError(f"action tokens have shape {tuple(tokens.shape)}, expected {tuple(out.action_logits.shape[:2])}")
-        if not bool(self.action_tokenizer.is_action_id(tokens).all()):
+        tokens = torch.as_tensor(actions)
+        B, L = len(tokens), self.cfg.tokens_per_decision
+        if tuple(tokens.shape) != (B, L):
+            raise ValueError(f"action tokens have shape {tuple(tokens.shape)}, expected {(B, L)}")
+        if tokens.device.type == "cpu" and not bool(self.action_tokenizer.is_action_id(tokens).all()):
+            # checked where the learner's batch is (the CPU): a check on the device would wait for it
             raise ValueError("action tokens contain ids outside the action vocabulary")
-        index = self.action_tokenizer.ids_to_index(tokens)                            # (B, L)
+        out = self.core(**self.prepare_inputs(obs))
+        index = self.action_tokenizer.ids_to_index(tokens.to(self.device))            # (B, L)
         logprob, entropy = log_prob_and_entropy(out.action_logits, index, temperature, return_entropy)
         result = {LOGPROB: logprob}
         if return_entropy:
@@ -246,10 +253,29 @@ class OpenVLAOFTPolicy(Policy):
         from now on, and write them with :meth:`save_pretrained` (``embodirl sft``: the statistics of its
         dataset)."""
         self.statistics = dict(statistics)
-        device = self.device
-        self.unnorm_key, action, proprio = self._normalizers()
-        self.action_normalizer = action.to(device)
-        self.proprio_normalizer = proprio.to(device) if proprio is not None else None
+        self.unnorm_key, self.action_normalizer, self.proprio_normalizer = self._normalizers()
+
+    def merge_adapters_(self) -> None:
+        """Fold the LoRA adapters into the weights they adapt, for an inference copy (``rollout.merge_lora``): its
+        forward then runs the base linear layers only, without the low-rank products beside them. The first call
+        keeps the adapted layers' own weights in host memory (pinned on a GPU machine; the adapted layers' size once
+        more); every call restores them before merging, so a weight update re-merges from the originals and repeated
+        merges never accumulate rounding. After a merge the adapters are off in the forward (peft's ``merged``)."""
+        from peft.tuners.lora import LoraLayer
+
+        layers = [m for m in self.vla.modules() if isinstance(m, LoraLayer)]
+        if not layers:
+            raise RuntimeError("this policy has no LoRA adapter to merge (model.lora.enabled is false)")
+        if self._unmerged is None:
+            pin = torch.cuda.is_available() and self.device.type == "cuda"
+            self._unmerged = [layer.get_base_layer().weight.detach().to("cpu", copy=True) for layer in layers]
+            if pin:
+                self._unmerged = [w.pin_memory() for w in self._unmerged]
+        with torch.no_grad():
+            for layer, original in zip(layers, self._unmerged, strict=True):
+                layer.get_base_layer().weight.copy_(original, non_blocking=True)
+                layer.merged_adapters = []
+                layer.merge()
 
     @contextlib.contextmanager
     def reference_mode(self):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from embodirl.errors import ConfigError
 from embodirl.models.openvla_oft.config import OFTConfig
 from embodirl.models.openvla_oft.lora import ADAPTER_NAME
 from embodirl.models.openvla_oft.names import OURS_ONLY, parameter_rules, public_alias
@@ -32,8 +33,13 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint does not fit the model; the message is one sentence naming the file or parameter."""
+class CheckpointError(ConfigError):
+    """A checkpoint does not fit the model, or one of its files is unreadable; the message is one sentence naming
+    the file or parameter, under the key that named the checkpoint (default ``model.path``), and reaches the user
+    as every configuration error does (exit status 2, no traceback)."""
+
+    def __init__(self, message: str, key: str = "model.path"):
+        super().__init__(key, message)
 
 
 class CheckpointFileMissing(CheckpointError, FileNotFoundError):
@@ -41,6 +47,40 @@ class CheckpointFileMissing(CheckpointError, FileNotFoundError):
 
 
 # --- locating files ---------------------------------------------------------------------------------
+#: sub-folders of a checkpoint whose files a load reads too (the LoRA adapter of an exported run)
+CHECKED_SUBDIRS = ("", "lora_adapter")
+
+
+def check_readable(directory: str | os.PathLike, key: str = "model.path") -> None:
+    """Read every file of checkpoint ``directory`` a load would read, as far as its header: JSON files parse,
+    safetensors headers parse, ``*.pt`` heads are torch's zip archives. Raises :class:`CheckpointError` naming the
+    first damaged file, before any worker starts (a truncated download otherwise fails deep inside a worker)."""
+    import zipfile
+
+    from safetensors import safe_open
+
+    for sub in CHECKED_SUBDIRS:
+        folder = Path(directory) / sub
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            try:
+                if path.suffix == ".json":
+                    with open(path) as f:
+                        json.load(f)
+                elif path.suffix == ".safetensors":
+                    with safe_open(str(path), framework="pt") as f:
+                        f.keys()
+                elif path.suffix == ".pt" and not zipfile.is_zipfile(path):
+                    raise ValueError("not a torch zip archive")
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); the checkpoint "
+                                      "is damaged: write or download it again", key) from None
+            except Exception as exc:
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                kind = {".safetensors": "a safetensors file", ".pt": "a torch checkpoint"}.get(path.suffix, "readable")
+                raise CheckpointError(f"{path} is not {kind} ({reason}); the checkpoint is damaged or incomplete: "
+                                      "write or download it again", key) from None
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     """A local directory, or a hub id (``owner/name``) fetched with ``huggingface_hub.snapshot_download``."""
     local = Path(path).expanduser()

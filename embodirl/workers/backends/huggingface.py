@@ -35,12 +35,17 @@ class HuggingFaceBackend(RolloutBackend):
     """See module docstring. ``policy`` may be given directly (tests, in-process runs); otherwise it is
     built from ``model_cfg``."""
 
-    def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, device: str | None = None, policy=None):
+    def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, device: str | None = None, policy=None,
+                 merge_lora: bool = False):
         super().__init__(model_cfg, env_spec, device=device)
         self.device = torch.device(device) if device else default_device()
         self.policy = policy if policy is not None else make_policy(self.model_cfg, env_spec)
         self.policy.eval()
         self.policy.to(self.device)
+        # rollout.merge_lora: the adapters folded into this copy's weights, again at every weight update
+        self.merge_lora = bool(merge_lora)
+        if self.merge_lora:
+            self.policy.merge_adapters_()
         self.value_type = getattr(self.policy, "value_type", None)
         self._offloaded = False
 
@@ -48,14 +53,13 @@ class HuggingFaceBackend(RolloutBackend):
                  return_value: bool = False) -> dict[str, np.ndarray]:
         if self._offloaded:
             self.onload()
-        # where the policy is now: a policy shared with a learner rank in this process moves with it
-        param = next(self.policy.parameters(), None)
         return act(self.policy, obs, self.env_spec.task_descriptions, sampling,
-                   return_value=return_value and self.value_type is not None,
-                   device=param.device if param is not None else self.device)
+                   return_value=return_value and self.value_type is not None)
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         self.policy.load_trainable_state_dict(dict(state))
+        if self.merge_lora:
+            self.policy.merge_adapters_()
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return self.policy.trainable_state_dict()

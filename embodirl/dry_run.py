@@ -1,0 +1,331 @@
+"""A full-size dry run on PyTorch's ``meta`` device: the policy a config describes is built without memory,
+acts, is evaluated, takes one learner update and publishes its weights - the code paths a GPU run takes,
+on a machine without a GPU.
+
+Why the meta device: a tensor on the meta device has a shape and a dtype but no data, and PyTorch refuses to
+mix it with a CPU tensor (``Tensor on device cpu is not on the expected device meta!``) exactly where it would
+refuse to mix a CPU tensor into a CUDA computation. A normaliser, tokenizer, processor or loss that creates a
+tensor on the CPU instead of on its module's device - the crash a 7B run would meet at its first action -
+fails here, in CI, in seconds. The same run counts what a GPU would do:
+
+* FLOPs per decision of ``act`` and of an update (forward and backward, with gradient checkpointing's
+  recomputation), by PyTorch's own per-operator formulas (:class:`Flops`; ``FlopCounterMode`` would do, but
+  its module hooks keep recomputed activations alive and so falsify the bytes below);
+* bytes of parameters, gradients, optimizer state and activations: the live bytes of every tensor the update
+  allocates on the policy's device, tracked by storage with weak references (:class:`LiveBytes`) - what the
+  caching allocator would have to hold at the peak, before fragmentation. Attention runs the memory-efficient
+  SDPA kernel a GPU runs (:func:`gpu_attention`), not the math fallback that materialises the score matrix.
+
+Code that reads a value back to the host (``.item()``, ``bool()``, a copy to the CPU) has nothing to read on the
+meta device; :class:`MetaDryRun` answers such reads with plausible stand-ins (true, one, zeros, "all valid")
+and lets every other operation run as it would. Those answers steer control flow only; nothing measured here
+depends on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from embodirl import data as D
+from embodirl.envs.base import EnvSpec
+
+aten = torch.ops.aten
+META = torch.device("meta")
+#: a dry run's batch: two trajectories, so that an update takes two optimizer steps (the optimizer state
+#: created by the first is alive during the second's backward, as in every later step of a real run)
+DRY_RUN_TRAJECTORIES = 2
+DRY_RUN_INSTRUCTION = "put both the alphabet soup and the tomato sauce in the basket"
+
+
+class MetaDryRun(TorchDispatchMode):
+    """Host reads of meta tensors get stand-in values (see module docstring): ``.item()`` / ``bool()`` /
+    ``float()`` -> true or one, ``nonzero`` -> every index (an all-true mask), a copy to the CPU -> zeros of
+    the same shape and dtype. Everything else runs unchanged, so a CPU tensor meeting a meta one still raises."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is not None and first.is_meta:
+            if func is aten._local_scalar_dense.default:
+                return True if first.dtype == torch.bool else (1.0 if first.is_floating_point() else 1)
+            if func is aten.nonzero.default:
+                return torch.empty((first.numel(), first.dim()), dtype=torch.int64, device=META)
+            if func is aten._to_copy.default and torch.device(kwargs.get("device") or META).type == "cpu":
+                return torch.zeros(first.shape, dtype=kwargs.get("dtype") or first.dtype)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def gpu_attention():
+    """``F.scaled_dot_product_attention`` on meta tensors runs the memory-efficient kernel (whose meta
+    implementation has the GPU kernel's outputs and saved tensors) instead of the math fallback the meta device
+    would pick, which upcasts to float32 and materialises the ``[B, heads, T, T]`` scores. The function is
+    replaced for the duration (a function mode would not reach gradient checkpointing's recomputation, which
+    runs inside ``backward``); other devices call the original."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, *args, **kwargs):
+        return (_efficient_attention if query.is_meta else original)(query, *args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
+
+
+class Flops(TorchDispatchMode):
+    """FLOPs of the operators run while active, by :data:`torch.utils.flop_counter.flop_registry`'s formulas
+    (matrix products and attention, as ``FlopCounterMode`` counts them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages that operations allocate on ``device`` while the mode is active, alive now
+    (``current``) and at most (``peak``); a storage counts once however many views share it, and stops
+    counting when its last tensor is freed."""
+
+    def __init__(self, device: torch.device | str):
+        super().__init__()
+        self.device = torch.device(device)
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        if tensor.device != self.device:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._live:
+            return
+        self._live[key] = storage.nbytes()
+        self.current += self._live[key]
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # a view or an in-place result shares an input's storage: only storages the op allocated are new
+        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs)) if t.device == self.device}
+        for value in _tensors(out):
+            if value.device == self.device and value.untyped_storage()._cdata not in inputs:
+                self._track(value)
+        return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+@dataclass
+class DryRunReport:
+    """What :func:`dry_run` measured (bytes and FLOPs; ``decisions`` per forward of the update)."""
+
+    params: int
+    trainable: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    update_peak_bytes: int           # parameters + everything the update allocated, at its peak
+    act_batch: int
+    act_flops_per_decision: float
+    update_decisions: int            # decisions in one micro-batch's forward/backward
+    update_flops_per_decision: float
+    published_tensors: int
+    published_bytes: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def dry_run_spec(cfg) -> EnvSpec:
+    """The env spec the dry run's policy is built for, from the config alone (no simulator is started):
+    the training env's cameras and image size, the model's action and proprio sizes."""
+    env, model = cfg.env.train, cfg.model
+    cameras = list(env.get("cameras") or ["camera"])
+    size = env.get("image_size") or [model.get("image_size") or 224] * 2
+    return EnvSpec(action_dim=int(model.get("action_dim") or 7), max_episode_steps=int(env.max_episode_steps),
+                   task_descriptions=[DRY_RUN_INSTRUCTION], camera_names=cameras, image_size=tuple(int(s) for s in size),
+                   state_dim=int(model.get("proprio_dim") or 8), name=str(env.get("name") or "dry_run"))
+
+
+def dry_run_batch(policy, spec: EnvSpec, trajectories: int, decisions: int) -> TensorDict:
+    """A trajectory batch shaped like a rollout of ``policy`` on ``spec`` (zeros; every decision valid)."""
+    N, T = trajectories, decisions
+    H, A, L = policy.action_chunk, policy.action_dim, policy.tokens_per_decision
+    h, w = spec.image_size
+    fields = {D.TASK_ID: torch.zeros(N, dtype=torch.int64), D.ACTION_CHUNK: torch.zeros(N, T, H, A),
+              D.LOGPROB_BEHAVIOR: torch.zeros(N, T, L), D.REWARD: torch.zeros(N, T),
+              D.TERMINATED: torch.zeros(N, T, dtype=torch.bool), D.TRUNCATED: torch.zeros(N, T, dtype=torch.bool),
+              D.VALID: torch.ones(N, T, dtype=torch.bool), D.SUCCESS: torch.zeros(N, T, dtype=torch.bool),
+              D.GROUP_ID: torch.zeros(N, dtype=torch.int64), D.INIT_STATE_ID: torch.zeros(N, dtype=torch.int64),
+              D.EXECUTED: torch.ones(N, T, H, dtype=torch.bool)}
+    if spec.camera_names:
+        fields[D.IMAGES] = torch.zeros(N, T, len(spec.camera_names), 3, h, w, dtype=torch.uint8)
+    if spec.state_dim:
+        fields[D.STATE] = torch.zeros(N, T, spec.state_dim)
+    if policy.action_field == D.ACTION_TOKENS:
+        fields[D.ACTION_TOKENS] = torch.full((N, T, L), policy.action_tokenizer.first_id, dtype=torch.int64)
+    else:
+        fields[D.ACTION_SAMPLE] = torch.zeros(N, T, L)
+    if policy.value_type is not None:
+        value_shape = (N, T) if policy.value_type == D.CHUNK_LEVEL else (N, T, H)
+        fields[D.VALUE] = torch.zeros(value_shape)
+    return D.make_trajectory(fields)
+
+
+def _observation(spec: EnvSpec, batch: int) -> dict:
+    h, w = spec.image_size
+    obs: dict = {D.TASK_ID: torch.zeros(batch, dtype=torch.int64), "instruction": [DRY_RUN_INSTRUCTION] * batch}
+    if spec.camera_names:
+        obs[D.IMAGES] = torch.zeros(batch, len(spec.camera_names), 3, h, w, dtype=torch.uint8)
+    if spec.state_dim:
+        obs[D.STATE] = torch.zeros(batch, spec.state_dim)
+    return obs
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
+    """Build ``cfg.model`` on the meta device and run, as a GPU run would: ``act`` on a rollout batch, one
+    learner update of :data:`DRY_RUN_TRAJECTORIES` trajectories in micro-batches of one
+    (``actor.micro_batch_size``'s unit; each of ``rollout.max_decisions`` or the episode's decisions), and
+    one full publication. ``act_batch``: default one env worker's share of ``env.train.num_envs``."""
+    from embodirl.learner.learner import Learner, prepare_batch
+    from embodirl.models.base import SamplingParams
+    from embodirl.models.registry import make_policy
+    from embodirl.plain import to_plain
+    from embodirl.rollout.records import decisions_per_episode
+
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    spec = dry_run_spec(cfg)
+    model = dict(to_plain(cfg.model))
+    model.update(path=None, base_path=None, device="meta")
+    policy = make_policy(model, spec)   # as a GPU run builds it: model.device names the device
+    seconds["build"] = time.perf_counter() - t0
+    act_batch = int(act_batch or max(1, int(cfg.env.train.num_envs) // int(cfg.env_workers.num_workers)))
+
+    t0 = time.perf_counter()
+    flops = Flops()
+    with gpu_attention(), MetaDryRun(), flops:
+        out = policy.act(_observation(spec, act_batch), SamplingParams(temperature=float(cfg.rollout.temperature or 1.0)))
+    act_flops = flops.total / act_batch
+    for key, value in out.items():
+        if value.device != META:
+            raise RuntimeError(f"act returned '{key}' on {value.device}, not on the policy's device (meta)")
+    seconds["act"] = time.perf_counter() - t0
+
+    T = decisions_per_episode(cfg)
+    algorithm = to_plain(cfg.algorithm)
+    algorithm.update(group_size=1, filter_groups={**algorithm["filter_groups"], "enable": False}, update_epochs=1,
+                     early_stop_kl=None, adv_type="gae" if policy.value_type is not None else "grpo")
+    if algorithm["adv_type"] == "grpo":
+        algorithm["group_size"] = DRY_RUN_TRAJECTORIES
+    actor = to_plain(cfg.actor)
+    actor.update(micro_batch_size=1, global_batch_size=1, replay_buffer={**actor["replay_buffer"], "reuse_last_k": 0})
+    learner = Learner(policy, {"algorithm": algorithm, "actor": actor}, task_table=spec.task_descriptions,
+                      temperature=float(cfg.rollout.temperature or 1.0), device=META)
+    prepared, _ = prepare_batch(dry_run_batch(policy, spec, DRY_RUN_TRAJECTORIES, T), algorithm)
+    params = list(policy.parameters())
+    param_bytes = _nbytes(params) + _nbytes(policy.buffers())
+    trainable = [p for p in params if p.requires_grad]
+
+    t0 = time.perf_counter()
+    live, flops = LiveBytes(META), Flops()
+    with gpu_attention(), MetaDryRun(), flops, live:
+        learner.update(prepared)
+    seconds["update"] = time.perf_counter() - t0
+    optimizer_bytes = _nbytes(v for state in learner.optimizer.state.values() for v in state.values()
+                              if isinstance(v, torch.Tensor) and v.device == META)
+    grad_bytes = _nbytes(trainable)
+    update_flops = flops.total / (DRY_RUN_TRAJECTORIES * T)
+
+    t0 = time.perf_counter()
+    with MetaDryRun():
+        _, published = learner.publish_weights(full=True)
+    seconds["publish"] = time.perf_counter() - t0
+    return DryRunReport(
+        params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in trainable), param_bytes=param_bytes,
+        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+        activation_bytes=max(0, live.peak - grad_bytes - optimizer_bytes), update_peak_bytes=param_bytes + live.peak,
+        act_batch=act_batch, act_flops_per_decision=float(act_flops), update_decisions=T,
+        update_flops_per_decision=float(update_flops), published_tensors=len(published),
+        published_bytes=_nbytes(published.values()), seconds=seconds)
+
+
+def _si(value: float, unit: str) -> str:
+    """``value`` with a decimal prefix: 8.84 TFLOP, 501 MB."""
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _bytes(value: float) -> str:
+    for factor, unit in ((1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {unit}"
+    return f"{int(value)} B"
+
+
+def format_report(report: DryRunReport | Mapping) -> str:
+    """The report as a few lines of text."""
+    r = report.as_dict() if isinstance(report, DryRunReport) else dict(report)
+    return "\n".join([
+        f"parameters: {_si(r['params'], '')} ({_si(r['trainable'], '')} trainable), {_bytes(r['param_bytes'])}",
+        f"act: {_si(r['act_flops_per_decision'], 'FLOP')} per decision (batch {r['act_batch']})",
+        f"update: {_si(r['update_flops_per_decision'], 'FLOP')} per decision (forward and backward, "
+        f"{r['update_decisions']} decisions per micro-batch)",
+        f"learner bytes: gradients {_bytes(r['grad_bytes'])}, optimizer state {_bytes(r['optimizer_bytes'])}, "
+        f"activations {_bytes(r['activation_bytes'])}; peak {_bytes(r['update_peak_bytes'])}",
+        f"publication: {r['published_tensors']} tensors, {_bytes(r['published_bytes'])}",
+    ])

@@ -1,0 +1,136 @@
+"""The collapse guard (``runner.guard``): a run whose evaluation success falls well below its best, whose policy drifts
+too far from the reference or loses its entropy, or whose update turns non-finite is rolled back to its best
+evaluation's checkpoint and goes on with a lower learning rate - or is stopped - instead of training on, collapsed,
+for hours.
+
+Rules, each optional (``runner.guard.*``):
+
+* ``success_drop`` / ``patience``: evaluation success more than ``success_drop`` below the best so far for
+  ``patience`` evaluations in a row;
+* ``max_kl``: ``kl/behaviour_ref_kl`` (KL of the rollout policy to the reference, adapters off) above it after a
+  training step (needs the reference's log-probs: ``algorithm.kl_beta > 0``);
+* ``min_entropy``: ``actor/entropy`` (mean per action unit) below it after a training step;
+* ``nonfinite``: a non-finite loss term or gradient (:class:`~embodirl.errors.NonFiniteUpdate`), which otherwise
+  stops the run.
+
+A tripped rule with ``action: rollback`` restores every learner rank from the checkpoint of the best evaluation so
+far (weights, optimizer moments, learning-rate schedule; the guard writes one at each new best), multiplies the
+learning rate by ``lr_factor`` (cumulatively), publishes the restored weights and goes on counting steps; after
+``max_rollbacks`` rollbacks, or with ``action: stop``, the run stops with one sentence naming the best checkpoint.
+Every trip is an event in ``metrics.jsonl`` and on the console.
+
+The decision is :class:`CollapseGuard`'s (pure bookkeeping, no I/O); the runner does the checkpoints and rollbacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+ROLLBACK, STOP = "rollback", "stop"
+ACTIONS = (ROLLBACK, STOP)
+KL_METRIC = "kl/behaviour_ref_kl"
+ENTROPY_METRIC = "actor/entropy"
+
+
+@dataclass
+class GuardSettings:
+    """``runner.guard`` (types and ranges: the schema)."""
+
+    enabled: bool = False
+    success_drop: float | None = 0.1
+    patience: int = 2
+    max_kl: float | None = None
+    min_entropy: float | None = None
+    nonfinite: bool = True
+    action: str = ROLLBACK
+    lr_factor: float = 0.5
+    max_rollbacks: int = 3
+
+    @classmethod
+    def from_config(cls, node: Mapping | None) -> GuardSettings:
+        return cls(**dict(node or {}))
+
+
+@dataclass
+class GuardState:
+    """What the guard remembers (saved in the runner's checkpoint state, restored on resume)."""
+
+    best_success: float | None = None
+    best_step: int | None = None
+    best_checkpoint: str | None = None
+    below: int = 0                  # evaluations in a row more than success_drop below the best
+    rollbacks: int = 0
+    lr_scale: float = 1.0
+    history: list[dict] = field(default_factory=list)
+
+
+class CollapseGuard:
+    """Decides when a run has collapsed (see module docstring)."""
+
+    def __init__(self, settings: GuardSettings, state: GuardState | None = None):
+        self.settings = settings
+        self.state = state or GuardState()
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled
+
+    # --- observations ------------------------------------------------------------------------------------------
+    def is_new_best(self, success: float) -> bool:
+        return self.state.best_success is None or success > self.state.best_success
+
+    def record_best(self, step: int, success: float, checkpoint: str) -> None:
+        self.state.best_success, self.state.best_step, self.state.best_checkpoint = float(success), int(step), checkpoint
+        self.state.below = 0
+
+    def after_eval(self, step: int, success: float) -> str | None:
+        """The reason the guard trips after this evaluation, or None."""
+        s = self.settings
+        if s.success_drop is None or self.state.best_success is None:
+            return None
+        if success < self.state.best_success - s.success_drop:
+            self.state.below += 1
+        else:
+            self.state.below = 0
+        if self.state.below >= s.patience:
+            return (f"evaluation success {success:.2f} has stayed more than {s.success_drop:g} below its best "
+                    f"{self.state.best_success:.2f} (step {self.state.best_step}) for {self.state.below} evaluation(s)")
+        return None
+
+    def after_step(self, metrics: Mapping[str, float]) -> str | None:
+        """The reason the guard trips after a training step's metrics, or None."""
+        s = self.settings
+        kl, entropy = metrics.get(KL_METRIC), metrics.get(ENTROPY_METRIC)
+        if s.max_kl is not None and kl is not None and float(kl) > s.max_kl:
+            return f"the KL to the reference policy is {float(kl):.4g}, above runner.guard.max_kl={s.max_kl:g}"
+        if s.min_entropy is not None and entropy is not None and float(entropy) < s.min_entropy:
+            return f"the policy's entropy is {float(entropy):.4g}, below runner.guard.min_entropy={s.min_entropy:g}"
+        return None
+
+    # --- decisions ---------------------------------------------------------------------------------------------
+    def decide(self, step: int, reason: str) -> tuple[str, str]:
+        """``(action, sentence)`` for a trip at ``step``: roll back (the state records it) or stop."""
+        s, st = self.settings, self.state
+        if st.best_checkpoint is None:
+            return STOP, f"the collapse guard tripped at step {step} ({reason}) before any checkpoint to roll back to"
+        best = "the start, before any evaluation" if st.best_success is None else f"success {st.best_success:.2f}"
+        where = f"the best checkpoint is {st.best_checkpoint} ({best} at step {st.best_step})"
+        if s.action == STOP:
+            return STOP, f"the collapse guard stopped the run at step {step}: {reason}; {where}"
+        if st.rollbacks >= s.max_rollbacks:
+            return STOP, (f"the collapse guard stopped the run at step {step} after {st.rollbacks} rollback(s) "
+                          f"(runner.guard.max_rollbacks): {reason}; {where}")
+        st.rollbacks += 1
+        st.lr_scale *= s.lr_factor
+        st.below = 0
+        st.history.append({"step": int(step), "reason": reason, "to_step": st.best_step, "lr_scale": st.lr_scale})
+        return ROLLBACK, (f"step {step}: {reason}; rolling back to step {st.best_step} ({best}) with the learning "
+                          f"rate x{st.lr_scale:g} (rollback {st.rollbacks} of {s.max_rollbacks})")
+
+    def state_dict(self) -> dict:
+        return asdict(self.state)
+
+    def load_state_dict(self, state: Mapping | None) -> None:
+        if state:
+            self.state = GuardState(**dict(state))

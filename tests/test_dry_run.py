@@ -1,0 +1,74 @@
+"""The full-size dry run on the meta device (embodirl/dry_run.py): OpenVLA-OFT at 7.7 B parameters acts, is
+evaluated, takes a learner update and publishes its adapter without memory or a GPU, so a tensor left on the CPU
+inside the policy, its normalisers, tokenizer, processor or loss fails here (it crashed the first action on an
+H200 at d1d7c5b: the normalisers stayed on the CPU - this test fails there). The same run counts FLOPs and bytes,
+and ``embodirl doctor``'s memory estimate must lie within 15 % of its bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embodirl.dry_run import MetaDryRun, dry_run, format_report
+from embodirl.memory_plan import memory_plan, model_size
+
+GIB = 1024**3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decisions", [8, 64])
+def test_full_size_openvla_oft_dry_run_and_doctor_estimate(compose_cfg, decisions):
+    """64 decisions per micro-batch is the LIBERO recipe's (micro-batch of one 512-step trajectory); 8 checks the
+    estimate's other end. ~25 s each."""
+    cfg = compose_cfg("env=libero_10", "model=openvla_oft", f"rollout.max_decisions={decisions}")
+    report = dry_run(cfg)
+    print(format_report(report))
+    assert report.params > 7.6e9 and 100e6 < report.trainable < 200e6   # LoRA rank 32 on every linear + heads
+    # ~608 tokens through 7.6 B parameters: 2 FLOPs per parameter and token, plus attention
+    assert 8.0e12 < report.act_flops_per_decision < 10.0e12, report.act_flops_per_decision
+    # gradient checkpointing: forward, recomputed forward and backward of the activations (the frozen weights
+    # get no gradient): about three forwards
+    assert 2.8 < report.update_flops_per_decision / report.act_flops_per_decision < 3.3
+    # the adapter and the trainable heads in float32, what an H200 run published (501 MiB)
+    assert report.published_bytes == pytest.approx(501.3 * 1024**2, rel=0.01)
+    assert report.grad_bytes == report.trainable * 4 and report.optimizer_bytes == report.trainable * 8
+    doctor = memory_plan(cfg, model_size(cfg), "cpu")["actor"]
+    assert doctor == pytest.approx(report.update_peak_bytes, rel=0.15), (doctor / GIB, report.update_peak_bytes / GIB)
+
+
+def test_a_normaliser_left_on_the_cpu_fails_the_dry_run(compose_cfg):
+    """The bug class the dry run exists for: the tiny preset built on meta acts; with its proprio normaliser made
+    on the CPU instead (as d1d7c5b made it) the first action raises."""
+    from embodirl.models.normalization import BoundsNormalizer
+
+    cfg = compose_cfg("env=libero_10", "model=openvla_oft_tiny")
+    report = dry_run(cfg)
+    assert report.act_flops_per_decision > 0 and report.published_tensors > 0
+    from embodirl.dry_run import _observation, dry_run_spec
+    from embodirl.models.base import SamplingParams
+    from embodirl.models.registry import make_policy
+    from embodirl.plain import to_plain
+
+    model = {**to_plain(cfg.model), "device": "meta"}
+    spec = dry_run_spec(cfg)
+    policy = make_policy(model, spec)
+    assert policy.proprio_normalizer.low.is_meta and policy.images.means.is_meta
+    assert policy.action_tokenizer.centers.is_meta
+    policy.proprio_normalizer = BoundsNormalizer.identity(spec.state_dim)   # created on the CPU
+    with MetaDryRun(), pytest.raises(RuntimeError, match="device cpu is not on the expected device meta"):
+        policy.act(_observation(spec, 2), SamplingParams())
+
+
+def test_the_default_jobs_state_policy_dry_run(compose_cfg):
+    report = dry_run(compose_cfg())
+    assert report.params == report.trainable > 0          # every weight of the MLP trains
+    assert report.act_flops_per_decision > 0 and report.update_flops_per_decision > report.act_flops_per_decision
+    assert report.published_bytes == report.trainable * 4
+
+
+def test_meta_dry_run_answers_host_reads():
+    x = torch.empty(3, 4, device="meta")
+    with MetaDryRun():
+        assert bool((x > 0).all()) is True
+        assert x.cpu().shape == (3, 4) and x.cpu().device.type == "cpu"
+        assert (x > 0).nonzero().shape == (12, 2)

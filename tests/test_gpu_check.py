@@ -1,0 +1,45 @@
+"""``scripts/gpu_check.sh --cpu``: the one-command GPU check, in its CPU mode (the tiny preset through the same
+steps: dry run, policy and learner benchmarks, a 3-step in-process CLI run with an evaluation and a checkpoint, and
+``embodirl eval`` from it), so that the script a lent GPU machine runs cannot rot unnoticed. ~45 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_mode_passes_and_writes_its_report(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(out), "--work", str(work)],
+                          capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "EMBODIRL_PYTHON": sys.executable})
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["ok"] and report["mode"] == "cpu" and report["preset"] == "openvla_oft_tiny"
+    assert list(report["steps"]) == ["environment", "dry_run", "policy", "learner", "train", "eval"]
+    assert all(step["ok"] for step in report["steps"].values())
+    train = report["steps"]["train"]["result"]
+    assert [s["step"] for s in train["steps"]] == [1, 2, 3] and train["eval"]["eval/episodes"] == 32
+    assert all(s["actor/first_step_ratio_error"] < 1e-6 for s in train["steps"])   # the rollout acts with the learner's module
+    assert report["steps"]["eval"]["result"]["n_episodes"] == 32
+    assert report["targets"]["act"]["decisions_per_s"] > 0 and report["targets"]["learner"]["decisions_per_s"] > 0
+    assert len(list(out.iterdir())) <= 8          # what a lent GPU machine sends back
+
+
+def test_gpu_check_stops_at_the_first_failing_step(tmp_path):
+    """GPU mode on a machine without CUDA: the first step fails loudly, in one line and in the report."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "EMBODIRL_PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 1
+    assert "step environment failed" in proc.stderr and "use --cpu" in proc.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["failed"] == "environment" and not report["steps"]["environment"]["ok"]
