@@ -46,6 +46,49 @@ def _split(args: list[str]) -> tuple[list[str], bool]:
     return overrides, multirun
 
 
+#: commands that compose their own config without Hydra's runner (Hydra's flags mean the same for them, see below)
+OWN_COMMANDS = ("demos", "sft", "doctor")
+#: what ``--cfg`` prints for them: the job's config (they have no Hydra section of their own)
+CFG_CHOICES = ("job", "all")
+
+
+def _own_command_flags(command: str, rest: list[str], overrides: list[str]) -> None:
+    """``embodirl demos|sft|doctor --cfg job [--resolve] [overrides]``: print the composed (and checked) config, as
+    ``train --cfg job`` does, and write nothing. Other Hydra flags are refused in one sentence."""
+    from omegaconf import OmegaConf
+
+    from embodirl.errors import ConfigError
+
+    flags = [a for a in rest if a.startswith("-")]
+    unsupported = [f for f in flags if f not in ("--cfg", "-c", "--resolve")]
+    if unsupported:
+        raise ConfigError("", f"embodirl {command} takes Hydra overrides, --cfg job and --resolve; {unsupported[0]} "
+                              "is for train and eval")
+    at = next(i for i, a in enumerate(rest) if a in ("--cfg", "-c"))
+    what = rest[at + 1] if at + 1 < len(rest) else None
+    if what not in CFG_CHOICES:
+        raise ConfigError("", f"--cfg takes one of {', '.join(CFG_CHOICES)} for embodirl {command}, got {what!r}")
+    if command == "demos":
+        from embodirl.demos import generate
+
+        cfg = generate.compose(overrides)
+        generate.validate(cfg)
+    elif command == "sft":
+        from embodirl.config import validate
+        from embodirl.sft import config as sft_config
+
+        cfg = sft_config.compose(overrides)
+        sft_config.check(cfg)
+        validate(sft_config.main_config(cfg))
+    else:
+        from embodirl.config import check_group_overrides, compose, validate
+
+        check_group_overrides(overrides)
+        cfg = compose(overrides)
+        validate(cfg, check_envs=False)
+    print(OmegaConf.to_yaml(cfg, resolve="--resolve" in rest), end="")
+
+
 def _fail(message: str) -> None:
     print(f"embodirl: {message}", file=sys.stderr)
     sys.exit(EXIT_BAD_CONFIG)
@@ -75,6 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     from embodirl.config import check_group_overrides, compose, sweep_jobs, validate
     from embodirl.errors import AssetsMissing, ConfigError
 
+    if command in OWN_COMMANDS and any(a.startswith("-") for a in rest):
+        try:
+            _own_command_flags(command, rest, overrides)
+        except (ConfigError, AssetsMissing) as exc:
+            _fail(str(exc))
+        return
     if command == "demos":
         from embodirl.demos import generate
 

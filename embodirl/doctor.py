@@ -116,16 +116,17 @@ def _libero_object_types(bddl: Path) -> set[str]:
 
 def libero_assets_problem(env_cfg: Mapping) -> str | None:
     """None when the asset folder holds what the config's tasks place, else what is missing."""
-    from embodirl.envs import libero, libero_paths
+    from embodirl.envs.libero import paths as libero_paths
+    from embodirl.envs.libero import suite as libero_suite
 
     assets = libero_paths.resolve_assets_dir(env_cfg.get("assets_path"))
     missing = [e for e in LIBERO_ASSET_ENTRIES if not (assets / e).exists()]
     if missing:
         return f"{assets} lacks {', '.join(missing)}"
     names = {p.stem for p in assets.rglob("*")}
-    info = libero.suite_info(env_cfg)
+    info = libero_suite.suite_info(env_cfg)
     absent: set[str] = set()
-    for task in libero.task_pool(env_cfg):
+    for task in libero_suite.task_pool(env_cfg):
         absent |= _libero_object_types(info.bddl_files[task]) - names - LIBERO_ARENA_FIXTURES
     if absent:
         return f"{assets} has no asset for {', '.join(sorted(absent))} (placed by {env_cfg['suite']}'s tasks)"

@@ -47,7 +47,7 @@ def main() -> None:
     np.random.seed(args.seed)
     env_cfg = to_plain(cfg.env.train)
 
-    # 2. Env: a ProcessVectorEnv of num_envs simulators (embodirl/envs/maniskill.py, embodirl/envs/vector.py).
+    # 2. Env: a ProcessVectorEnv of num_envs simulators (envs/maniskill/simulator.py, envs/vector/vector_env.py).
     env = make_env(env_cfg, num_envs=args.num_envs, seed=args.seed)
     H = int(cfg.model.action_chunk)
     print(f"{env.spec.name}: {env.num_envs} envs, state {env.spec.state_dim}-D, action {env.spec.action_dim}-D, chunks of {H}")

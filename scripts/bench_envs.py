@@ -110,7 +110,7 @@ class Timer:
 
 # --------------------------------------------------------------------------------------------------
 def bench_render(args, rows: list) -> None:
-    from embodirl.envs.libero import LiberoSimEnv, to_libero_action
+    from embodirl.envs.libero.simulator import LiberoSimEnv, to_libero_action
 
     cfg = env_config("libero_10", image_size=[args.image_size] * 2, task_ids=[args.task])
     env = LiberoSimEnv(cfg, seed=0)
@@ -170,7 +170,7 @@ def bench_render(args, rows: list) -> None:
 
 
 def bench_reset(args, rows: list) -> None:
-    from embodirl.envs.libero import LiberoSimEnv, scene_seed
+    from embodirl.envs.libero.simulator import LiberoSimEnv, scene_seed
 
     cfg = env_config("libero_10", image_size=[args.image_size] * 2, task_ids=[args.task])
     env = LiberoSimEnv(cfg, seed=0)

@@ -24,7 +24,7 @@ from embodirl import runtime
 def measure(cfg: dict, *, num_envs: int, chunks: int, chunk_len: int, processes: bool, record: bool) -> dict:
     """Build, reset and step ``chunks`` random chunks; returns timings (build excluded from steps/s)."""
     from embodirl.envs.registry import get_adapter
-    from embodirl.envs.vector import ProcessVectorEnv
+    from embodirl.envs.vector.vector_env import ProcessVectorEnv
 
     adapter = get_adapter(cfg["adapter"])
     cfg = dict(cfg, video=dict(cfg["video"], enabled=record, env_ids=list(range(num_envs))))

@@ -53,7 +53,8 @@ runtime.configure()
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from embodirl.channel import ShmChannel, ShmReader, ShmRef, segments  # noqa: E402
+from embodirl.channel import segments  # noqa: E402
+from embodirl.channel.shm_channel import ShmChannel, ShmReader, ShmRef  # noqa: E402
 
 CHANNEL_ENVS, CHANNEL_CAMERAS, CHANNEL_SIZE = 16, 2, 224
 
@@ -231,7 +232,7 @@ def _sleepy_sim_cls():
 
 def sleepy_env_builder(latency_s: float):
     def build(env_cfg, *, num_envs, seed, env_offset=0):
-        from embodirl.envs.vector import ProcessVectorEnv
+        from embodirl.envs.vector.vector_env import ProcessVectorEnv
 
         cls = _sleepy_sim_cls()
         factories = [functools.partial(cls, env_cfg, seed=seed + env_offset + i, latency_s=latency_s)
@@ -266,7 +267,9 @@ def _collect_with_stages(cfg, S: int, N: int, T: int, *, env_builder=None, polic
     from omegaconf import OmegaConf
 
     from embodirl.workers import process_env
-    from embodirl.workers.groups import EnvWorkerGroup, RolloutLayout, RolloutWorkerGroup
+    from embodirl.workers.env_group import EnvWorkerGroup
+    from embodirl.workers.layout import RolloutLayout
+    from embodirl.workers.rollout_group import RolloutWorkerGroup
     from embodirl.workers.rollout_worker import sampling_from_config
 
     layout = RolloutLayout(num_env_workers=1, num_stages=S, envs_per_stage=N // S, num_rollout_workers=1,

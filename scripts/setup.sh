@@ -4,7 +4,7 @@
 #     bookworm-backports, unpacked into .deps/vulkan so the system Mesa stays untouched) for SAPIEN;
 #   - a virtual environment .venv with the locked Python dependencies (constraints.txt: the tested versions of
 #     every package; torch CPU 2.13.0 first, libero without its robomimic/torchvision dependencies);
-#   - the LIBERO config file, written non-interactively (see embodirl/envs/libero_paths.py).
+#   - the LIBERO config file, written non-interactively (see embodirl/envs/libero/paths.py).
 # A second run compares a stamp and returns in well under a second when nothing changed.
 # Environment: EMBODIRL_VENV (default .venv), EMBODIRL_LIBERO_ASSETS (LIBERO asset folder),
 # EMBODIRL_SKIP_SYSTEM=1 to leave system packages alone.
@@ -78,6 +78,6 @@ PIP+=(-c "$ROOT/constraints.txt")
 # libero 0.1.1 declares robomimic (-> torchvision, CUDA-only here); its real runtime deps are ours.
 "${PIP[@]}" --no-deps libero==0.1.1
 "${PIP[@]}" -e "$ROOT[test]"
-"$VENV/bin/python" -m embodirl.envs.libero_paths --write >/dev/null
+"$VENV/bin/python" -m embodirl.envs.libero.paths --write >/dev/null
 stamp_value > "$STAMP"
 log "done: $VENV"

@@ -131,3 +131,31 @@ def test_a_damaged_state_policy_file_is_one_sentence(tmp_path):
     work.mkdir()
     _assert_rejected(run_cli(["eval", f"model.path={bad}"], work), work, "is not a safetensors file")
     _assert_rejected(run_cli(["eval", f"model.path={tmp_path / 'absent.safetensors'}"], work), work, "does not exist")
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("train", []), ("eval", []), ("doctor", []), ("demos", ["env=maniskill_pushcube_rgb", "num_episodes=3"]),
+    ("sft", ["env=maniskill_pushcube_rgb", "model=openvla_oft_tiny", "data.path=somewhere"]),
+])
+def test_cfg_job_prints_and_writes_nothing_for_every_command(tmp_path, command, extra):
+    """`embodirl demos --cfg job env=maniskill_pushcube_rgb` generated and wrote 10 demonstrations; every subcommand
+    now prints its composed, checked config for --cfg job, as train does, and writes nothing."""
+    import yaml
+
+    proc = run_cli([command, "--cfg", "job", *extra], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = yaml.safe_load(proc.stdout)
+    assert isinstance(cfg, dict) and cfg
+    if command == "demos":
+        assert cfg["num_episodes"] == 3
+    if command == "sft":
+        assert cfg["data"]["path"] == "somewhere" and cfg["model"]["name"] == "openvla_oft"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["demos", "-m", "num_episodes=1,2"], "-m is for train and eval"),
+    (["sft", "--cfg", "hydra"], "--cfg takes one of job, all"),
+])
+def test_hydra_flags_the_own_commands_do_not_have_are_one_sentence(tmp_path, args, fragment):
+    _assert_rejected(run_cli(args, tmp_path), tmp_path, fragment)

@@ -5,14 +5,3 @@ preallocated slots (producer :class:`ShmChannel`, consumer :class:`ShmReader`), 
 (send/recv) or by passing references. Nothing here imports Ray: the worker layer decides when to use
 the ring and when to fall back to Ray's object store.
 """
-
-from embodirl.channel.shm_channel import (
-    ChannelError,
-    ChannelFull,
-    ChannelInfo,
-    ShmChannel,
-    ShmReader,
-    ShmRef,
-)
-
-__all__ = ["ChannelError", "ChannelFull", "ChannelInfo", "ShmChannel", "ShmReader", "ShmRef"]

@@ -1,6 +1,2 @@
-"""Demonstrations: LeRobot datasets on disk (:mod:`embodirl.demos.lerobot_format`) and motion-planner demos
-for ManiSkill tasks (:mod:`embodirl.demos.generate`, the ``embodirl demos`` command)."""
-
-from embodirl.demos.lerobot_format import DatasetError, EpisodeData, FeatureStats, LeRobotDataset, LeRobotWriter, Sample
-
-__all__ = ["DatasetError", "EpisodeData", "FeatureStats", "LeRobotDataset", "LeRobotWriter", "Sample"]
+"""Demonstrations: LeRobot datasets on disk (:mod:`embodirl.demos.lerobot`: the layout, a reader and a writer) and
+scripted-expert demos for ManiSkill tasks (:mod:`embodirl.demos.generate`, the ``embodirl demos`` command)."""

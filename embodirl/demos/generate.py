@@ -1,11 +1,11 @@
 """``embodirl demos [overrides]``: scripted-expert demonstrations of a ManiSkill task as a LeRobot dataset.
 
 The primary config is ``config/demos.yaml`` (its ``env`` group is the tree ``embodirl train`` uses). Each attempt
-``k`` resets the adapter's own simulator (:class:`~embodirl.envs.maniskill.ManiSkillSimEnv`) to init state
+``k`` resets the adapter's own simulator (:class:`~embodirl.envs.maniskill.simulator.ManiSkillSimEnv`) to init state
 ``seed + k`` (ManiSkill episode seed), lets the task's expert (:mod:`embodirl.demos.experts`) act one control
 step at a time, and records the adapter's observation before each step (camera images, the flattened
 state as proprio) with the action taken and the env's instruction. Successful episodes are written with
-:class:`~embodirl.demos.lerobot_format.LeRobotWriter` (``meta/episodes.jsonl`` keeps each episode's
+:class:`~embodirl.demos.lerobot.writer.LeRobotWriter` (``meta/episodes.jsonl`` keeps each episode's
 ``init_state_id``, so that its actions replay in the adapter from the same seed); failed attempts are dropped.
 A summary (attempts, expert success rate, demos per minute, dataset size) goes to ``meta/generation.json``
 and the console.
@@ -63,8 +63,8 @@ def validate(cfg: Mapping) -> dict:
     """The demo keys checked in one sentence each, and the env config checked by the ManiSkill adapter.
     Returns the env config (``env.train``)."""
     from embodirl.demos.experts import CONTROL_MODES, EXPERTS
-    from embodirl.demos.lerobot_format import VIDEO_CODECS
-    from embodirl.envs.maniskill import check_config
+    from embodirl.demos.lerobot.layout import VIDEO_CODECS
+    from embodirl.envs.maniskill.simulator import check_config
 
     unknown = sorted(set(cfg) - set(KEYS))
     if unknown:
@@ -105,8 +105,8 @@ def generate(cfg: Mapping, env_cfg: Mapping) -> dict:
     from tqdm import tqdm
 
     from embodirl.demos.experts import EXPERTS
-    from embodirl.demos.lerobot_format import LeRobotWriter
-    from embodirl.envs.maniskill import ManiSkillSimEnv
+    from embodirl.demos.lerobot.writer import LeRobotWriter
+    from embodirl.envs.maniskill.simulator import ManiSkillSimEnv
 
     n_target, seed0 = int(cfg["num_episodes"]), int(cfg["seed"])
     max_attempts = cfg["max_attempts"] if cfg["max_attempts"] is not None else 2 * n_target + 10

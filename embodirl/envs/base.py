@@ -6,7 +6,7 @@ single-threaded) while GPU-batched simulators implement the batch directly:
 * :class:`SimEnv` - one simulator instance. It knows how to reset to a task / init state and how to
   execute one action chunk ``[H, A]`` of low-level steps, rendering cameras only where asked.
 * :class:`ChunkVectorEnv` - a batch of ``B`` environments stepped one action chunk ``[B, H, A]`` at
-  a time; this is what env workers drive. :class:`embodirl.envs.vector.ProcessVectorEnv` lifts
+  a time; this is what env workers drive. :class:`embodirl.envs.vector.vector_env.ProcessVectorEnv` lifts
   ``SimEnv`` factories into it (one process per simulator, fault recovery); a GPU-batched ManiSkill
   backend implements it directly.
 

@@ -17,8 +17,8 @@ from embodirl.plain import to_plain
 from embodirl.registry import LazyRegistry
 
 ADAPTERS = LazyRegistry("simulator adapter", "env.adapter", {
-    "libero": "embodirl.envs.libero",
-    "maniskill": "embodirl.envs.maniskill_adapter",
+    "libero": "embodirl.envs.libero.simulator",
+    "maniskill": "embodirl.envs.maniskill.adapter",
     "toy": "embodirl.envs.toy",
 })
 register_adapter = ADAPTERS.register

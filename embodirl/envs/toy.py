@@ -18,7 +18,7 @@ of steps per second.
 * :func:`oracle_actions` is a scripted policy that always succeeds from the image alone (or the
   state); a uniform random policy rarely does.
 
-The adapter builds the batch with :class:`~embodirl.envs.vector.ProcessVectorEnv` (in-process by
+The adapter builds the batch with :class:`~embodirl.envs.vector.vector_env.ProcessVectorEnv` (in-process by
 default, ``processes: true`` for one process per env), so the toy obeys the same batch semantics as
 the real simulators.
 """
@@ -33,9 +33,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from embodirl.envs.base import ChunkResult, EnvSpec, SimEnv
+from embodirl.envs.base import REWARD_TYPES, ChunkResult, EnvSpec, SimEnv
 from embodirl.envs.registry import register_adapter
-from embodirl.envs.vector import REWARD_TYPES, ProcessVectorEnv
+from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import ConfigError
 
 # name -> RGB; task k is colour k

@@ -1,7 +1,7 @@
 """Episode videos: one mp4 per finished episode of selected envs, with an optional caption (task, step,
 chunk reward, success) under the picture.
 
-:class:`VideoRecorder` consumes what :class:`~embodirl.envs.vector.ProcessVectorEnv` returns for its
+:class:`VideoRecorder` consumes what :class:`~embodirl.envs.vector.vector_env.ProcessVectorEnv` returns for its
 recorded envs (``record_env_ids``): ``info["frames"][i]`` holds one ``[h, w, 3]`` uint8 frame per
 executed low-level step (cameras side by side), ``info["reset_frames"][i]`` the first frame of a new
 episode. Frames stream into an open ffmpeg writer (no episode is held in memory); when the episode

@@ -5,11 +5,3 @@
 submit/result protocol (and its in-process form over a policy); ``starts`` plans episode starts and
 GRPO groups. The worker layer (:mod:`embodirl.workers`) runs exactly this loop inside env workers.
 """
-
-from embodirl.rollout.collector import RolloutCollector, RolloutStats
-from embodirl.rollout.inference import PolicyInference, PolicyOutput
-from embodirl.rollout.records import DecisionRecorder
-from embodirl.rollout.starts import EpisodeStarts, plan_starts
-
-__all__ = ["DecisionRecorder", "EpisodeStarts", "PolicyInference", "PolicyOutput", "RolloutCollector", "RolloutStats",
-           "plan_starts"]

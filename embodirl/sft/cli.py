@@ -9,7 +9,8 @@ def main(overrides: Sequence[str]) -> int:
     """The CLI entry; raises ConfigError for bad input (the caller prints it and exits 2)."""
     from embodirl import runtime
     from embodirl.config import validate
-    from embodirl.demos.lerobot_format import DatasetError, LeRobotDataset
+    from embodirl.demos.lerobot.layout import DatasetError
+    from embodirl.demos.lerobot.reader import LeRobotDataset
     from embodirl.envs.registry import make_env
     from embodirl.errors import ConfigError
     from embodirl.plain import to_plain

@@ -122,7 +122,7 @@ def check(cfg: DictConfig) -> None:
 def check_dataset(cfg: DictConfig, dataset, spec) -> list[str]:
     """Dataset against env and model: action dim, cameras, proprio, chunk length. Returns the dataset's
     camera keys in the env's camera order (the images the policy sees)."""
-    from embodirl.demos.lerobot_format import camera_key
+    from embodirl.demos.lerobot.layout import camera_key
 
     path = cfg.data.path
     if dataset.action_dim != spec.action_dim:

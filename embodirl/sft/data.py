@@ -1,5 +1,5 @@
 """Dataset statistics in OpenVLA-OFT's ``dataset_statistics.json`` format, and learner batches from a
-:class:`~embodirl.demos.lerobot_format.LeRobotDataset`.
+:class:`~embodirl.demos.lerobot.reader.LeRobotDataset`.
 
 Statistics (OpenVLA's ``save_dataset_statistics`` layout, one entry under ``unnorm_key``)::
 

@@ -47,9 +47,6 @@ from embodirl.workers.rollout_group import RolloutWorkerGroup
 from embodirl.workers.rollout_worker import EVAL, TRAIN, sampling_from_config
 from embodirl.workers.worker_set import WorkerSet
 
-__all__ = ["EnvWorkerGroup", "RolloutLayout", "RolloutWorkerGroup", "WorkerGroups", "layout_from_config",
-           "plan_from_config"]
-
 log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 10_000  # evaluation simulators are seeded apart from training ones

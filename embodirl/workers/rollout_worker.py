@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from embodirl import runtime
-from embodirl.channel import ChannelInfo, ShmReader, ShmRef
+from embodirl.channel.shm_channel import ChannelInfo, ShmReader, ShmRef
 from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
 from embodirl.rollout.inference import PolicyOutput

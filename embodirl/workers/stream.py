@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from embodirl.channel import ChannelInfo, ShmChannel, ShmReader, ShmRef
+from embodirl.channel.shm_channel import ChannelInfo, ShmChannel, ShmReader, ShmRef
 from embodirl.rollout.inference import Done, Pending, PolicyOutput
 
 log = logging.getLogger(__name__)

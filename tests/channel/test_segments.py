@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from embodirl.channel import ShmChannel, segments
+from embodirl.channel import segments
+from embodirl.channel.shm_channel import ShmChannel
 
 CLEANUP_DEADLINE_S = 20.0   # generous: the janitor reacts within milliseconds, the machine may be busy
 
@@ -20,7 +21,8 @@ CLEANUP_DEADLINE_S = 20.0   # generous: the janitor reacts within milliseconds, 
 _OWNER = textwrap.dedent("""
     import os, sys, time
     import numpy as np
-    from embodirl.channel import ShmChannel, segments
+    from embodirl.channel import segments
+    from embodirl.channel.shm_channel import ShmChannel
     if os.environ.get("OWN_RUN"):
         segments.own_run()
     channel = ShmChannel({"images": np.zeros((4, 3, 32, 32), np.uint8)}, num_slots=2, tag="test")

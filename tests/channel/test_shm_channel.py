@@ -8,7 +8,8 @@ import pickle
 import numpy as np
 import pytest
 
-from embodirl.channel import ChannelError, ChannelFull, ShmChannel, ShmReader, segments
+from embodirl.channel import segments
+from embodirl.channel.shm_channel import ChannelError, ChannelFull, ShmChannel, ShmReader
 
 
 def _batch(B=4, fill=0):

@@ -13,8 +13,8 @@ import pytest
 from embodirl.cli import main
 from embodirl.config import compose
 from embodirl.demos.experts import EXPERTS
-from embodirl.demos.lerobot_format import LeRobotDataset
-from embodirl.envs.maniskill import ManiSkillSimEnv
+from embodirl.demos.lerobot.reader import LeRobotDataset
+from embodirl.envs.maniskill.simulator import ManiSkillSimEnv
 
 EXE = [sys.executable, "-m", "embodirl.cli"]
 

@@ -7,16 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from embodirl.demos.lerobot_format import (
-    DATA_PATH,
-    EPISODES_PATH,
-    INFO_PATH,
-    STATS_PATH,
-    VIDEO_PATH,
-    DatasetError,
-    LeRobotDataset,
-    LeRobotWriter,
-)
+from embodirl.demos.lerobot.layout import DATA_PATH, EPISODES_PATH, INFO_PATH, STATS_PATH, VIDEO_PATH, DatasetError
+from embodirl.demos.lerobot.reader import LeRobotDataset
+from embodirl.demos.lerobot.writer import LeRobotWriter
 from embodirl.errors import ConfigError
 
 H, W, A, S = 24, 32, 4, 5
@@ -191,7 +184,12 @@ def test_bad_video_names_the_file(written, tmp_path, damage):
         video.write_bytes(b"\x00" * 100)
     else:   # another episode's (shorter) video in its place
         video.write_bytes(video.with_name("episode_000001.mp4").read_bytes())
-    ds = LeRobotDataset(root)
+    if damage != "short":      # a missing or unreadable video: when the dataset is opened, before any training
+        with pytest.raises(DatasetError) as err:
+            LeRobotDataset(root)
+        assert str(video) in str(err.value) and "\n" not in str(err.value)
+        return
+    ds = LeRobotDataset(root)  # a readable video of the wrong length: when its episode is first used
     ds[0]                                          # episode 0 is intact
     with pytest.raises(DatasetError) as err:
         ds[12]

@@ -16,18 +16,17 @@ import pytest
 from omegaconf import OmegaConf
 from scipy.spatial.transform import Rotation
 
-from embodirl.envs import libero_paths
-from embodirl.envs.libero import (
+from embodirl.envs.libero import paths as libero_paths
+from embodirl.envs.libero.simulator import (
     CAMERAS,
-    SUITE_NUM_TASKS,
     LiberoAdapter,
     LiberoSimEnv,
     SimulationUnstable,
-    eval_schedule,
     quat_to_axis_angle,
     scene_seed,
     to_libero_action,
 )
+from embodirl.envs.libero.suite import SUITE_NUM_TASKS, eval_schedule
 from embodirl.errors import AssetsMissing, ConfigError
 
 IMAGE_SIZE = [128, 128]
@@ -148,7 +147,7 @@ def test_check_config_through_the_composed_config(compose_cfg):
 
 
 def test_suite_facts_match_the_package():
-    from embodirl.envs.libero import suite_info
+    from embodirl.envs.libero.suite import suite_info
 
     libero_paths.prepare()
     from libero.libero.benchmark.libero_suite_task_map import libero_task_map

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from embodirl.envs.libero import LiberoSimEnv, quat_to_axis_angle
+from embodirl.envs.libero.simulator import LiberoSimEnv, quat_to_axis_angle
 from tests.envs.test_libero import CHUNK, libero_cfg
 
 SIZE = 256

@@ -16,11 +16,11 @@ import torch
 from omegaconf import OmegaConf
 
 from embodirl.config import compose
-from embodirl.envs.maniskill import ManiSkillSimEnv, check_config, make_sim_env
-from embodirl.envs.maniskill_gpu import ManiSkillGPUEnv, end_flags, group_by_init_state, transform_rewards
-from embodirl.envs.maniskill_tasks import instruction
+from embodirl.envs.maniskill.gpu import ManiSkillGPUEnv, end_flags, group_by_init_state, transform_rewards
+from embodirl.envs.maniskill.simulator import ManiSkillSimEnv, check_config, make_sim_env
+from embodirl.envs.maniskill.tasks import instruction
 from embodirl.envs.registry import check_env_config, make_env
-from embodirl.envs.vector import ProcessVectorEnv
+from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import AssetsMissing, ConfigError
 
 MAX_EE_DELTA = 0.1           # m: pd_ee_delta_pos maps an action of 1 to this end-effector step

@@ -10,7 +10,7 @@ import yaml
 from embodirl.envs import toy
 from embodirl.envs.registry import make_env
 from embodirl.envs.toy import COLOURS, GOAL_HALF_SIZE, ToySimEnv, init_position, oracle_actions
-from embodirl.envs.vector import ProcessVectorEnv
+from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import ConfigError
 from embodirl.paths import config_dir
 

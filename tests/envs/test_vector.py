@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from embodirl.envs.toy import ToySimEnv, init_position, oracle_actions
-from embodirl.envs.vector import ProcessVectorEnv, SubEnvCrashed
+from embodirl.envs.vector.recovery import SubEnvCrashed
+from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import ConfigError
 from embodirl.paths import config_dir
 
@@ -332,7 +333,7 @@ _CHILD_SCRIPT = textwrap.dedent("""
     import functools, sys, threading, time, yaml
     import numpy as np
     from embodirl.envs.toy import ToySimEnv
-    from embodirl.envs.vector import ProcessVectorEnv
+    from embodirl.envs.vector.vector_env import ProcessVectorEnv
     from embodirl.paths import config_dir
 
     class Busy(ToySimEnv):

@@ -9,7 +9,7 @@ import numpy as np
 import yaml
 
 from embodirl.envs.toy import ToySimEnv, oracle_actions
-from embodirl.envs.vector import ProcessVectorEnv
+from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.envs.video import (
     CAPTION_SUCCESS,
     VideoRecorder,

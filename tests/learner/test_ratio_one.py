@@ -12,7 +12,6 @@ run, and the second is measured: the first starts from LoRA's B = 0, where the a
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch.multiprocessing as mp
@@ -23,8 +22,9 @@ import torch.multiprocessing as mp
 BF16_RATIO_TOLERANCE = 2e-3
 OVERRIDES = ["env=toy_reach", "model=openvla_oft_tiny", "model.dtype=bfloat16", "algorithm=grpo",
              "algorithm.group_size=4", "env.train.use_fixed_reset_state_ids=true", "env.train.num_envs=8",
-             "env.train.max_episode_steps=24", "env.train.reward_mode=dense", "model.action_chunk=4", "actor.global_batch_size=8",
-             "actor.micro_batch_size=2", "algorithm.update_epochs=1", "algorithm.filter_groups.enable=false"]
+             "env.train.max_episode_steps=24", "env.train.reward_mode=dense", "model.action_chunk=4",
+             "actor.global_batch_size=8", "actor.micro_batch_size=2", "algorithm.update_epochs=1",
+             "algorithm.filter_groups.enable=false"]
 
 
 def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:

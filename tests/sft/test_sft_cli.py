@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from embodirl.demos.lerobot_format import LeRobotDataset
+from embodirl.demos.lerobot.reader import LeRobotDataset
 from embodirl.models.openvla_oft.checkpoint import MARKER, TOKENS_TRAINED
 from embodirl.runner.metrics_logger import read_metrics
 

@@ -10,7 +10,8 @@ import torch
 from embodirl import data as D
 from embodirl.errors import ConfigError
 from embodirl.rollout.starts import EpisodeStarts
-from embodirl.workers.groups import WorkerGroups, layout_from_config
+from embodirl.workers.groups import WorkerGroups
+from embodirl.workers.layout import layout_from_config
 
 
 def _cfg(compose_cfg, *overrides):

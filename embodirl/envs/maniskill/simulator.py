@@ -3,9 +3,9 @@
 Two simulators behind one config (``config/env/_maniskill_base.yaml``):
 
 * ``physx_cpu`` - one :class:`ManiSkillSimEnv` (a single-scene ManiSkill env) per sub-process, lifted
-  into a batch by :class:`~embodirl.envs.vector.ProcessVectorEnv`. PhysX-CPU refuses ``num_envs > 1``
+  into a batch by :class:`~embodirl.envs.vector.vector_env.ProcessVectorEnv`. PhysX-CPU refuses ``num_envs > 1``
   in one process, so this is how ManiSkill vectorises on CPU.
-* ``physx_cuda`` - :class:`~embodirl.envs.maniskill_gpu.ManiSkillGPUEnv`, all ``B`` scenes in one
+* ``physx_cuda`` - :class:`~embodirl.envs.maniskill.gpu.ManiSkillGPUEnv`, all ``B`` scenes in one
   GPU-batched ManiSkill env. ``sim_backend: auto`` picks it when ``torch.cuda.is_available()``.
 
 Conventions shared by both simulators (the helpers below are used by both):
@@ -15,7 +15,7 @@ Conventions shared by both simulators (the helpers below are used by both):
   configured ``cameras``, rendered at ``image_size``) plus the agent's proprioception and the task's
   extra observations (goal position, TCP pose, ...) flattened as ``state`` so that an image policy
   can use proprio. ``task_id`` is always 0: an env config is one task, whose instruction
-  (:func:`~embodirl.envs.maniskill_tasks.instruction`) is ``spec.task_descriptions[0]``.
+  (:func:`~embodirl.envs.maniskill.tasks.instruction`) is ``spec.task_descriptions[0]``.
 * **Actions** are in the env's own action space (``control_mode``; with ``pd_ee_delta_pos`` each of
   the three arm dims in ``[-1, 1]`` is a fraction of the controller's largest end-effector step and
   the gripper dim is -1 closed / +1 open). They are clipped to the space's bounds before they run
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embodirl.envs.base import ChunkResult, EnvSpec, SimEnv
-from embodirl.envs.maniskill_tasks import asset_prompt_guard, check_assets, instruction, task_spec
+from embodirl.envs.maniskill.tasks import asset_prompt_guard, check_assets, instruction, task_spec
 from embodirl.errors import ConfigError
 from embodirl.runtime import configure
 

@@ -1,6 +1,6 @@
-"""Patches to robosuite 1.4 / LIBERO internals that make :mod:`embodirl.envs.libero`'s episodes cheaper
+"""Patches to robosuite 1.4 / LIBERO internals that make :mod:`embodirl.envs.libero.simulator`'s episodes cheaper
 without changing an observation (a test drives a stock ``OffScreenRenderEnv`` the OFT way next to the
-adapter and compares bit for bit). The protocol itself lives in :mod:`embodirl.envs.libero`.
+adapter and compares bit for bit). The protocol itself lives in :mod:`embodirl.envs.libero.simulator`.
 
 * **Render at decisions only.** Within an action chunk the H-1 intermediate steps run physics only:
   robosuite's camera sensors are gated (they return a blank image while closed) and only the chunk's

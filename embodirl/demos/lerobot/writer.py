@@ -1,4 +1,4 @@
-"""Writing a LeRobot v2.1 dataset: :class:`LeRobotWriter` (the format: :mod:`embodirl.demos.lerobot_format`)."""
+"""Writing a LeRobot v2.1 dataset: :class:`LeRobotWriter` (the format: :mod:`embodirl.demos.lerobot`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embodirl.demos.lerobot_layout import (
+from embodirl.demos.lerobot.layout import (
     ACTION_KEY,
     CHUNK_SIZE,
     CODEBASE_VERSION,

@@ -1,9 +1,9 @@
 """Episode semantics of ONE simulator: :class:`EpisodeRunner` wraps a :class:`~embodirl.envs.base.SimEnv`
 with the time limit, ``ignore_terminations``, reward scaling / relative rewards, success-so-far, episode
-totals, auto-reset and video frames, exactly as :mod:`embodirl.envs.vector` documents them for the batch.
+totals, auto-reset and video frames, exactly as :mod:`embodirl.envs.vector.vector_env` documents them for the batch.
 
-It lives where the simulator lives (a sub-process of :class:`~embodirl.envs.vector.ProcessVectorEnv`,
-see :mod:`embodirl.envs.subproc`), so that a whole ``step`` including an auto-reset is one round trip.
+It lives where the simulator lives (a sub-process of :class:`~embodirl.envs.vector.vector_env.ProcessVectorEnv`,
+see :mod:`embodirl.envs.vector.subproc`), so that a whole ``step`` including an auto-reset is one round trip.
 """
 
 from __future__ import annotations

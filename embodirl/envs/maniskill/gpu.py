@@ -1,12 +1,12 @@
 """GPU-batched ManiSkill: ``B`` scenes in one ManiSkill env (``sim_backend="physx_cuda"``, one process),
 stepped one action chunk ``[B, H, A]`` at a time with the same episode semantics as
-:class:`~embodirl.envs.vector.ProcessVectorEnv` (time limit, termination, ``ignore_terminations``,
+:class:`~embodirl.envs.vector.vector_env.ProcessVectorEnv` (time limit, termination, ``ignore_terminations``,
 reward scaling and relative rewards, chunk- or action-level rewards, same-step auto-reset, info keys).
 
 NOT TESTED ON CUDA HERE: the development machine has no GPU. The class is written for
 ``physx_cuda`` and also accepts ``sim_backend="physx_cpu"`` with ``num_envs=1`` (PhysX-CPU holds one
 scene per process); the test suite runs that configuration against ``ProcessVectorEnv`` +
-:class:`~embodirl.envs.maniskill.ManiSkillSimEnv` on the same actions and init states, which
+:class:`~embodirl.envs.maniskill.simulator.ManiSkillSimEnv` on the same actions and init states, which
 exercises every line of the batched bookkeeping, partial resets and render skipping. Group resets
 that copy one scene into several envs (below) only happen with ``B > 1`` and are untested.
 
@@ -31,8 +31,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from embodirl.envs.base import ChunkVectorEnv
-from embodirl.envs.maniskill import (
+from embodirl.envs.base import REWARD_TYPES, ChunkVectorEnv
+from embodirl.envs.maniskill.simulator import (
     CPU_BACKEND,
     TASK_ID,
     ManiSkillSettings,
@@ -47,7 +47,7 @@ from embodirl.envs.maniskill import (
     step_without_observation,
     success_fail,
 )
-from embodirl.envs.vector import NO_INIT_STATE, REWARD_TYPES, video_frame
+from embodirl.envs.vector.episodes import NO_INIT_STATE, video_frame
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------------
 def transform_rewards(raw: np.ndarray, steps: np.ndarray, prev_reward: np.ndarray, reward_coef: float,
                       use_rel_reward: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Batched form of the per-env reward rule of :class:`~embodirl.envs.vector.EpisodeRunner`.
+    """Batched form of the per-env reward rule of :class:`~embodirl.envs.vector.episodes.EpisodeRunner`.
 
     ``raw`` float32 ``[B, H]``: simulator step rewards, valid for the first ``steps[b]`` entries.
     Returns ``(rewards [B, H], prev_reward [B])``: ``reward_coef * raw``; with ``use_rel_reward`` the
@@ -111,7 +111,7 @@ class ManiSkillGPUEnv(ChunkVectorEnv):
     """``B`` ManiSkill scenes in one GPU-batched simulator (see the module docstring).
 
     Observations, ``reset``/``step`` returns and ``info`` keys are those of
-    :class:`~embodirl.envs.vector.ProcessVectorEnv` (``restarted`` is always False: there are no
+    :class:`~embodirl.envs.vector.vector_env.ProcessVectorEnv` (``restarted`` is always False: there are no
     sub-processes to replace). Env ``i`` draws random init states with ``seed + i``.
     """
 

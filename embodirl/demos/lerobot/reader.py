@@ -1,4 +1,4 @@
-"""Reading a LeRobot v2.0/v2.1 dataset: :class:`LeRobotDataset` (the format: :mod:`embodirl.demos.lerobot_format`)."""
+"""Reading a LeRobot v2.0/v2.1 dataset: :class:`LeRobotDataset` (the format: :mod:`embodirl.demos.lerobot`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embodirl.demos.lerobot_layout import (
+from embodirl.demos.lerobot.layout import (
     ACTION_KEY,
     CHUNK_SIZE,
     EPISODES_PATH,
@@ -25,6 +25,7 @@ from embodirl.demos.lerobot_layout import (
     _decode_image,
     camera_key,
     decode_video,
+    probe_video,
 )
 
 
@@ -83,7 +84,8 @@ class LeRobotDataset:
     ``info.json`` order). ``video_cache_episodes``: decoded episodes kept in memory (videos are decoded one
     whole episode at a time).
 
-    All metadata and parquet frames are read (and checked) at construction; videos are decoded on first use.
+    All metadata and parquet frames are read (and checked) at construction, and every video's container opened;
+    videos are decoded on first use.
 
     Attributes: ``info`` (meta/info.json), ``episodes_meta`` (meta/episodes.jsonl rows), ``fps``, ``camera_keys``,
     ``action_dim``, ``state_dim`` (None without proprio), ``num_episodes``, ``episode_lengths`` (int64 [E]),
@@ -134,6 +136,9 @@ class LeRobotDataset:
         self.episode_indices = np.array([int(r["episode_index"]) for r in episodes], np.int64)
         self.episodes_meta = episodes            # the rows of meta/episodes.jsonl, by episode_index
         self._load_frames(episodes)
+        for ep in self.episode_indices:          # every video's container, now (they are decoded on first use)
+            for key in self._video_keys:
+                probe_video(self._path("video_path", int(ep), key))
         self._video_cache: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
         self._video_cache_size = max(1, int(video_cache_episodes))
         self.stats = {self.action_key: FeatureStats.of(self._actions)}

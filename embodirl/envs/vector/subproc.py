@@ -1,6 +1,6 @@
-"""Where a sub-env of :class:`~embodirl.envs.vector.ProcessVectorEnv` lives: in the calling process
+"""Where a sub-env of :class:`~embodirl.envs.vector.vector_env.ProcessVectorEnv` lives: in the calling process
 (:class:`LocalSubEnv`) or in a child process behind a pipe (:class:`ProcessSubEnv`). Both take
-``(command, kwargs)`` messages for an :class:`~embodirl.envs.episodes.EpisodeRunner` (``reset``, ``step``)
+``(command, kwargs)`` messages for an :class:`~embodirl.envs.vector.episodes.EpisodeRunner` (``reset``, ``step``)
 with ``send`` and answer them with ``recv``; any failure there (an exception in the simulator, a dead
 process, a timeout) is raised as :class:`SubEnvFailure`, which the vector env's recovery handles.
 
@@ -26,7 +26,7 @@ import cloudpickle
 import psutil
 
 from embodirl.envs.base import SimEnv
-from embodirl.envs.episodes import EpisodeRunner
+from embodirl.envs.vector.episodes import EpisodeRunner
 
 log = logging.getLogger(__name__)
 

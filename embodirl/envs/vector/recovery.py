@@ -1,4 +1,4 @@
-"""Crash recovery of :class:`~embodirl.envs.vector.ProcessVectorEnv`: a sub-env whose command failed
+"""Crash recovery of :class:`~embodirl.envs.vector.vector_env.ProcessVectorEnv`: a sub-env whose command failed
 (a dead process, an exception, a non-finite observation or reward, a hang) is replaced by a new one from its
 factory and reset into the same episode start (task, init state, seed).
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embodirl.envs.episodes import ResetOut
-from embodirl.envs.subproc import LocalSubEnv, ProcessSubEnv, SubEnvFailure
+from embodirl.envs.vector.episodes import ResetOut
+from embodirl.envs.vector.subproc import LocalSubEnv, ProcessSubEnv, SubEnvFailure
 
 log = logging.getLogger(__name__)
 

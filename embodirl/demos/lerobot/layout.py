@@ -1,5 +1,5 @@
 """The LeRobot v2.1 layout shared by the writer and the reader: paths, feature keys, codecs, the error, the
-sample types, statistics and video encoding/decoding (the format: :mod:`embodirl.demos.lerobot_format`)."""
+sample types, statistics and video encoding/decoding (the format: :mod:`embodirl.demos.lerobot`)."""
 
 from __future__ import annotations
 
@@ -118,6 +118,22 @@ def encode_video(path: Path, frames: np.ndarray, fps: int, codec: str = "libx264
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+
+
+def probe_video(path: Path) -> None:
+    """Open an mp4's container and find its video stream without decoding a frame (milliseconds): a missing,
+    truncated or garbage file is a :class:`DatasetError` when the dataset is opened, not mid-training."""
+    import av
+
+    if not path.is_file():
+        raise DatasetError(f"{path} is missing (a video of the dataset)")
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise DatasetError(f"{path} holds no video stream")
+    except (av.FFmpegError, ValueError, IndexError) as exc:
+        raise DatasetError(f"{path} is not a readable video ({type(exc).__name__}: {exc}); the dataset is damaged: "
+                           "write it again") from None
 
 
 def decode_video(path: Path) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Lifting single simulators (:class:`~embodirl.envs.base.SimEnv`) into a batch
 (:class:`~embodirl.envs.base.ChunkVectorEnv`): one process per simulator, chunk execution with episode
 bookkeeping, and recovery from crashed simulators. The batch is this module; the episode semantics of one
-simulator are :mod:`embodirl.envs.episodes`, the sub-process transport :mod:`embodirl.envs.subproc`, the
-crash restart :mod:`embodirl.envs.recovery` (their public names are importable from here too).
+simulator are :mod:`embodirl.envs.vector.episodes`, the sub-process transport :mod:`embodirl.envs.vector.subproc`,
+the crash restart and hang detection :mod:`embodirl.envs.vector.recovery`.
 
 Usage (an adapter's ``make``)::
 
@@ -83,16 +83,12 @@ import cloudpickle
 import numpy as np
 
 from embodirl.envs.base import REWARD_TYPES, ChunkVectorEnv, EnvSpec, SimEnv
-from embodirl.envs.episodes import NO_INIT_STATE, EpisodeRunner, ResetOut, video_frame
-from embodirl.envs.recovery import DEFAULT_MAX_RESTARTS, HangLimits, Recovery, SubEnvCrashed, SubEnvSlot
-from embodirl.envs.subproc import START_METHODS, LocalSubEnv, ProcessSubEnv, SubEnvFailure
+from embodirl.envs.vector.episodes import NO_INIT_STATE, ResetOut
+from embodirl.envs.vector.recovery import DEFAULT_MAX_RESTARTS, HangLimits, Recovery, SubEnvSlot
+from embodirl.envs.vector.subproc import START_METHODS, LocalSubEnv, ProcessSubEnv, SubEnvFailure
 
 DEFAULT_START_TIMEOUT_S = 600.0   # building a LIBERO scene on a busy 2-core machine takes seconds
 
-__all__ = [
-    "DEFAULT_MAX_RESTARTS", "DEFAULT_START_TIMEOUT_S", "NO_INIT_STATE", "REWARD_TYPES", "START_METHODS",
-    "EpisodeRunner", "ProcessVectorEnv", "SubEnvCrashed", "video_frame",
-]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -119,10 +115,10 @@ class ProcessVectorEnv(ChunkVectorEnv):
         record_env_ids: envs whose every low-level step is rendered for video (``info["frames"]``).
         step_timeout: seconds a sub-process may take for one command before it is presumed hung and
             restarted (None: wait forever); within it a step much slower than the sub-env's own recent steps
-            is presumed hung sooner (:class:`~embodirl.envs.recovery.HangLimits`).
+            is presumed hung sooner (:class:`~embodirl.envs.vector.recovery.HangLimits`).
         start_timeout: seconds a sub-process may take to build its simulator.
         preload: modules the forkserver imports before forking the simulator processes (the adapter's heavy
-            imports, e.g. ``embodirl.envs.preload_maniskill``), so each process does not import them itself.
+            imports, e.g. ``embodirl.envs.maniskill.preload``), so each process does not import them itself.
     """
 
     def __init__(self, env_fns: Sequence[Callable[[], SimEnv]], *, auto_reset: bool = False,
@@ -153,7 +149,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
             if start_method == "forkserver" and preload:
                 # modules the forkserver imports once before it forks each simulator process; takes effect
                 # when this process starts its forkserver (the first vector env), later calls keep that one
-                self._ctx.set_forkserver_preload(["embodirl.envs.subproc", *preload])
+                self._ctx.set_forkserver_preload(["embodirl.envs.vector.subproc", *preload])
             self._factory_bytes = [cloudpickle.dumps(fn) for fn in self.env_fns]
         self._recovery = Recovery(max_restarts)
         self._hangs = HangLimits()

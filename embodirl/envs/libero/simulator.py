@@ -27,7 +27,7 @@ The protocol (OpenVLA-OFT ``experiments/robot/libero/run_libero_eval.py``), and 
   step on which the goal holds earns 1.0 (the vector env reports success-so-far).
 
 Three patches to robosuite internals make the same episodes cheaper without changing an observation
-(rendering at decisions only, a cheap soft reset, no repeated forward pass: :mod:`embodirl.envs.libero_patches`).
+(rendering at decisions only, a cheap soft reset, no repeated forward pass: :mod:`embodirl.envs.libero.patches`).
 One more departure is the protocol's own:
 
 * **Deterministic scene.** Each reset re-samples the placement of fixtures (cabinets, stoves: up to
@@ -58,9 +58,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from embodirl import runtime
-from embodirl.envs import libero_paths
 from embodirl.envs.base import REWARD_TYPES, ChunkResult, EnvSpec, SimEnv
-from embodirl.envs.libero_patches import (
+from embodirl.envs.libero import paths as libero_paths
+from embodirl.envs.libero.patches import (
     EEF_POS,
     EEF_QUAT,
     GRIPPER_QPOS,
@@ -69,7 +69,7 @@ from embodirl.envs.libero_patches import (
     build_scene,
     global_numpy_seed,
 )
-from embodirl.envs.libero_suite import SUITE_NUM_TASKS, SuiteInfo, eval_schedule, suite_info, task_pool
+from embodirl.envs.libero.suite import SUITE_NUM_TASKS, eval_schedule, suite_info, task_pool
 from embodirl.envs.registry import register_adapter
 from embodirl.errors import ConfigError
 
@@ -429,7 +429,7 @@ class LiberoAdapter:
     @classmethod
     def make(cls, cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0):
         """``num_envs`` LIBERO simulators, one process each, as a ProcessVectorEnv."""
-        from embodirl.envs.vector import ProcessVectorEnv
+        from embodirl.envs.vector.vector_env import ProcessVectorEnv
 
         cls.check_config(cfg)
         plain = dict(cfg)
@@ -439,7 +439,3 @@ class LiberoAdapter:
         return ProcessVectorEnv.from_config(factories, plain, env_offset=env_offset)
 
 
-__all__ = [
-    "CAMERAS", "SUITE_NUM_TASKS", "LiberoAdapter", "LiberoSimEnv", "SimulationUnstable", "SuiteInfo", "eval_schedule",
-    "proprio_state", "quat_to_axis_angle", "scene_seed", "suite_info", "task_pool", "to_libero_action",
-]

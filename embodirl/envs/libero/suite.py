@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embodirl.envs import libero_paths
+from embodirl.envs.libero import paths as libero_paths
 
 log = logging.getLogger(__name__)
 

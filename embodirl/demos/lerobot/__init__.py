@@ -35,32 +35,6 @@ Reading (the API the SFT path uses)::
 
 The action chunk of frame t is ``actions[t : t + H]`` of its episode; rows past the episode's end repeat
 its last action and have ``action_mask`` False (LeRobot's ``action_is_pad`` convention, inverted: True
-marks a real row). A missing or corrupt file raises :class:`DatasetError`, one sentence naming the file.
+marks a real row). A missing or corrupt file raises :class:`~embodirl.demos.lerobot.layout.DatasetError`, one
+sentence naming the file.
 """
-
-from embodirl.demos.lerobot_layout import (  # noqa: F401 - the format's public names in one place
-    ACTION_KEY,
-    CHUNK_SIZE,
-    CODEBASE_VERSION,
-    DATA_PATH,
-    EPISODES_PATH,
-    EPISODES_STATS_PATH,
-    IMAGE_PREFIX,
-    INFO_PATH,
-    QUANTILES,
-    READABLE_VERSIONS,
-    STATE_KEY,
-    STATS_PATH,
-    TASKS_PATH,
-    VIDEO_CODECS,
-    VIDEO_PATH,
-    DatasetError,
-    EpisodeData,
-    FeatureStats,
-    Sample,
-    camera_key,
-    decode_video,
-    encode_video,
-)
-from embodirl.demos.lerobot_reader import LeRobotDataset  # noqa: F401
-from embodirl.demos.lerobot_writer import LeRobotWriter  # noqa: F401

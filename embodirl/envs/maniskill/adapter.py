@@ -1,5 +1,5 @@
 """``adapter: maniskill``: checks a ManiSkill env group and builds its simulators, one process per scene
-(:mod:`embodirl.envs.maniskill`) or one batched GPU scene (:mod:`embodirl.envs.maniskill_gpu`).
+(:mod:`embodirl.envs.maniskill.simulator`) or one batched GPU scene (:mod:`embodirl.envs.maniskill.gpu`).
 
 Kept apart from both, which it chooses between, so that neither imports the other's chooser.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-from embodirl.envs.maniskill import GPU_BACKEND, check_config, make_sim_env, resolve_sim_backend
+from embodirl.envs.maniskill.simulator import GPU_BACKEND, check_config, make_sim_env, resolve_sim_backend
 from embodirl.envs.registry import register_adapter
 
 
@@ -31,11 +31,11 @@ class ManiSkillAdapter:
         settings = check_config(cfg)
         cfg = dict(cfg)
         if resolve_sim_backend(settings.sim_backend) == GPU_BACKEND:
-            from embodirl.envs.maniskill_gpu import ManiSkillGPUEnv
+            from embodirl.envs.maniskill.gpu import ManiSkillGPUEnv
 
             return ManiSkillGPUEnv(cfg, num_envs=num_envs, seed=seed + env_offset, env_offset=env_offset)
-        from embodirl.envs.vector import ProcessVectorEnv
+        from embodirl.envs.vector.vector_env import ProcessVectorEnv
 
         factories = [functools.partial(make_sim_env, cfg, seed + env_offset + i) for i in range(num_envs)]
         return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset,
-                                            preload=("embodirl.envs.preload_maniskill",))
+                                            preload=("embodirl.envs.maniskill.preload",))
