@@ -121,6 +121,9 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
     path), which may import the simulator packages.
     """
     schema.check(cfg, num_devices=num_devices, accelerator=accelerator)
+    from embodirl.runner import rules as runner_rules
+
+    runner_rules.check(cfg)
 
     if check_envs:
         from embodirl.envs.registry import check_env_config

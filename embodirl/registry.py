@@ -44,3 +44,10 @@ class LazyRegistry:
                                                    f"{', '.join(self.available())}")
             importlib.import_module(module)
         return self._entries[name]
+
+
+#: rollout backends (``rollout.backend``): here rather than in :mod:`embodirl.workers.backends`, whose layer sits
+#: above the schema that lists the names
+BACKENDS = LazyRegistry("rollout backend", "rollout.backend", {
+    "huggingface": "embodirl.workers.backends.huggingface",
+})

@@ -220,6 +220,49 @@ def test_no_import_cycles_among_embodirl_modules():
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
+#: embodirl's folders and top-level modules, lowest first: each may import only from its own entry and those before it
+#: (imports inside functions count too). A folder-level arrow that runs back up fails the test below.
+LAYERS = [
+    {"errors", "paths", "registry", "progress", "plain", "placement", "runtime", "dtypes", "checkpoint_layout"},
+    {"envs"}, {"data"}, {"algorithms", "channel"}, {"models"},
+    {"schema"},                   # the typed config: what the layers above read; choice lists from the leaves below
+    {"rollout"}, {"learner"}, {"workers"}, {"runner"},
+    {"config"},                   # composition and validation (runs the runner's own rules)
+    {"memory_plan", "dry_run"}, {"doctor"}, {"demos", "sft"}, {"cli"},
+]
+
+
+def _layer(module: str) -> tuple[str, int]:
+    part = module.split(".")[1] if "." in module else module
+    for i, layer in enumerate(LAYERS):
+        if part in layer:
+            return part, i
+    raise AssertionError(f"{module}: its folder {part} is in no layer of LAYERS (tests/test_schema.py)")
+
+
+def test_folder_level_imports_point_down():
+    graph = _import_graph()
+    up = []
+    for module, deps in graph.items():
+        if module == "embodirl":
+            continue
+        src, low = _layer(module)
+        for dep in deps:
+            if dep == "embodirl":
+                continue
+            dst, high = _layer(dep)
+            if high > low:
+                up.append(f"{module} ({src}) imports {dep} ({dst})")
+    assert not up, "imports that run back up the layers:\n" + "\n".join(sorted(up))
+
+
+def test_the_layer_check_finds_an_upward_arrow(monkeypatch):
+    graph = {"embodirl.schema.sections": {"embodirl.runner.checkpoint"}, "embodirl.runner.checkpoint": set()}
+    monkeypatch.setitem(globals(), "_import_graph", lambda: graph)
+    with pytest.raises(AssertionError, match="embodirl.schema.sections \\(schema\\) imports embodirl.runner.checkpoint"):
+        test_folder_level_imports_point_down()
+
+
 def test_no_module_imports_config_for_a_helper():
     """embodirl.config composes and validates; helpers live where they belong (plain, placement, rollout)."""
     allowed = {"compose", "validate", "check_group_overrides", "available_options", "sweep_jobs"}

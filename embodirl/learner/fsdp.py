@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from embodirl.dtypes import DTYPES
+
 log = logging.getLogger(__name__)
 
 #: methods of a policy that run its forward computation outside ``forward`` (FSDP2 must see them)
 FORWARD_METHODS = ("evaluate", "act", "supervised")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
 
 
 # --- process group ------------------------------------------------------------------------------------
@@ -95,14 +95,6 @@ def all_gather_ints(value: int, device: torch.device) -> list[int]:
 
 
 # --- wrapping -----------------------------------------------------------------------------------------
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype '{name}'; use one of {', '.join(sorted(_DTYPES))} or null")
-    return _DTYPES[name]
-
-
 def shard_units(policy: nn.Module) -> list[nn.Module]:
     """The modules to shard individually (see module docstring), outermost first, root excluded."""
     names: set[str] = set()
@@ -225,7 +217,7 @@ def learner_compute_dtype(actor_fsdp: dict, model_dtype: str) -> str | None:
     themselves). FSDP2 is on with ``actor.fsdp.enabled: true``, and with ``auto`` for several ranks or a
     low-precision model - the rank count changes nothing here, since a float32 model then computes in float32."""
     enabled = actor_fsdp.get("enabled", "auto")
-    low_precision = _DTYPES.get(model_dtype, torch.float32) != torch.float32
+    low_precision = DTYPES.get(model_dtype, torch.float32) != torch.float32
     if enabled is True or (enabled == "auto" and low_precision):
         return actor_fsdp.get("param_dtype") or model_dtype
     return None

@@ -36,6 +36,7 @@ from embodirl.algorithms import kl as kl_mod
 from embodirl.algorithms import losses
 from embodirl.algorithms.advantages import compute_advantages
 from embodirl.algorithms.filtering import drop_filtered
+from embodirl.dtypes import parse_dtype
 from embodirl.errors import ConfigError, NonFiniteUpdate
 from embodirl.learner import fsdp
 from embodirl.learner.config import LearnerConfig, plain
@@ -123,8 +124,8 @@ class Learner:
                 log.warning("gradient checkpointing: %s declares no blocks (_no_split_modules); nothing to "
                             "checkpoint", type(policy).__name__)
         if self.use_fsdp:
-            fsdp.wrap_policy(policy, device=self.device, param_dtype=fsdp.parse_dtype(self.cfg.param_dtype),
-                             reduce_dtype=fsdp.parse_dtype(self.cfg.reduce_dtype), cpu_offload=self.cfg.cpu_offload)
+            fsdp.wrap_policy(policy, device=self.device, param_dtype=parse_dtype(self.cfg.param_dtype),
+                             reduce_dtype=parse_dtype(self.cfg.reduce_dtype), cpu_offload=self.cfg.cpu_offload)
         else:
             if self.cfg.param_dtype is not None or self.cfg.cpu_offload:
                 log.info("single-process learner without FSDP: actor.fsdp.param_dtype/cpu_offload do not apply")

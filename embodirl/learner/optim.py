@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from embodirl.schema.sections import LR_SCHEDULES
+
 #: a parameter belongs to the critic when a component of its dotted name starts with one of these
 #: (``value_head`` in OpenVLA-OFT, also inside peft's ``modules_to_save``; ``critic`` in state_mlp)
 VALUE_PARAM_MARKERS = ("value_head", "critic")
@@ -44,7 +46,6 @@ def build_optimizer(policy: nn.Module, optim: Mapping) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, betas=betas, eps=float(optim["eps"]), weight_decay=float(optim["weight_decay"]))
 
 
-LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 def decay_factor(kind: str, progress: float, min_ratio: float) -> float:

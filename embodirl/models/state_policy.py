@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from embodirl import data as D
+from embodirl.dtypes import parse_dtype
 from embodirl.errors import ConfigError
 from embodirl.models.base import Policy, SamplingParams, default_dtype
 from embodirl.models.registry import register_policy
@@ -199,8 +200,6 @@ def build_state_policy(cfg: dict, env_spec) -> StateMLPPolicy:
     value_type = cfg.get("value_type", "chunk_level")
     if value_type not in VALUE_TYPES:
         raise ConfigError("model.value_type", f"'{value_type}' is not one of {', '.join(VALUE_TYPES)}")
-    from embodirl.learner.fsdp import parse_dtype
-
     # model.device / model.dtype: where and in which dtype every tensor of the policy is created
     with torch.device(cfg.get("device") or "cpu"), default_dtype(parse_dtype(cfg.get("dtype") or "float32")):
         policy = _build(cfg, env_spec, value_type)

@@ -1,21 +1,6 @@
 """Atomic, resumable checkpoints: ``<output_dir>/checkpoints/step_<n>/``.
 
-Layout of one checkpoint (the part folders are what :class:`~embodirl.runner.loop.Runner` writes)::
-
-    step_<n>/
-      COMPLETE                     {"step": n, "parts": [...]}; written last
-      policy/                      the trained policy, loadable on its own (Policy.load_trainable)
-        adapter_config.json        LoRA models: the adapter in peft's layout, written by
-        adapter_model.safetensors    PeftModel.save_pretrained (with the modules-to-save copies)
-        README.md                  peft's model card
-        trainable.safetensors      the other trained tensors by parameter name: the value head; for
-                                     full-weight models (state_mlp, full fine-tuning) every trained tensor
-      learner/train_state.pt       optimizer moments, LR schedule, KL controller, replay-buffer rollouts,
-                                     policy version and optimizer-step counters (torch.save, weights_only)
-      runner/state.json            the step and the start-planning generator's state
-      runner/rng.json              python / numpy / torch (and CUDA) RNG states of the driver (JSON, no pickle)
-      runner/worker_rng.json       the same for each remote rollout worker (Ray path), which samples actions
-      config/config.yaml           the resolved config of the run
+The layout of one checkpoint folder: :mod:`embodirl.checkpoint_layout`.
 
 Only the trained tensors are stored: the frozen base weights come from ``model.path`` (or the random
 init of ``runner.seed``), as when the run started. ``embodirl eval runner.resume_dir=<step folder>``
@@ -43,24 +28,21 @@ import numpy as np
 import psutil
 import torch
 
+from embodirl.checkpoint_layout import (
+    CHECKPOINTS,
+    COMPLETE,
+    DISABLE,
+    LEGACY_RNG,
+    LEGACY_WORKER_RNG,
+    MODEL_CONFIG,
+    RNG,
+    WORKER_RNG,
+)
 from embodirl.errors import ConfigError
 from embodirl.runtime import rng_state, rng_state_from_json, rng_state_to_json, set_rng_state
 
 log = logging.getLogger(__name__)
 
-COMPLETE = "COMPLETE"
-CHECKPOINTS = "checkpoints"
-#: the parts the runner writes (sub-folders of a checkpoint)
-POLICY, LEARNER, RUNNER, CONFIG = "policy", "learner", "runner", "config"
-TRAIN_STATE = "train_state.pt"
-#: RNG states: JSON, never a pickle (a shared checkpoint must not run code where it is resumed)
-RNG, WORKER_RNG = "rng.json", "worker_rng.json"
-#: the pickled RNG files of checkpoints written before the JSON ones (see ``_load_legacy_rng``)
-LEGACY_RNG, LEGACY_WORKER_RNG = "rng.pt", "worker_rng.pt"
-#: ``runner.resume_dir`` / ``runner.resume_mode`` value that turns resuming off
-DISABLE = "disable"
-#: a model checkpoint (public OpenVLA-OFT layout) has this file: it is given as model.path, not resumed from
-MODEL_CONFIG = "config.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.(?:tmp|old)_step_\d+_(\d+)$")
 
@@ -275,12 +257,3 @@ def _load_legacy_rng(path: Path):
                     "weights_only=True (%s); the generators keep this run's seeding", path, type(exc).__name__)
         log.debug("loading %s failed: %s", path, exc)
         return None
-
-
-def save_train_state(folder: Path, learner_state: Mapping) -> None:
-    """The learner's state without its trained tensors (those go to the policy folder)."""
-    torch.save({k: v for k, v in learner_state.items() if k != "trainable"}, folder / TRAIN_STATE)
-
-
-def load_train_state(folder: Path) -> dict:
-    return torch.load(folder / TRAIN_STATE, weights_only=True)

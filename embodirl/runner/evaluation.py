@@ -44,12 +44,11 @@ from embodirl.errors import ConfigError
 from embodirl.plain import to_plain
 from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
+from embodirl.schema.sections import EVAL_PROTOCOLS  # parallel (the adapters' seeding) | oft (OFT's LIBERO seeding)
 
 log = logging.getLogger(__name__)
 
 
-#: runner.eval_protocol: parallel (the adapters' own deterministic seeding) | oft (OpenVLA-OFT's LIBERO seeding)
-EVAL_PROTOCOLS = ("parallel", "oft")
 #: adapters that can reproduce OFT's seeding, and the env key that selects it
 OFT_SEEDING = {"libero": ("scene_seeding", "oft")}
 

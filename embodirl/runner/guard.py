@@ -27,8 +27,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-ROLLBACK, STOP = "rollback", "stop"
-ACTIONS = (ROLLBACK, STOP)
+from embodirl.schema.sections import GUARD_ACTIONS
+
+ROLLBACK, STOP = GUARD_ACTIONS
 KL_METRIC = "kl/behaviour_ref_kl"
 ENTROPY_METRIC = "actor/entropy"
 

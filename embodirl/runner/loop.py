@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from embodirl import checkpoint_layout as layout
 from embodirl import data as D
 from embodirl import runtime
 from embodirl.algorithms.kl import KLController
@@ -150,7 +151,7 @@ class Runner:
             # runner.resume_dir names a model checkpoint (e.g. a public OpenVLA-OFT one): load it as model.path
             with open_dict(self.cfg):
                 self.cfg.model.path = model_path
-                self.cfg.runner.resume_dir = ckpt.DISABLE
+                self.cfg.runner.resume_dir = layout.DISABLE
         self._write_config()
         seed_everything(self.seed)
         with Rollouts(self.cfg, train=False) as rollouts:
@@ -197,9 +198,9 @@ class Runner:
         from embodirl.errors import ConfigError
 
         try:
-            policy.load_trainable(source / ckpt.POLICY)
+            policy.load_trainable(source / layout.POLICY)
         except (FileNotFoundError, ValueError) as exc:
-            written = source / ckpt.CONFIG / "config.yaml"
+            written = source / layout.CONFIG / "config.yaml"
             hint = (f" (the checkpoint was written with model.name={OmegaConf.load(written).model.name}; use that "
                     f"run's model options, see {written})" if written.is_file() else "")
             raise ConfigError("runner.resume_dir", f"{str(exc).rstrip('.')}{hint}") from None
@@ -211,7 +212,7 @@ class Runner:
         try:
             actors.load(source.resolve())
         except Exception as exc:
-            written = source / ckpt.CONFIG / "config.yaml"
+            written = source / layout.CONFIG / "config.yaml"
             hint = (f" (the checkpoint was written with model.name={OmegaConf.load(written).model.name}; use that "
                     f"run's model options, see {written})" if written.is_file() else "")
             message = _last_line(exc)
@@ -442,7 +443,7 @@ class Runner:
             """Written with the learner state below (one call to the ranks)."""
 
         def write_learner(folder: Path) -> None:
-            actors.save(folder.resolve(), (folder.parent / ckpt.POLICY).resolve())
+            actors.save(folder.resolve(), (folder.parent / layout.POLICY).resolve())
 
         def write_runner(folder: Path) -> None:
             (folder / "state.json").write_text(json.dumps({"step": step, "starts_rng": starts_rng.bit_generator.state,
@@ -454,8 +455,8 @@ class Runner:
         def write_config(folder: Path) -> None:
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
 
-        path = ckpt.save_checkpoint(self.out, step, {ckpt.POLICY: write_policy, ckpt.LEARNER: write_learner,
-                                                     ckpt.RUNNER: write_runner, ckpt.CONFIG: write_config})
+        path = ckpt.save_checkpoint(self.out, step, {layout.POLICY: write_policy, layout.LEARNER: write_learner,
+                                                     layout.RUNNER: write_runner, layout.CONFIG: write_config})
         log.info("checkpoint: %s", path)
         return path
 

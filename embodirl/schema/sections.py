@@ -51,19 +51,15 @@ def _kl_controllers():
     return KL_CONTROLLERS
 
 
-def _lr_schedules():
-    from embodirl.learner.optim import LR_SCHEDULES
-    return LR_SCHEDULES
+#: choices of keys whose code sits above the schema (the learner, the runner): declared here, imported there
+LR_SCHEDULES = ("constant", "linear", "cosine")           # actor.optim.lr_schedule (embodirl/learner/optim.py)
+EVAL_PROTOCOLS = ("parallel", "oft")                      # runner.eval_protocol (embodirl/runner/evaluation.py)
+GUARD_ACTIONS = ("rollback", "stop")                      # runner.guard.action (embodirl/runner/guard.py)
 
 
 def _rollout_backends():
-    from embodirl.workers.backends import available_backends
-    return available_backends()
-
-
-def _eval_protocols():
-    from embodirl.runner.evaluation import EVAL_PROTOCOLS
-    return EVAL_PROTOCOLS
+    from embodirl.registry import BACKENDS
+    return BACKENDS.available()
 
 
 AUTO_OR_BOOL = ("auto", True, False)
@@ -80,11 +76,6 @@ class Logger:
     project: str = required()
 
 
-def _guard_actions():
-    from embodirl.runner.guard import ACTIONS
-    return ACTIONS
-
-
 @dataclass
 class Guard:
     enabled: bool = required()
@@ -93,7 +84,7 @@ class Guard:
     max_kl: float | None = num(0, lo_open=True, null=True)
     min_entropy: float | None = num(null=True)
     nonfinite: bool = required()
-    action: str = one_of(_guard_actions)
+    action: str = one_of(GUARD_ACTIONS)
     lr_factor: float = num(0, 1, lo_open=True)
     max_rollbacks: int = num(0)
 
@@ -118,15 +109,15 @@ class Runner:
     eval_num_videos: int = num(0)
     eval_episodes_per_task: int | None = num(1, null=True)
     eval_greedy: bool = required()
-    eval_protocol: str = one_of(_eval_protocols)
+    eval_protocol: str = one_of(EVAL_PROTOCOLS)
     eval_episodes: list[int] | None = required()
     eval_num_envs: int | None = num(1, null=True)
     guard: Guard = section(Guard)
 
     @staticmethod
     def rules(cfg, ctx) -> None:
-        from embodirl.runner.checkpoint import eval_model_path, resume_source
-
+        """The rules between runner keys and the rest of the config; those that read checkpoints on disk or the
+        evaluation protocols' needs are the runner's own (:func:`embodirl.runner.rules.check`)."""
         guard = cfg.runner.guard
         if guard.enabled and guard.success_drop is not None and not cfg.runner.val_check_interval:
             _fail("runner.guard.success_drop", "watches evaluation success, and runner.val_check_interval=0 never "
@@ -134,15 +125,6 @@ class Runner:
         if guard.enabled and guard.max_kl is not None and not float(cfg.algorithm.kl_beta) > 0:
             _fail("runner.guard.max_kl", "watches the KL to the reference policy, which a run measures only with "
                                          "algorithm.kl_beta > 0; set it, or max_kl=null")
-        from embodirl.runner.evaluation import check_eval_episodes, check_eval_num_envs, check_eval_protocol
-
-        check_eval_protocol(cfg.runner, cfg.env.eval)
-        check_eval_episodes(cfg.runner)
-        check_eval_num_envs(cfg.runner)
-        # an explicit runner.resume_dir must hold a complete checkpoint (raises naming it; reads only);
-        # evaluation may also name a model checkpoint there (loaded as model.path)
-        if eval_model_path(cfg.runner) is None:
-            resume_source(cfg.runner.resume_dir, cfg.runner.resume_mode, cfg.runner.output_dir)
 
 
 # --- algorithm ---------------------------------------------------------------------------------------------
@@ -297,7 +279,7 @@ class Optim:
     betas: list[float] = required()
     eps: float = num(0, lo_open=True)
     warmup_steps: int = num(0)
-    lr_schedule: str = one_of(_lr_schedules)
+    lr_schedule: str = one_of(LR_SCHEDULES)
     lr_decay_steps: int | None = num(1, null=True)
     min_lr_ratio: float = num(0, 1)
     clip_grad: float | None = num(0, lo_open=True, null=True)

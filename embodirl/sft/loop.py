@@ -25,6 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from embodirl import checkpoint_layout as layout
 from embodirl.models.openvla_oft.checkpoint import TOKENS_TRAINED
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.loop import seed_everything
@@ -156,7 +157,7 @@ def _save(cfg: DictConfig, actors, out: Path, step: int, marker: dict) -> Path:
         """Written with the learner state below (one call to the ranks)."""
 
     def write_learner(folder: Path) -> None:
-        actors.save(folder.resolve(), (folder.parent / ckpt.POLICY).resolve())
+        actors.save(folder.resolve(), (folder.parent / layout.POLICY).resolve())
 
     def write_runner(folder: Path) -> None:
         (folder / "state.json").write_text(json.dumps({"step": step}))
@@ -165,7 +166,7 @@ def _save(cfg: DictConfig, actors, out: Path, step: int, marker: dict) -> Path:
     def write_config(folder: Path) -> None:
         (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
-    path = ckpt.save_checkpoint(out, step, {MODEL: write_model, ckpt.POLICY: write_policy, ckpt.LEARNER: write_learner,
-                                            ckpt.RUNNER: write_runner, ckpt.CONFIG: write_config})
+    path = ckpt.save_checkpoint(out, step, {MODEL: write_model, layout.POLICY: write_policy, layout.LEARNER: write_learner,
+                                            layout.RUNNER: write_runner, layout.CONFIG: write_config})
     log.info("checkpoint: %s", path)
     return path

@@ -174,16 +174,16 @@ class ActorWorker:
 
     def load(self, checkpoint_dir: str) -> int:
         """Restore from a run checkpoint ``step_<n>``; returns the restored weight version."""
+        from embodirl import checkpoint_layout as layout
         from embodirl.learner.sharded_state import is_sharded_state, load_learner
-        from embodirl.runner import checkpoint as ckpt
 
         source = Path(checkpoint_dir)
-        learner_dir = source / ckpt.LEARNER
+        learner_dir = source / layout.LEARNER
         if is_sharded_state(learner_dir):
             load_learner(self.learner, learner_dir)
         else:   # a checkpoint written before the learner state was sharded
-            self.policy.load_trainable(source / ckpt.POLICY)
-            state = ckpt.load_train_state(learner_dir)
+            self.policy.load_trainable(source / layout.POLICY)
+            state = layout.load_train_state(learner_dir)
             self.learner.load_state_dict({**state, "trainable": self.policy.trainable_state_dict()})
         return self.learner.version
 

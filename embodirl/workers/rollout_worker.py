@@ -88,7 +88,7 @@ class RolloutWorker:
 
             policy = build_policy(model_cfg, env_spec, init_seed)
         if trainable_dtype is not None and policy is not None:
-            from embodirl.learner.fsdp import parse_dtype
+            from embodirl.dtypes import parse_dtype
 
             policy.cast_trainable_(parse_dtype(trainable_dtype))
         if seed is not None:

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from embodirl import checkpoint_layout as layout
 from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
 from embodirl.models.registry import make_policy
@@ -40,6 +41,7 @@ def test_sigkill_mid_save_leaves_no_complete_looking_folder_and_loses_nothing(tm
     script = textwrap.dedent(f"""
         import sys, time
         from embodirl.runner import checkpoint as ckpt
+        from embodirl import checkpoint_layout as layout
 
         def hang(folder):
             (folder / "half.bin").write_bytes(b"0" * 1024)
@@ -81,7 +83,7 @@ def test_failing_writer_cleans_up_and_resaving_a_step_replaces_it(tmp_path):
     ckpt.save_checkpoint(tmp_path, 1, {"a": _write("a", "new")})
     assert sorted(p.name for p in root.iterdir()) == ["step_1"]
     assert (root / "step_1" / "a" / "a.txt").read_text() == "new"
-    assert json.loads((root / "step_1" / ckpt.COMPLETE).read_text()) == {"step": 1, "parts": ["a"]}
+    assert json.loads((root / "step_1" / layout.COMPLETE).read_text()) == {"step": 1, "parts": ["a"]}
 
 
 # --- the policy layout -------------------------------------------------------------------------------------
@@ -122,7 +124,7 @@ def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_learner(oft_cfg, tmp
     trained = trained_actors.workers[0].learner
     take_optimizer_steps(trained)
     path = Runner(oft_cfg)._save(3, trained_actors, np.random.default_rng(0))
-    folder = path / ckpt.POLICY
+    folder = path / layout.POLICY
     assert {"adapter_config.json", "adapter_model.safetensors", "trainable.safetensors"} <= {
         p.name for p in folder.iterdir()}
     adapter_cfg = json.loads((folder / "adapter_config.json").read_text())
@@ -144,7 +146,7 @@ def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_learner(oft_cfg, tmp
 
     # evaluation needs nothing but policy/: a copy of that part alone loads
     alone = tmp_path / "alone"
-    shutil.copytree(folder, alone / ckpt.POLICY)
+    shutil.copytree(folder, alone / layout.POLICY)
     torch.manual_seed(2)
     policy = make_policy(oft_cfg.model, SPEC)
     Runner._load_policy_weights(policy, alone)
@@ -179,8 +181,8 @@ def test_state_policy_checkpoint_is_safetensors_and_a_mismatch_is_one_sentence(t
     learner = actors.workers[0].learner
     take_optimizer_steps(learner, steps=1)
     path = Runner(cfg)._save(1, actors, np.random.default_rng(0))
-    assert sorted(p.name for p in (path / ckpt.POLICY).iterdir()) == ["trainable.safetensors"]
-    assert_same(load_file(str(path / ckpt.POLICY / "trainable.safetensors")), learner.policy.trainable_state_dict())
+    assert sorted(p.name for p in (path / layout.POLICY).iterdir()) == ["trainable.safetensors"]
+    assert_same(load_file(str(path / layout.POLICY / "trainable.safetensors")), learner.policy.trainable_state_dict())
     torch.manual_seed(1)
     other = make_policy(cfg.model, spec)
     Runner._load_policy_weights(other, path)

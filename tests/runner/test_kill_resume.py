@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from embodirl import checkpoint_layout as layout
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.metrics_logger import read_metrics
 
@@ -51,7 +52,7 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted_run(tmp_path
     full = train("full", tmp_path)              # the reference, alongside the run that gets killed
     victim = train("part", tmp_path)
     out = tmp_path / "outputs" / "part"
-    first_ckpt = ckpt.checkpoint_root(out) / f"step_{SAVE_INTERVAL}" / ckpt.COMPLETE
+    first_ckpt = ckpt.checkpoint_root(out) / f"step_{SAVE_INTERVAL}" / layout.COMPLETE
     deadline = time.monotonic() + START_TIMEOUT_S
     # kill while a step after the first checkpoint is under way (its predecessor already logged)
     while not (first_ckpt.is_file() and max(logged_steps(out / "metrics.jsonl"), default=0) > SAVE_INTERVAL):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from embodirl import checkpoint_layout as layout
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runtime import rng_state, rng_state_from_json, rng_state_to_json, set_rng_state
 
@@ -77,9 +78,9 @@ def test_runner_part_holds_no_pickle_and_restores_without_unpickling(tmp_path, m
         ckpt.save_rng(folder)
         ckpt.save_worker_rng(folder, workers)
 
-    path = ckpt.save_checkpoint(tmp_path, 1, {ckpt.RUNNER: write_runner})
-    runner = path / ckpt.RUNNER
-    assert sorted(p.name for p in runner.iterdir()) == [ckpt.RNG, ckpt.WORKER_RNG]
+    path = ckpt.save_checkpoint(tmp_path, 1, {layout.RUNNER: write_runner})
+    runner = path / layout.RUNNER
+    assert sorted(p.name for p in runner.iterdir()) == [layout.RNG, layout.WORKER_RNG]
     for file in runner.iterdir():
         head = file.read_bytes()[:2]
         assert not head.startswith(PICKLE_MAGIC) and head != ZIP_MAGIC, file
@@ -100,8 +101,8 @@ def test_runner_part_holds_no_pickle_and_restores_without_unpickling(tmp_path, m
 
 def test_old_pickled_rng_files_load_with_weights_only(tmp_path):
     driver, worker = _advanced_state(0), _advanced_state(1)
-    torch.save(driver, tmp_path / ckpt.LEGACY_RNG)            # the format before rng.json
-    torch.save([worker], tmp_path / ckpt.LEGACY_WORKER_RNG)
+    torch.save(driver, tmp_path / layout.LEGACY_RNG)            # the format before rng.json
+    torch.save([worker], tmp_path / layout.LEGACY_WORKER_RNG)
     set_rng_state(driver)
     expected = _draws()
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
@@ -127,8 +128,8 @@ def test_old_rng_file_with_code_is_not_run_and_the_generators_stay(tmp_path, cap
     target = tmp_path / "ran"
     state = _advanced_state(0)
     state["python"] = _RunsCode(target)
-    torch.save(state, tmp_path / ckpt.LEGACY_RNG)
-    torch.save([state], tmp_path / ckpt.LEGACY_WORKER_RNG)
+    torch.save(state, tmp_path / layout.LEGACY_RNG)
+    torch.save([state], tmp_path / layout.LEGACY_WORKER_RNG)
     current = _advanced_state(3)
     expected = _draws()
     set_rng_state(current)

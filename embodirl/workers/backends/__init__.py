@@ -1,7 +1,7 @@
 """Rollout backends by name (``rollout.backend``), imported lazily.
 
-``huggingface`` is built in. A later engine (vLLM: GPU only) registers itself with
-:func:`register_backend` in its own module and adds that module to ``BACKENDS``' built-in table; env workers,
+``huggingface`` is built in. A later engine (vLLM: GPU only) registers itself with :func:`register_backend` in its
+own module and adds that module to the built-in table of ``BACKENDS`` (:mod:`embodirl.registry`); env workers,
 rollout workers and the runner stay unchanged (see :mod:`embodirl.workers.backends.base`).
 """
 
@@ -9,11 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from embodirl.registry import LazyRegistry
+from embodirl.registry import BACKENDS
 
-BACKENDS = LazyRegistry("rollout backend", "rollout.backend", {
-    "huggingface": "embodirl.workers.backends.huggingface",
-})
 register_backend = BACKENDS.register
 available_backends = BACKENDS.available
 
