@@ -2,7 +2,13 @@
 
 Each kind keeps a :class:`LazyRegistry`: a table of built-in names -> the module that registers them
 on import (so choosing ``env=maniskill_*`` never imports LIBERO), plus whatever a module registers
-with :meth:`LazyRegistry.register` (a user's own component registers itself the same way).
+with :meth:`LazyRegistry.register` (a user's own component registers itself the same way). A component
+declares its config class where it registers (``@register_adapter("toy", config=ToyEnvConfig)``): the schema
+types its config group with it.
+
+A component outside embodirl needs no entry in any table: it registers under its module's dotted name
+(``@register_adapter(__name__, config=...)``) and its config names that module (``adapter: my_pkg.my_sim``), which
+is imported on first use.
 """
 
 from __future__ import annotations
@@ -22,14 +28,37 @@ class LazyRegistry:
         self.what, self.key = what, key
         self._modules = dict(modules)
         self._entries: dict[str, Any] = {}
+        self._configs: dict[str, type] = {}
 
-    def register(self, name: str) -> Callable[[Any], Any]:
-        """Decorator: ``@registry.register("name")`` on a class or builder function."""
+    def register(self, name: str, *, config: type | None = None) -> Callable[[Any], Any]:
+        """Decorator: ``@registry.register("name", config=ConfigClass)`` on a class or builder function;
+        ``config``: the dataclass that types the component's config group (built with :mod:`embodirl.config_fields`)."""
         def wrap(obj):
             self._entries[name] = obj
+            if config is not None:
+                self._configs[name] = config
             return obj
 
         return wrap
+
+    def _import(self, name: str) -> bool:
+        """Import the module that registers ``name`` (a built-in's, or a dotted module name); False if none."""
+        if name in self._entries:
+            return True
+        module = self._modules.get(name) or (name if "." in name else None)
+        if module is None:
+            return False
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if module in self._modules.values() or not str(module).startswith(str(exc.name or "")):
+                raise
+            return False
+        return name in self._entries
+
+    def config_class(self, name: str) -> type | None:
+        """The config class ``name`` registered with (None: unknown name, or registered without one)."""
+        return self._configs.get(name) if self._import(name) else None
 
     def available(self) -> list[str]:
         return sorted(set(self._modules) | set(self._entries))
@@ -37,13 +66,15 @@ class LazyRegistry:
     def get(self, name: str, key: str | None = None) -> Any:
         """The entry ``name``, importing its module first; an unknown name is a
         :class:`~embodirl.errors.ConfigError` on ``key`` listing the available ones."""
-        if name not in self._entries:
-            module = self._modules.get(name)
-            if module is None:
-                raise ConfigError(key or self.key, f"unknown {self.what} '{name}'; available: "
-                                                   f"{', '.join(self.available())}")
-            importlib.import_module(module)
+        if not self._import(name):
+            raise ConfigError(key or self.key, f"unknown {self.what} '{name}'; available: "
+                                               f"{', '.join(self.available())} (or a module that registers itself "
+                                               "under its dotted name)")
         return self._entries[name]
+
+    def known(self, name: str) -> bool:
+        """``name`` is registered, or its module registers it when imported."""
+        return self._import(name)
 
 
 #: rollout backends (``rollout.backend``): here rather than in :mod:`embodirl.workers.backends`, whose layer sits

@@ -85,7 +85,12 @@ def test_cli_refuses_an_appended_key_and_a_bad_sweep_job_with_exit_2(tmp_path):
 
 # --- one source of defaults ----------------------------------------------------------------------------------
 def _schema_classes():
-    seen, todo = [], [schema.Config, *schema.ENV_SCHEMAS.values(), *schema.MODEL_SCHEMAS.values()]
+    from embodirl.envs.registry import ADAPTERS
+    from embodirl.models.registry import POLICIES
+
+    declared = [r.config_class(n) for r in (ADAPTERS, POLICIES) for n in r.available()]
+    assert len([c for c in declared if c is not None]) == 5      # toy, maniskill, libero; state_mlp, openvla_oft
+    seen, todo = [], [schema.Config, *(c for c in declared if c is not None)]
     while todo:
         cls = todo.pop()
         if cls in seen:
@@ -223,7 +228,8 @@ def test_no_import_cycles_among_embodirl_modules():
 #: embodirl's folders and top-level modules, lowest first: each may import only from its own entry and those before it
 #: (imports inside functions count too). A folder-level arrow that runs back up fails the test below.
 LAYERS = [
-    {"errors", "paths", "registry", "progress", "plain", "placement", "runtime", "dtypes", "checkpoint_layout"},
+    {"errors", "paths", "registry", "progress", "plain", "placement", "runtime", "dtypes", "checkpoint_layout",
+     "config_fields"},
     {"envs"}, {"data"}, {"algorithms", "channel"}, {"models"},
     {"schema"},                   # the typed config: what the layers above read; choice lists from the leaves below
     {"rollout"}, {"learner"}, {"workers"}, {"runner"},

@@ -44,6 +44,7 @@ statistics), so they run before the batch is cut into learner shards.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -96,25 +97,58 @@ class AdvantageParams:
 
 
 Estimator = Callable[[AdvantageInputs, AdvantageParams], tuple[torch.Tensor, torch.Tensor]]
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
-#: estimators that need the critic's ``value`` field
-CRITIC_ESTIMATORS = ("gae",)
-#: estimators that compare trajectories within a group sharing an init state (``algorithm.group_size`` >= 2)
-GROUPED_ESTIMATORS = ("grpo", "rloo")
 
 
-def register_advantage(name: str):
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """An estimator and what a run must provide for it, declared where it is registered (the schema, the worker
+    groups, the learner and the runner read these flags instead of lists of names)."""
+
+    fn: Estimator
+    critic: bool = False            # reads the critic's ``value`` (a value head, PPO-style)
+    groups: bool = False            # compares trajectories of a group sharing an init state (group_size >= 2)
+    greedy_baseline: bool = False   # needs a greedy rollout from each trajectory's start (``extras.reward_baseline``)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def register_advantage(name: str, *, critic: bool = False, groups: bool = False, greedy_baseline: bool = False):
+    """Decorator: ``@register_advantage("name", critic=..., groups=..., greedy_baseline=...)`` on an estimator
+    ``fn(inputs, params) -> (advantage, returns)``; ``algorithm.adv_type=name`` then selects it."""
     def wrap(fn: Estimator) -> Estimator:
-        ADVANTAGE_ESTIMATORS[name] = fn
+        ADVANTAGE_ESTIMATORS[name] = EstimatorSpec(fn, critic=critic, groups=groups, greedy_baseline=greedy_baseline)
         return fn
 
     return wrap
 
 
-def get_advantage_estimator(name: str) -> Estimator:
-    if name not in ADVANTAGE_ESTIMATORS:
+def known_estimator(name: str) -> bool:
+    """``name`` is registered, or is the dotted name of a module that registers it on import (an estimator outside
+    embodirl: ``@register_advantage(__name__, ...)`` in ``my_pkg/my_estimator.py``, ``algorithm.adv_type=
+    my_pkg.my_estimator``)."""
+    if name not in ADVANTAGE_ESTIMATORS and isinstance(name, str) and "." in name:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if not name.startswith(str(exc.name or "")):
+                raise
+    return name in ADVANTAGE_ESTIMATORS
+
+
+def estimator_spec(name: str) -> EstimatorSpec:
+    if not known_estimator(name):
         raise ValueError(f"unknown adv_type '{name}'; available: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
     return ADVANTAGE_ESTIMATORS[name]
+
+
+def get_advantage_estimator(name: str) -> Estimator:
+    return estimator_spec(name).fn
+
+
+def uses_critic(adv_type: str) -> bool:
+    """The estimator reads the critic's values (so rollouts ask the policy for values and the learner trains them)."""
+    return estimator_spec(str(adv_type)).critic
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -209,12 +243,12 @@ def _group_scores(inp: AdvantageInputs, group_size: int) -> tuple[torch.Tensor, 
     return scores, scores.view(N // group_size, group_size)
 
 
-def _broadcast_rows(per_row: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def broadcast_rows(per_row: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return per_row[:, None] * valid  # (N, T)
 
 
 # --- estimators ---------------------------------------------------------------------------------------
-@register_advantage("gae")
+@register_advantage("gae", critic=True)
 def gae(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over decisions or actions.
 
@@ -242,7 +276,7 @@ def gae(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, to
     return advantage.reshape(shape), returns.reshape(shape)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", groups=True)
 def grpo(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantage (Shao et al. 2024): ``(R - mean_g) / (std_g + eps)`` with the group's
     unbiased std, or ``R - mean_g`` when ``norm_adv_by_std_in_grpo`` is off (Dr. GRPO)."""
@@ -250,18 +284,18 @@ def grpo(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, t
     centred = grouped - grouped.mean(-1, keepdim=True)  # (N/G, G)
     if params.norm_adv_by_std_in_grpo:
         centred = centred / (grouped.std(-1, keepdim=True) + STD_EPS)
-    advantage = _broadcast_rows(centred.reshape(-1), inp.valid)  # (N, T)
-    return advantage, _broadcast_rows(scores, inp.valid)
+    advantage = broadcast_rows(centred.reshape(-1), inp.valid)  # (N, T)
+    return advantage, broadcast_rows(scores, inp.valid)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", groups=True)
 def rloo(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): ``R_i - mean_{j != i} R_j`` within the group."""
     scores, grouped = _group_scores(inp, params.group_size)
     G = params.group_size
     others_mean = (grouped.sum(-1, keepdim=True) - grouped) / (G - 1)  # (N/G, G)
-    advantage = _broadcast_rows((grouped - others_mean).reshape(-1), inp.valid)  # (N, T)
-    return advantage, _broadcast_rows(scores, inp.valid)
+    advantage = broadcast_rows((grouped - others_mean).reshape(-1), inp.valid)  # (N, T)
+    return advantage, broadcast_rows(scores, inp.valid)
 
 
 @register_advantage("reinforce_plus_plus")
@@ -284,7 +318,7 @@ def reinforce_plus_plus(inp: AdvantageInputs, params: AdvantageParams) -> tuple[
     return advantage.reshape(shape), returns.reshape(shape)
 
 
-@register_advantage("remax")
+@register_advantage("remax", greedy_baseline=True)
 def remax(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2024): ``R - b`` with ``b`` the return of a greedy rollout from the same init
     state (``extras.reward_baseline``)."""
@@ -292,8 +326,8 @@ def remax(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, 
         raise ValueError(f"remax needs the greedy baseline return per trajectory (extras '{REWARD_BASELINE}')")
     reward = inp.reward if inp.reward.dim() == 2 else inp.reward.sum(-1)  # (N, T)
     scores = (reward * inp.valid).sum(-1)  # (N,)
-    advantage = _broadcast_rows(scores - inp.reward_baseline.to(scores.dtype), inp.valid)  # (N, T)
-    return advantage, _broadcast_rows(scores, inp.valid)
+    advantage = broadcast_rows(scores - inp.reward_baseline.to(scores.dtype), inp.valid)  # (N, T)
+    return advantage, broadcast_rows(scores, inp.valid)
 
 
 # --- batch entry point --------------------------------------------------------------------------------

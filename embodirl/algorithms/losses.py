@@ -40,7 +40,7 @@ import torch
 
 from embodirl import data as D
 from embodirl.algorithms import aggregation, kl
-from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
+from embodirl.algorithms.advantages import uses_critic
 
 if TYPE_CHECKING:  # the batch carrier of the data contract; only named in annotations here
     from tensordict import TensorDict
@@ -84,7 +84,7 @@ class LossParams:
             value_clip=opt("value_clip"), huber_delta=opt("huber_delta"),
             loss_agg_func=str(algorithm["loss_agg_func"]), entropy_bonus=float(algorithm["entropy_bonus"]),
             value_coef=float(algorithm["value_coef"]), kl_penalty=str(algorithm["kl_penalty"]),
-            use_kl_loss=bool(algorithm["use_kl_loss"]), use_critic=str(algorithm["adv_type"]) in CRITIC_ESTIMATORS,
+            use_kl_loss=bool(algorithm["use_kl_loss"]), use_critic=uses_critic(algorithm["adv_type"]),
         )
         if params.logprob_type not in LOGPROB_TYPES:
             raise ValueError(f"unknown logprob_type '{params.logprob_type}'; available: {', '.join(LOGPROB_TYPES)}")

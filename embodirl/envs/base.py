@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from embodirl.config_fields import num, one_of, required, section
+
 #: reward (and value) granularity: one per decision ``[N, T]`` or one per action ``[N, T, H]``
 #: (``env.*.reward_type``, ``algorithm.reward_type``, ``model.value_type``); named once, here, so that the
 #: simulator processes need not import torch to read it
@@ -131,3 +133,44 @@ class ChunkVectorEnv(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+# --- config ---------------------------------------------------------------------------------------------------
+def _adapters():
+    from embodirl.envs.registry import available_adapters
+    return available_adapters()
+
+
+def _known_adapter(name) -> bool:
+    from embodirl.envs.registry import ADAPTERS
+    return isinstance(name, str) and ADAPTERS.known(name)
+
+
+@dataclass
+class VideoConfig:
+    """``env.*.video``: episode videos (:mod:`embodirl.envs.video`)."""
+
+    enabled: bool = required()
+    env_ids: list[int] = required()
+    fps: int = num(1)
+    overlay: bool = required()
+
+
+@dataclass
+class CommonEnvConfig:
+    """The keys every env group has, whatever its adapter (types and ranges; the values live in the YAML). An
+    adapter types its own keys with a subclass it registers with (``@register_adapter(name, config=...)``)."""
+
+    adapter: str = one_of(_adapters, known=_known_adapter)
+    num_envs: int = num(1)
+    max_episode_steps: int = num(1)
+    step_timeout_s: float | None = num(0, lo_open=True, null=True)    # null: wait for ever
+    reward_coef: float = required()
+    use_rel_reward: bool = required()
+    reward_type: str = one_of(REWARD_TYPES)
+    auto_reset: bool = required()
+    ignore_terminations: bool = required()
+    use_fixed_reset_state_ids: bool = required()
+    init_state_ids: list[int] | None = required()
+    num_trials_per_task: int = num(1)
+    video: VideoConfig = section(VideoConfig)

@@ -30,10 +30,12 @@ import math
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
-from embodirl.envs.base import REWARD_TYPES, ChunkResult, EnvSpec, SimEnv
+from embodirl.config_fields import num, required
+from embodirl.envs.base import REWARD_TYPES, ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
 from embodirl.envs.registry import register_adapter
 from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import ConfigError
@@ -245,7 +247,27 @@ def oracle_actions(obs: Mapping[str, np.ndarray], chunk_len: int, action_dim: in
 # --------------------------------------------------------------------------------------------------
 # adapter
 # --------------------------------------------------------------------------------------------------
-@register_adapter("toy")
+@dataclass
+class ToyEnvConfig(CommonEnvConfig):
+    """``adapter: toy`` (config/env/toy_reach.yaml)."""
+
+    name: str = required()
+    num_tasks: int = num(1, 8)
+    task_ids: list[int] | None = required()
+    image_size: list[int] = required()
+    cameras: list[str] = required()
+    state_obs: bool = required()
+    action_dim: int = num(2)
+    step_size: float = num(0, lo_open=True)
+    reward_mode: str = required()
+    processes: bool = required()
+    hang_at_step: int | None = num(1, null=True)
+    hang_marker: str | None = required()
+    crash_init_state: int | None = num(0, null=True)
+    num_init_states: int = num(1)
+
+
+@register_adapter("toy", config=ToyEnvConfig)
 class ToyAdapter:
     """``adapter: toy`` (TEST FIXTURE)."""
 

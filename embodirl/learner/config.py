@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
+from embodirl.algorithms.advantages import uses_critic
 from embodirl.algorithms.losses import LossParams
+from embodirl.config_fields import check_fields
 from embodirl.errors import ConfigError
 from embodirl.plain import to_plain as plain
 from embodirl.schema import typed
-from embodirl.schema.fields import check_fields
 from embodirl.schema.sections import Actor, Algorithm, learner_rules
 
 
@@ -48,7 +48,7 @@ class LearnerConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return str(self.algorithm["adv_type"]) in CRITIC_ESTIMATORS
+        return uses_critic(self.algorithm["adv_type"])
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> LearnerConfig:

@@ -103,8 +103,11 @@ class Learner:
         # greedy rollouts (rollout.temperature=0) were scored at temperature 1: recompute them there
         self.temperature = scoring_temperature(temperature)
         if self.cfg.uses_critic and policy.value_type is None:
-            raise ConfigError("algorithm.adv_type", f"gae needs a value head but {type(policy).__name__} has none; "
-                                                    "use grpo/rloo/reinforce_plus_plus/remax")
+            from embodirl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+            without = "/".join(n for n, spec in sorted(ADVANTAGE_ESTIMATORS.items()) if not spec.critic)
+            raise ConfigError("algorithm.adv_type", f"{self.cfg.algorithm['adv_type']} needs a value head but "
+                                                    f"{type(policy).__name__} has none; use {without}")
         if self.cfg.full_finetune:
             policy.requires_grad_(True)
         policy.to(self.device)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from embodirl import data as D
+from embodirl.config_fields import num, one_of, required
 
 #: the trained tensors a policy folder holds outside any adapter layout, by parameter name (safetensors)
 TRAINABLE_WEIGHTS = "trainable.safetensors"
@@ -160,3 +161,25 @@ class Policy(nn.Module, abc.ABC):
         without adapters have no separate reference and raise."""
         raise NotImplementedError(f"{type(self).__name__} has no reference policy (it has no adapter)")
         yield  # pragma: no cover
+
+
+# --- config ---------------------------------------------------------------------------------------------------
+def _policies():
+    from embodirl.models.registry import available_policies
+    return available_policies()
+
+
+def _known_policy(name) -> bool:
+    from embodirl.models.registry import POLICIES
+    return isinstance(name, str) and POLICIES.known(name)
+
+
+@dataclass
+class CommonModelConfig:
+    """The keys every ``model`` option has (types and ranges; the values live in the YAML). A policy types its own keys
+    with a subclass it registers with (``@register_policy(name, config=...)``)."""
+
+    name: str = one_of(_policies, known=_known_policy)
+    path: str | None = required()
+    action_chunk: int = num(1)
+    value_type: str | None = one_of(D.REWARD_TYPES, null=True)     # null: no value head

@@ -16,15 +16,17 @@ ManiSkill's state vectors mix positions with a spread of ~1 cm and joint velocit
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from embodirl import data as D
+from embodirl.config_fields import one_of, required
 from embodirl.dtypes import parse_dtype
 from embodirl.errors import ConfigError
-from embodirl.models.base import Policy, SamplingParams, default_dtype
+from embodirl.models.base import CommonModelConfig, Policy, SamplingParams, default_dtype
 from embodirl.models.registry import register_policy
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
@@ -192,7 +194,20 @@ class StateMLPPolicy(Policy):
         return out
 
 
-@register_policy("state_mlp")
+@dataclass
+class StateMLPConfig(CommonModelConfig):
+    """``model=state_mlp`` (config/model/state_mlp.yaml)."""
+
+    hidden_sizes: list[int] = required()
+    critic_hidden_sizes: list[int] = required()
+    activation: str = required()
+    init_log_std: float = required()
+    obs_norm: bool = required()
+    dtype: str = one_of(("float32", "float64"))
+    device: str | None = required()
+
+
+@register_policy("state_mlp", config=StateMLPConfig)
 def build_state_policy(cfg: dict, env_spec) -> StateMLPPolicy:
     if env_spec.state_dim <= 0:
         raise ConfigError("model.name", f"state_mlp needs a state observation but env '{env_spec.name}' has none; "

@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from embodirl import checkpoint_layout as layout
 from embodirl import data as D
 from embodirl import runtime
+from embodirl.algorithms.advantages import estimator_spec
 from embodirl.algorithms.kl import KLController
 from embodirl.envs.video import step_folder
 from embodirl.errors import ConfigError, NonFiniteUpdate, RunFailed
@@ -375,6 +376,7 @@ class Runner:
         # algorithm.filter_groups.resample: draw rollouts until the step has a full batch of informative groups
         keeper = InformativeGroups.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True),
                                                num_slots=rollouts.num_slots, rollout_epoch=int(cfg.rollout.rollout_epoch))
+        greedy_baseline = estimator_spec(cfg.algorithm.adv_type).greedy_baseline
         epoch, ticker = 0, Ticker()
         while keeper is not None or epoch < int(cfg.rollout.rollout_epoch):
             if epoch and ticker.due():   # a step of many rollouts (the 7B recipe's 16) says where it is
@@ -386,7 +388,7 @@ class Runner:
             batch = rollouts.collect(starts, seed=seed, video_dir=video_dir if epoch == 0 else None, step=step)
             for key in ("env_s", "infer_s", "wait_s", "recollected_rows", "shm_batches", "object_store_batches"):
                 setattr(stats, key, getattr(stats, key) + getattr(rollouts.stats, key))
-            if cfg.algorithm.adv_type == "remax":   # the greedy rollout from the same starts: its own phase
+            if greedy_baseline:   # (ReMax) the greedy rollout from the same starts: its own phase
                 batch, seconds = remax_baseline(rollouts, batch, seed=seed)
                 stats.baseline_s += seconds
             epoch += 1

@@ -2,7 +2,8 @@
 
 :class:`Config` is registered in Hydra's ConfigStore as ``embodirl_schema`` and heads ``config/config.yaml``'s
 defaults list, so Hydra composes the YAML options on top of it: the YAML tree holds every value, the schema
-every type, range and choice (:mod:`.sections`, :mod:`.envs`, :mod:`.models`). :func:`check` runs on a
+every type, range and choice (:mod:`.sections`; each env adapter's and policy's own config class, registered
+with it next to its code and found by :mod:`.envs` and :mod:`.models`). :func:`check` runs on a
 composed config (also a plain one, as a sweep job hands it over) and raises one
 :class:`~embodirl.errors.ConfigError` sentence naming the first bad key:
 
@@ -22,13 +23,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from embodirl.config_fields import check_fields, check_finite, required, section
 from embodirl.errors import ConfigError
-from embodirl.schema.envs import ENV_SCHEMAS, env_rules, env_schema
-from embodirl.schema.fields import check_fields, check_finite, required, section
-from embodirl.schema.models import MODEL_SCHEMAS, model_rules, model_schema
+from embodirl.schema.envs import env_rules, env_schema
+from embodirl.schema.models import model_rules, model_schema
 from embodirl.schema.sections import SECTIONS, Actor, Algorithm, Cluster, EnvWorkers, Rollout, Runner
 
-__all__ = ["ENV_SCHEMAS", "MODEL_SCHEMAS", "SCHEMA_NAME", "SECTIONS", "Config", "add_section", "check", "check_types",
+__all__ = ["SCHEMA_NAME", "SECTIONS", "Config", "add_section", "check", "check_types",
            "error", "register", "typed", "unknown_key"]
 
 SCHEMA_NAME = "embodirl_schema"
@@ -55,7 +56,7 @@ EXTRA_SECTIONS: dict[str, type] = {}
 
 def add_section(name: str, schema: type) -> None:
     """Type a top-level section that another primary config adds (its dataclass, built with
-    :mod:`embodirl.schema.fields`, may carry ``rules(cfg, ctx)`` too); :func:`check` then checks it when present."""
+    :mod:`embodirl.config_fields`, may carry ``rules(cfg, ctx)`` too); :func:`check` then checks it when present."""
     EXTRA_SECTIONS[name] = schema
 
 

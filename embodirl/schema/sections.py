@@ -1,6 +1,6 @@
 """The typed sections of ``config/config.yaml``: runner, algorithm, rollout, env_workers, actor, cluster.
 
-Each dataclass declares its keys' types and allowed values (:mod:`embodirl.schema.fields`); the values
+Each dataclass declares its keys' types and allowed values (:mod:`embodirl.config_fields`); the values
 themselves live in the YAML tree. A section's cross-field rules sit in its ``rules(cfg, ctx)``, next to the
 fields they relate; :func:`embodirl.schema.check` runs them in the order the sections are listed here.
 Choice lists come from the registries that define the names (advantage estimators, loss aggregations, KL
@@ -12,8 +12,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from embodirl.config_fields import num, one_of, required, section
 from embodirl.errors import ConfigError
-from embodirl.schema.fields import num, one_of, required, section
 
 
 def _fail(key: str, message: str):
@@ -24,6 +24,11 @@ def _fail(key: str, message: str):
 def _adv_types():
     from embodirl.algorithms.advantages import ADVANTAGE_ESTIMATORS
     return sorted(ADVANTAGE_ESTIMATORS)
+
+
+def _known_adv_type(name) -> bool:
+    from embodirl.algorithms.advantages import known_estimator
+    return known_estimator(name)
 
 
 def reward_types():
@@ -146,7 +151,7 @@ class FilterGroups:
 
 @dataclass
 class Algorithm:
-    adv_type: str = one_of(_adv_types)
+    adv_type: str = one_of(_adv_types, known=_known_adv_type)
     group_size: int = num(1)
     reward_type: str = one_of(reward_types)
     logprob_type: str = one_of(_logprob_types)
@@ -173,11 +178,12 @@ class Algorithm:
 
     @staticmethod
     def rules(cfg, ctx) -> None:
-        from embodirl.algorithms.advantages import GROUPED_ESTIMATORS
+        from embodirl.algorithms.advantages import estimator_spec
 
         alg = cfg.algorithm
         G, adv_type = int(alg.group_size), alg.adv_type
-        if adv_type in GROUPED_ESTIMATORS:
+        spec = estimator_spec(adv_type)
+        if spec.groups:
             if G < 2:
                 _fail("algorithm.group_size", f"adv_type={adv_type} compares trajectories within a group: set "
                                               "group_size >= 2")
@@ -198,12 +204,13 @@ class Algorithm:
         if fg.resample and not fg.enable:
             _fail("algorithm.filter_groups.resample", "re-sampling collects more rollouts until the step holds its "
                                                       "batch of kept groups, so it needs algorithm.filter_groups.enable=true")
-        if adv_type == "remax":
+        if spec.greedy_baseline:
             if cfg.env.train.get("auto_reset", False):
-                _fail("env.train.auto_reset", "adv_type=remax compares each row's episode with a greedy one from the "
-                                              "same start, so a row must hold one episode: set env.train.auto_reset=false")
+                _fail("env.train.auto_reset", f"adv_type={adv_type} compares each row's episode with a greedy one from "
+                                              "the same start, so a row must hold one episode: set "
+                                              "env.train.auto_reset=false")
             if ctx.use_ray and not cfg.runner.eval_greedy:
-                _fail("runner.eval_greedy", "adv_type=remax runs its baseline rollouts with the rollout workers' "
+                _fail("runner.eval_greedy", f"adv_type={adv_type} runs its baseline rollouts with the rollout workers' "
                                             "evaluation sampling, which must be greedy: set runner.eval_greedy=true")
         if alg.reward_type != cfg.env.train.get("reward_type", alg.reward_type):
             _fail("env.train.reward_type", f"'{cfg.env.train.reward_type}' differs from algorithm.reward_type "

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from embodirl.algorithms.advantages import CRITIC_ESTIMATORS
+from embodirl.algorithms.advantages import uses_critic
 from embodirl.channel import segments
 from embodirl.plain import to_plain
 from embodirl.rollout.starts import EpisodeStarts
@@ -245,7 +245,7 @@ def _env_group(cfg: DictConfig, env_key: str, layout: RolloutLayout, *, remote: 
                placement_offset: int = 0) -> EnvWorkerGroup:
     train = env_key == "env.train"
     channel = cfg.rollout.get("channel") or {}
-    return_value = train and cfg.model.get("value_type") is not None and cfg.algorithm.adv_type in CRITIC_ESTIMATORS
+    return_value = train and cfg.model.get("value_type") is not None and uses_critic(cfg.algorithm.adv_type)
     return EnvWorkerGroup(OmegaConf.select(cfg, env_key), layout, remote=remote, return_value=return_value,
                           seed=int(cfg.runner.seed) + (0 if train else EVAL_SEED_OFFSET),
                           use_shm=bool(channel.get("shm", True)), queue_size=int(channel.get("queue_size", 4)),

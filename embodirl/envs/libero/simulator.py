@@ -54,11 +54,13 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
 from embodirl import runtime
-from embodirl.envs.base import REWARD_TYPES, ChunkResult, EnvSpec, SimEnv
+from embodirl.config_fields import num, required
+from embodirl.envs.base import REWARD_TYPES, ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
 from embodirl.envs.libero import paths as libero_paths
 from embodirl.envs.libero.patches import (
     EEF_POS,
@@ -376,7 +378,21 @@ def _make_sim_env(cfg: dict, seed: int) -> LiberoSimEnv:
     return LiberoSimEnv(cfg, seed=seed)
 
 
-@register_adapter("libero")
+@dataclass
+class LiberoEnvConfig(CommonEnvConfig):
+    """``adapter: libero`` (config/env/_libero_base.yaml)."""
+
+    suite: str = required()
+    task_ids: list[int] | None = required()
+    num_settle_steps: int = num(0)
+    cameras: list[str] = required()
+    image_size: list[int] = required()
+    assets_path: str | None = required()
+    max_cached_tasks: int = num(1)
+    scene_seeding: str = required()
+
+
+@register_adapter("libero", config=LiberoEnvConfig)
 class LiberoAdapter:
     """``adapter: libero``: one :class:`LiberoSimEnv` per sub-process of a ProcessVectorEnv."""
 

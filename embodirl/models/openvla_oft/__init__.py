@@ -24,13 +24,14 @@ from embodirl.errors import ConfigError
 from embodirl.models.openvla_oft.autoconfig import check_run, configure
 from embodirl.models.openvla_oft.config import build_config
 from embodirl.models.openvla_oft.policy import OpenVLAOFTPolicy, build_policy
+from embodirl.models.openvla_oft.schema import OpenVLAOFTConfig
 from embodirl.models.openvla_oft.weights import HUB_ID
 from embodirl.models.registry import register_policy
 
 __all__ = ["OpenVLAOFTPolicy", "build_policy", "build_openvla_oft"]
 
 
-@register_policy("openvla_oft")
+@register_policy("openvla_oft", config=OpenVLAOFTConfig)
 def build_openvla_oft(model_cfg: Mapping, env_spec) -> OpenVLAOFTPolicy:
     """Registry builder: ``builder(model_cfg, env_spec) -> Policy``."""
     return build_policy(model_cfg, env_spec)

@@ -34,9 +34,12 @@ def num(lo: float | None = None, hi: float | None = None, *, lo_open: bool = Fal
                                                         "auto": auto, "integer": integer})
 
 
-def one_of(choices: Callable[[], Iterable] | Iterable, *, null: bool = False) -> Any:
-    """One of ``choices`` (a tuple, or a callable returning the names, e.g. a registry's)."""
-    return dataclasses.field(default=MISSING, metadata={"choices": choices, "null": null})
+def one_of(choices: Callable[[], Iterable] | Iterable, *, null: bool = False,
+           known: Callable[[Any], bool] | None = None) -> Any:
+    """One of ``choices`` (a tuple, or a callable returning the names, e.g. a registry's); ``known(value)``, when
+    given, accepts a value the list does not hold yet (a component outside embodirl that registers itself under its
+    module's dotted name when that module is imported)."""
+    return dataclasses.field(default=MISSING, metadata={"choices": choices, "null": null, "known": known})
 
 
 def required() -> Any:
@@ -83,6 +86,8 @@ def check_value(key: str, value: Any, meta: Mapping, integer: bool) -> None:
         if not ok:
             raise ConfigError(key, f"must be {range_text(meta['range'], integer)}{extra}, got {value!r}")
     if "choices" in meta:
+        if meta.get("known") is not None and meta["known"](value):
+            return
         choices = meta["choices"]
         names = list(choices() if callable(choices) else choices)
         if value not in names:
@@ -95,20 +100,21 @@ def _name(choice: Any) -> str:
 
 
 def _is_int(annotation: Any) -> bool:
-    """``int`` or ``Optional[int]`` (the schema modules use real annotations, not strings)."""
+    """``int`` or ``Optional[int]`` (a resolved annotation: :func:`typing.get_type_hints`)."""
     return annotation is int or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
                                  and int in typing.get_args(annotation))
 
 
 def check_fields(schema: type, node: Mapping, prefix: str) -> None:
     """Every ranged or choice field of ``schema`` (and of its nested section dataclasses) in ``node``."""
+    hints = typing.get_type_hints(schema)   # real types also where a module postpones its annotations
     for f in dataclasses.fields(schema):
         key = f"{prefix}.{f.name}"
         value = node.get(f.name) if isinstance(node, Mapping) else None
         if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
             check_fields(f.default_factory, value or {}, key)
         elif f.metadata:
-            check_value(key, value, f.metadata, f.metadata.get("integer") or _is_int(f.type))
+            check_value(key, value, f.metadata, f.metadata.get("integer") or _is_int(hints.get(f.name, f.type)))
 
 
 def check_finite(node: Any, prefix: str = "") -> None:
