@@ -59,7 +59,7 @@ class ActorGroup:
         """One rank in this process (no process group); ``policy``: a module shared with inference."""
         workers = WorkerSet(ActorWorker, remote=False)
         workers.start(0, to_plain(cfg), spec, policy=policy)
-        return cls(workers, infos=[workers.call(0, "setup")])
+        return cls(workers, infos=[workers.call(0, ActorWorker.setup)])
 
     @classmethod
     def remote_group(cls, cfg: DictConfig, spec, *, placement=None, process_vars: Mapping[str, str] | None = None
@@ -82,8 +82,8 @@ class ActorGroup:
             workers.start(r, plain, spec, rank=r, world_size=N, process_vars=dict(process_vars or {}))
         group = cls(workers, infos=[{} for _ in range(N)])
         try:
-            address, port = group._gather([workers.submit(0, "rendezvous")], "rendezvous")[0]
-            group.infos = group._gather([workers.submit(r, "setup", address, port) for r in range(N)], "setup")
+            address, port = group._gather([workers.submit(0, ActorWorker.rendezvous)], "rendezvous")[0]
+            group.infos = group._gather([workers.submit(r, ActorWorker.setup, address, port) for r in range(N)], "setup")
         except BaseException:
             group.close()
             raise
@@ -91,9 +91,9 @@ class ActorGroup:
         return group
 
     # --- calls ---------------------------------------------------------------------------------------
-    def _call_all(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
+    def _call_all(self, method, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
         args = per_rank_args or [()] * self.world_size
-        return self._gather([self.workers.submit(r, method, *a, **kwargs) for r, a in enumerate(args)], method)
+        return self._gather([self.workers.submit(r, method, *a, **kwargs) for r, a in enumerate(args)], method.__name__)
 
     def _gather(self, refs: list, what: str) -> list:
         """Results of one call per rank; a dead rank (a Ray worker's process) ends it with :class:`ActorRankDied`."""
@@ -123,7 +123,7 @@ class ActorGroup:
         import ray
         from ray.exceptions import RayActorError
 
-        probes = [self.workers.submit(r, "ready") for r in range(self.world_size)]
+        probes = [self.workers.submit(r, ActorWorker.ready) for r in range(self.world_size)]
         ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
         dead = []
         for r, probe in enumerate(probes):
@@ -151,7 +151,7 @@ class ActorGroup:
     def with_ref_logprob(self, batch):
         """``batch`` with ``logprob_ref`` computed by the ranks (reference policy: adapter disabled)."""
         shards, indices = self._shards(batch)
-        parts = self._call_all("ref_logprob", [(s,) for s in shards])
+        parts = self._call_all(ActorWorker.ref_logprob, [(s,) for s in shards])
         out = batch.copy()
         out.set(D.LOGPROB_REF, sharding.unshard([torch.as_tensor(p) for p in parts], indices, batch.batch_size[0]))
         return out
@@ -160,7 +160,7 @@ class ActorGroup:
         """Update on the prepared batch, each rank on its shard; the metrics (already reduced over
         ranks inside the learner) of rank 0."""
         shards, _ = self._shards(prepared)
-        return self._call_all("train", [(s,) for s in shards])[0]
+        return self._call_all(ActorWorker.train, [(s,) for s in shards])[0]
 
     def publish(self, *, full: bool = False, consumer_nodes=(), consumer_gpus=()):
         """Gather the changed trainable tensors and post them from rank 0: its handle. In-process the
@@ -168,19 +168,20 @@ class ActorGroup:
         if not self.remote:
             version, _ = self.workers[0].learner.publish_weights(full=full)
             return version
-        return self._call_all("publish", full=full, consumer_nodes=list(consumer_nodes),
+        return self._call_all(ActorWorker.publish, full=full, consumer_nodes=list(consumer_nodes),
                               consumer_gpus=list(consumer_gpus))[0]
 
     def full_update(self, *, consumer_nodes=(), consumer_gpus=()):
         """Every trainable tensor at the current version, posted by rank 0 (restarted rollout workers)."""
-        return self._call_one(0, "full_update", consumer_nodes=list(consumer_nodes), consumer_gpus=list(consumer_gpus))
+        return self._call_one(0, ActorWorker.full_update, consumer_nodes=list(consumer_nodes),
+                              consumer_gpus=list(consumer_gpus))
 
-    def _call_one(self, rank: int, method: str, *args, **kwargs):
-        return self._gather([self.workers.submit(rank, method, *args, **kwargs)], method)[0]
+    def _call_one(self, rank: int, method, *args, **kwargs):
+        return self._gather([self.workers.submit(rank, method, *args, **kwargs)], method.__name__)[0]
 
     # --- supervised fine-tuning (embodirl sft) --------------------------------------------------------
     def set_statistics(self, statistics: Mapping) -> None:
-        self._call_all("set_statistics", [(dict(statistics),)] * self.world_size)
+        self._call_all(ActorWorker.set_statistics, [(dict(statistics),)] * self.world_size)
 
     def sft_train(self, batch: Mapping, options: Mapping) -> dict[str, float]:
         """One supervised step: ``batch`` (a dict of per-sample fields) cut into equal contiguous shards, one
@@ -191,29 +192,29 @@ class ActorGroup:
         size = n // self.world_size
         shards = [{k: (v[r * size:(r + 1) * size] if v is not None else None) for k, v in batch.items()}
                   for r in range(self.world_size)]
-        return self._call_all("sft_train", [(s, dict(options)) for s in shards])[0]
+        return self._call_all(ActorWorker.sft_train, [(s, dict(options)) for s in shards])[0]
 
     def export(self, directory, step: int, marker: Mapping | None = None) -> None:
-        self._call_all("export", [(str(directory), int(step), dict(marker or {}))] * self.world_size)
+        self._call_all(ActorWorker.export, [(str(directory), int(step), dict(marker or {}))] * self.world_size)
 
     # --- state --------------------------------------------------------------------------------------
     def save(self, learner_dir, policy_dir) -> None:
-        self._call_all("save", [(str(learner_dir), str(policy_dir))] * self.world_size)
+        self._call_all(ActorWorker.save, [(str(learner_dir), str(policy_dir))] * self.world_size)
 
     def load(self, checkpoint_dir) -> int:
-        return self._call_all("load", [(str(checkpoint_dir),)] * self.world_size)[0]
+        return self._call_all(ActorWorker.load, [(str(checkpoint_dir),)] * self.world_size)[0]
 
     def set_lr_scale(self, scale: float) -> None:
-        self._call_all("set_lr_scale", [(float(scale),)] * self.world_size)
+        self._call_all(ActorWorker.set_lr_scale, [(float(scale),)] * self.world_size)
 
     def offload(self) -> None:
-        self._call_all("offload")
+        self._call_all(ActorWorker.offload)
 
     def onload(self) -> None:
-        self._call_all("onload")
+        self._call_all(ActorWorker.onload)
 
     def memory(self) -> list[dict]:
-        return self._call_all("memory")
+        return self._call_all(ActorWorker.memory)
 
     @property
     def policy(self):

@@ -47,8 +47,8 @@ class EnvWorkerGroup:
         try:
             for k in range(layout.num_env_workers):
                 self.start(k)
-            self.infos = self.workers.call_all("info")       # remote: also waits until every worker is built
-            self.spec = self.workers.call(0, "spec")
+            self.infos = self.workers.call_all(EnvWorker.info)       # remote: also waits until every worker is built
+            self.spec = self.workers.call(0, EnvWorker.spec)
         except BaseException:
             self.close()
             raise
@@ -71,7 +71,7 @@ class EnvWorkerGroup:
     def connect(self, k: int) -> None:
         r = self.layout.rollout_worker_of(k)
         same_node = self.infos[k]["node_id"] == self.rollout.infos[r]["node_id"]
-        self.workers.call(k, "connect", self.rollout.workers[r], same_node=same_node, mode=self.mode)
+        self.workers.call(k, EnvWorker.connect, self.rollout.workers[r], same_node=same_node, mode=self.mode)
         self._connected_gen[k] = self.rollout.generation[r]
 
     # --- collection --------------------------------------------------------------------------------
@@ -94,25 +94,25 @@ class EnvWorkerGroup:
         if mode is not None:
             kwargs["mode"] = mode
         results = recovery.collect_all(self, parts, kwargs)
-        self.videos = [v for vs in self.workers.call_all("videos_written") for v in vs] if video_dir else []
+        self.videos = [v for vs in self.workers.call_all(EnvWorker.videos_written) for v in vs] if video_dir else []
         return D.concat([unpack_trajectory(r) if self.remote else r for r in results])
 
     def transport_infos(self) -> list[dict]:
         """How each env worker's observations reach its rollout worker (shared memory or Ray)."""
-        return self.workers.call_all("transport_info")
+        return self.workers.call_all(EnvWorker.transport_info)
 
     def last_stats(self) -> list:
         """Every env worker's :class:`~embodirl.rollout.collector.RolloutStats` of the last collection."""
-        return self.workers.call_all("last_stats")
+        return self.workers.call_all(EnvWorker.last_stats)
 
     def env_worker_pids(self) -> list[int]:
         return [info["pid"] for info in self.infos]
 
     def offload(self) -> None:
-        self.workers.call_all("offload")
+        self.workers.call_all(EnvWorker.offload)
 
     def onload(self) -> None:
-        self.workers.call_all("onload")
+        self.workers.call_all(EnvWorker.onload)
 
     def close(self, wait_s: float = 60.0) -> None:
         self.workers.close(wait_s)

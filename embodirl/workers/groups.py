@@ -5,7 +5,7 @@
     groups = WorkerGroups.from_config(cfg)                  # Ray workers (or remote=False: in this process)
     groups.load_weights(learner_all_tensors, version)       # start (or resume) from the learner's weights
     traj = groups.collect()                                 # Trajectory [N, T], N = env.train.num_envs
-    groups.sync_weights(learner_changed_tensors, version)   # after each update
+    groups.publish(learner_changed_tensors, version)        # after each update (driver-held weights)
     groups.close()
 
 The same :class:`~embodirl.workers.env_worker.EnvWorker` and
@@ -188,9 +188,9 @@ class WorkerGroups:
             if self.env_offload:
                 group.offload()
 
-    def sync_weights(self, tensors: Mapping, version: int | None = None) -> int:
-        """Publish the learner's changed trainable tensors to every rollout worker; returns the version."""
-        return self.rollout.sync_weights(tensors, version)
+    def publish(self, tensors: Mapping, version: int | None = None) -> int:
+        """Publish changed trainable tensors held by the driver to every rollout worker; returns the version."""
+        return self.rollout.publish(tensors, version)
 
     def receive_weights(self, handle) -> int:
         """Every rollout worker applies the actor group's publication ``handle``."""
@@ -198,7 +198,7 @@ class WorkerGroups:
 
     def load_weights(self, tensors: Mapping, version: int) -> int:
         """Give every rollout worker all trainable tensors at ``version`` (start, resume, evaluation of
-        a checkpoint); later :meth:`sync_weights` deltas build on them."""
+        a checkpoint); later :meth:`publish` deltas build on them."""
         return self.rollout.load_weights(tensors, version)
 
     @property

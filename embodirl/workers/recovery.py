@@ -14,6 +14,7 @@ import logging
 import time
 
 from embodirl.channel import segments
+from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.transport import RolloutWorkerDied
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def collect_all(group, parts: list, kwargs: dict) -> list:
     """Every env worker's trajectory of its part of the starts, in worker order (see module docstring)."""
     workers = group.workers
     results: list = [None] * len(workers)
-    pending = {workers.submit(k, "collect", parts[k], **kwargs): k for k in range(len(workers))}
+    pending = {workers.submit(k, EnvWorker.collect, parts[k], **kwargs): k for k in range(len(workers))}
     env_died = _worker_died() if workers.remote else ()
     rollout_died = (RolloutWorkerDied,) if workers.remote else ()
     faults = 0
@@ -54,7 +55,7 @@ def collect_all(group, parts: list, kwargs: dict) -> list:
         faults += 1
         if faults > group.max_faults:
             raise TooManyFaults(f"workers died {faults} times during one collection; giving up")
-        pending[workers.submit(k, "collect", parts[k], **kwargs)] = k
+        pending[workers.submit(k, EnvWorker.collect, parts[k], **kwargs)] = k
     return results
 
 
@@ -76,8 +77,8 @@ def replace_env_worker(group, k: int, cause: BaseException) -> None:
     group.events.append({"event": "env_worker_replaced", "worker": k, "pid": pid, "time": time.time(),
                          "cause": type(cause).__name__})
     group.start(k)
-    group.workers.call(k, "ready")
-    group.infos[k] = group.workers.call(k, "info")
+    group.workers.call(k, EnvWorker.ready)
+    group.infos[k] = group.workers.call(k, EnvWorker.info)
     group.connect(k)
 
 

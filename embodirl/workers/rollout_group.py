@@ -1,6 +1,9 @@
 """The rollout worker group: R :class:`~embodirl.workers.rollout_worker.RolloutWorker` s in a
-:class:`~embodirl.workers.worker_set.WorkerSet` (in this process or on Ray), their weights (driver-side
-publications, or the learner ranks' handles) and restarts."""
+:class:`~embodirl.workers.worker_set.WorkerSet` (in this process or on Ray), their weights and restarts.
+
+Weights reach the workers one way: a :class:`~embodirl.workers.weight_transfer.WeightHandle` they read with
+``receive_weights`` - the learner ranks' publication, or, where the driver holds the weights (evaluation of a
+checkpoint, tests), the same packed publication posted from the driver's own outbox."""
 
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class RolloutWorkerGroup:
         self.trainable_dtype = trainable_dtype   # a built copy computes its trainable tensors as the learner does
         self.merge_lora = bool(merge_lora)       # ... or with its adapters folded into its weights
         self.publisher: WeightPublisher | None = None
+        self._outbox = None              # the driver's own publications (WeightOutbox), made on first use
         #: where a restarted worker's weights come from when an actor group publishes: a callable
         #: returning a full WeightHandle (None: the driver-side publisher below)
         self.weight_source = weight_source
@@ -46,8 +50,8 @@ class RolloutWorkerGroup:
         self.shares_policy = policy is not None and not remote
         try:
             for r in range(num_workers):
-                self._start(r, weights=None)
-            self.infos = self.workers.call_all("info")    # remote: also waits until every worker is built
+                self._start(r)
+            self.infos = self.workers.call_all(RolloutWorker.info)    # remote: also waits until every worker is built
             if weight_source is None and not self.shares_policy:
                 self._driver_publisher()
         except BaseException:
@@ -64,11 +68,20 @@ class RolloutWorkerGroup:
     def _driver_publisher(self) -> WeightPublisher:
         if self.publisher is None:
             # what a restarted worker loads when nothing was published yet: worker 0's start weights
-            self.publisher = WeightPublisher(self.workers.call(0, "trainable_state_dict"))
+            self.publisher = WeightPublisher(self.workers.call(0, RolloutWorker.trainable_state_dict))
         return self.publisher
 
-    def _start(self, r: int, weights) -> None:
-        kwargs = dict(backend=self.backend, sampling=self.sampling, weights=weights, process_vars=self.process_vars,
+    def _post(self, update):
+        """A driver-side update as a publication, packed once like the learner's (the same ``WeightHandle``)."""
+        from embodirl.workers import process_env
+        from embodirl.workers.weight_transfer import WeightOutbox
+
+        if self._outbox is None:
+            self._outbox = WeightOutbox(process_env.describe()["node_id"])
+        return self._outbox.post(update, set(self.consumer_nodes()), inline=not self.remote)
+
+    def _start(self, r: int) -> None:
+        kwargs = dict(backend=self.backend, sampling=self.sampling, process_vars=self.process_vars,
                       policy=self._policy, init_seed=self.init_seed)
         if self.shares_policy:           # the driver's policy acts where it is
             param = next(self._policy.parameters(), None)
@@ -80,20 +93,21 @@ class RolloutWorkerGroup:
         self.workers.start(r, self.model_cfg, self.env_spec, **kwargs)
 
     # --- weights -----------------------------------------------------------------------------------
-    def sync_weights(self, tensors: Mapping, version: int | None = None) -> int:
-        """Publish the learner's changed trainable tensors; every worker holds them on return."""
-        return self._send(self._driver_publisher().publish(tensors, version))
+    def publish(self, tensors: Mapping, version: int | None = None) -> int:
+        """Publish changed trainable tensors from the driver (as a learner rank would); every worker holds them on
+        return."""
+        return self.receive_weights(self._post(self._driver_publisher().publish(tensors, version)))
 
     def load_weights(self, tensors: Mapping, version: int) -> int:
         """Replace every trainable tensor by ``tensors`` at ``version`` (a full update): the learner's
         start or resumed weights, or a checkpoint's for evaluation."""
-        return self._send(self._driver_publisher().reset(tensors, version))
+        return self.receive_weights(self._post(self._driver_publisher().reset(tensors, version)))
 
     def receive_weights(self, handle) -> int:
         """Every worker applies the actor group's publication ``handle`` (it reads the tensors itself:
         shared memory on rank 0's node, the object store elsewhere; a worker sharing the learner's module
         gets the version only, an int); returns the version."""
-        answers = self.workers.call_all("receive_weights", handle)
+        answers = self.workers.call_all(RolloutWorker.receive_weights, handle)
         version = int(handle) if isinstance(handle, int) else handle.version
         versions = [v for v, _ in answers]
         if any(v != version for v in versions):
@@ -107,13 +121,6 @@ class RolloutWorkerGroup:
     def consumer_nodes(self) -> list:
         return sorted({info.get("node_id") for info in self.infos}, key=str)
 
-    def _send(self, update) -> int:
-        shared = self.workers.share(update)    # one copy in the object store for all workers
-        versions = self.workers.call_all("update_weights", shared)
-        if any(v != update.version for v in versions):
-            raise RuntimeError(f"rollout workers hold weight versions {versions} after publishing v{update.version}")
-        return update.version
-
     @property
     def version(self) -> int:
         if self.weight_source is not None or self.publisher is None:
@@ -121,12 +128,12 @@ class RolloutWorkerGroup:
         return self.publisher.version
 
     def weight_versions(self) -> list[int]:
-        return self.workers.call_all("weight_version")
+        return self.workers.call_all(RolloutWorker.weight_version)
 
     def rng_states(self) -> list[dict] | None:
         """Each Ray worker's generator states (it samples actions in its own process); None when the
         workers sample with the driver's generators (saved with the driver's state)."""
-        return self.workers.call_all("rng_state") if self.remote else None
+        return self.workers.call_all(RolloutWorker.rng_state) if self.remote else None
 
     def set_rng_states(self, states: list[dict] | None) -> None:
         """Restore :meth:`rng_states` (a resumed run); skipped with a warning when the number of
@@ -137,7 +144,7 @@ class RolloutWorkerGroup:
             log.warning("the checkpoint holds RNG states of %d rollout workers, this run has %d: their action "
                         "sampling is reseeded", len(states), len(self.workers))
             return
-        self.workers.call_each("set_rng_state", states)
+        self.workers.call_each(RolloutWorker.set_rng_state, states)
 
     # --- faults and lifecycle ------------------------------------------------------------------------
     def restart(self, r: int, cause: str = "") -> None:
@@ -146,20 +153,21 @@ class RolloutWorkerGroup:
         log.warning("rollout worker %d died%s; restarting it with weights v%d", r, f" ({cause})" if cause else "",
                     self.version)
         self.generation[r] += 1
-        from_actors = self.weight_source is not None
-        self._start(r, weights=None if from_actors else self._driver_publisher().full_update())
-        self.infos[r] = self.workers.call(r, "info")
-        if from_actors:
-            self.workers.call(r, "receive_weights", self.weight_source())
+        self._start(r)
+        self.infos[r] = self.workers.call(r, RolloutWorker.info)
+        handle = self.weight_source() if self.weight_source is not None else self._post(self._driver_publisher().full_update())
+        self.workers.call(r, RolloutWorker.receive_weights, handle)
 
     def forget_channels(self, prefix: str) -> None:
-        self.workers.call_all("forget_channels", prefix)
+        self.workers.call_all(RolloutWorker.forget_channels, prefix)
 
     def offload(self) -> None:
-        self.workers.call_all("offload")
+        self.workers.call_all(RolloutWorker.offload)
 
     def onload(self) -> None:
-        self.workers.call_all("onload")
+        self.workers.call_all(RolloutWorker.onload)
 
     def close(self) -> None:
         self.workers.close()
+        if self._outbox is not None:
+            self._outbox.close()

@@ -6,14 +6,15 @@ or a Ray worker process changes nothing in their code::
 
     workers = WorkerSet(EnvWorker, remote=False)
     workers.start(0, env_cfg, num_stages=2, ...)          # or remote=True: ray.remote(EnvWorker) with options
-    spec = workers.call(0, "spec")
-    pending = {workers.submit(k, "collect", part): k for k, part in enumerate(parts)}
+    spec = workers.call(0, EnvWorker.spec)
+    pending = {workers.submit(k, EnvWorker.collect, part): k for k, part in enumerate(parts)}
     ref, result, error = workers.wait_first(pending)      # remote: the first to answer; local: in order
     workers.close(wait_s=10)
 
-In this process a call runs at once and :meth:`submit` returns its outcome already settled (an error is
-kept and raised by :meth:`get`, as Ray raises it), so the group code that waits for the first answer and
-recovers from a failed one is the same on both sides.
+A method is named by the worker class's own function (``EnvWorker.collect``), not by a string, so that an IDE
+follows a call from the group to the worker. In this process a call runs at once and :meth:`submit` returns its
+outcome already settled (an error is kept and raised by :meth:`get`, as Ray raises it), so the group code that waits
+for the first answer and recovers from a failed one is the same on both sides.
 """
 
 from __future__ import annotations
@@ -72,11 +73,19 @@ class WorkerSet:
         return handle
 
     # --- calls -------------------------------------------------------------------------------------
-    def submit(self, rank: int, method: str, /, *args, **kwargs):
-        """Start ``method`` on worker ``rank``: a Ray object ref, or (here) its settled outcome."""
+    def _name(self, method: Callable) -> str:
+        name = getattr(method, "__name__", None)
+        if not callable(method) or getattr(self.cls, name or "", None) is not method:
+            raise TypeError(f"{method!r} is not a method of {self.cls.__name__}; pass {self.cls.__name__}.<method>")
+        return name
+
+    def submit(self, rank: int, method: Callable, /, *args, **kwargs):
+        """Start ``method`` (a function of the worker class, e.g. ``EnvWorker.collect``) on worker ``rank``: a Ray
+        object ref, or (here) its settled outcome."""
+        name = self._name(method)
         if self.remote:
-            return getattr(self.handles[rank], method).remote(*args, **kwargs)
-        return _Settled(getattr(self.handles[rank], method), *args, **kwargs)
+            return getattr(self.handles[rank], name).remote(*args, **kwargs)
+        return _Settled(getattr(self.handles[rank], name), *args, **kwargs)
 
     def get(self, pending, timeout: float | None = None):
         """The result of :meth:`submit` (or a list of them); a worker's error is raised here."""
@@ -90,13 +99,13 @@ class WorkerSet:
             raise pending.error
         return pending.value
 
-    def call(self, rank: int, method: str, /, *args, **kwargs):
+    def call(self, rank: int, method: Callable, /, *args, **kwargs):
         return self.get(self.submit(rank, method, *args, **kwargs))
 
-    def call_all(self, method: str, *args, **kwargs) -> list:
+    def call_all(self, method: Callable, *args, **kwargs) -> list:
         return self.get([self.submit(rank, method, *args, **kwargs) for rank in range(len(self.handles))])
 
-    def call_each(self, method: str, args_per_rank: list) -> list:
+    def call_each(self, method: Callable, args_per_rank: list) -> list:
         """``method(args_per_rank[k])`` on every worker ``k``, together."""
         return self.get([self.submit(rank, method, arg) for rank, arg in enumerate(args_per_rank)])
 
