@@ -67,7 +67,8 @@ def protocol_env_cfg(env_cfg: Mapping, protocol: str | None, num_envs: int | Non
     """``env_cfg`` as ``runner.eval_protocol`` runs it (``oft``: the adapter's OFT seeding switched on), with
     ``runner.eval_num_envs`` simulators when set. An episode's outcome does not depend on which slot or batch
     runs it (scenes are seeded from (task, init state), actions are greedy), so the sweep's per-episode
-    results are the same at any number of simulators (``tests/runner/test_eval_report.py``)."""
+    results are the same at any number of simulators, returns up to float rounding (another batch size may sum
+    in another order; ``tests/runner/test_eval_report.py``)."""
     out = dict(env_cfg)
     if protocol == "oft":
         key, value = OFT_SEEDING[out["adapter"]]

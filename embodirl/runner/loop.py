@@ -1,19 +1,19 @@
 """The single-controller loop: ``collect -> advantages -> update -> sync weights``, each timed, with
 evaluation, checkpoints and logging around it.
 
-Rollouts come from :class:`~embodirl.runner.rollouts.Rollouts`: env workers and rollout workers, in this
-process (the default job: simulators in sub-processes, pipeline stages overlapping through a background
+Every worker belongs to one :class:`~embodirl.workers.groups.WorkerGroups`: env workers and rollout workers, in
+this process (the default job: simulators in sub-processes, pipeline stages overlapping through a background
 inference thread) or as Ray workers with the shared-memory observation channel (``cluster.use_ray``), the
-same classes either way. The learner is an :class:`~embodirl.workers.actor_group.ActorGroup` it makes:
-one rank in this process (whose module the rollout worker acts with), or N FSDP2 ranks as Ray workers.
+same classes either way, and the learner's :class:`~embodirl.workers.actor_group.ActorGroup`: one rank in this
+process (whose module the rollout worker acts with), or N FSDP2 ranks as Ray workers.
 
 One step::
 
-    batch    = collect()                        # rollout.rollout_epoch rollouts of env.train.num_envs slots -> [N, T]
+    batch    = groups.collect(starts, seed=s)   # rollout.rollout_epoch times: env.train.num_envs slots -> [N, T]
     batch    = actors.with_ref_logprob(batch)   # only with a KL term (reference forward on the ranks)
     prepared = prepare_batch(batch)             # driver: KL penalty, group filter, advantages (whole batch)
     metrics  = actors.train(prepared)           # every rank its shard of whole groups: replay + update epochs
-    rollouts.receive_weights(actors.publish())   # rank 0 posts the changed tensors; rollout workers read them
+    groups.sync_weights()                       # rank 0 posts the changed tensors; rollout workers read them
 
 Every ``runner.train_video_interval`` steps the first rollout of the step is recorded to
 ``videos/train/step_<n>/`` (the envs of ``env.train.video.env_ids``).
@@ -45,15 +45,18 @@ from embodirl.algorithms.kl import KLController
 from embodirl.envs.video import step_folder
 from embodirl.errors import ConfigError, NonFiniteUpdate, RunFailed
 from embodirl.learner.learner import prepare_batch
+from embodirl.models.registry import make_policy
+from embodirl.placement import use_ray
 from embodirl.progress import Ticker
 from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import plan_starts
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.eval_report import plot_learning_curve, plot_success, print_table, write_eval_info
+from embodirl.runner.evaluation import eval_env_cfg, run_sweep
 from embodirl.runner.guard import ROLLBACK, STOP, CollapseGuard, GuardSettings
 from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
-from embodirl.runner.rollouts import Rollouts
+from embodirl.workers.groups import WorkerGroups
 
 log = logging.getLogger(__name__)
 #: evaluation videos per evaluation sent to TensorBoard / wandb (all of them stay on disk)
@@ -139,8 +142,8 @@ class Runner:
                              wandb_mode=lc.wandb_mode, project=lc.project, run_name=self.cfg.runner.experiment_name,
                              config=OmegaConf.to_container(self.cfg), resume_step=resume_step)
 
-    def _evaluate(self, rollouts, step: int, out_dir: Path) -> dict:
-        info = rollouts.evaluate(step=step, out_dir=out_dir, seed=self.seed + 7919)
+    def _evaluate(self, groups: WorkerGroups, step: int, out_dir: Path) -> dict:
+        info = run_sweep(groups, self.cfg, out_dir=out_dir, seed=self.seed + 7919)
         write_eval_info(info, out_dir)
         plot_success(info, out_dir / "eval_success.png")
         return info
@@ -155,12 +158,12 @@ class Runner:
                 self.cfg.runner.resume_dir = layout.DISABLE
         self._write_config()
         seed_everything(self.seed)
-        with Rollouts(self.cfg, train=False) as rollouts:
+        with self._workers(train=False) as groups:
             source = self._resume_source()
             if source is not None:
-                self._load_policy_weights(rollouts.policy, source)
-                rollouts.load_weights(rollouts.policy.trainable_state_dict(), version=0)
-            info = self._evaluate(rollouts, step=ckpt.checkpoint_step(source) if source else 0, out_dir=self.out)
+                self._load_policy_weights(groups.policy, source)
+                groups.load_weights(groups.policy.trainable_state_dict(), version=0)
+            info = self._evaluate(groups, step=ckpt.checkpoint_step(source) if source else 0, out_dir=self.out)
         print_table(info)
         print(f"eval_info: {self.out / 'eval_info.json'}")
         return info
@@ -174,10 +177,18 @@ class Runner:
         r = self.cfg.runner
         return ckpt.resume_source(r.resume_dir, r.resume_mode, self.out)
 
-    def _write_placement(self, rollouts, actors) -> None:
+    def _workers(self, *, train: bool) -> WorkerGroups:
+        """The run's workers. The driver holds a policy object in this process (the one the learner rank trains and
+        the rollout worker acts with) and for evaluation (the one a checkpoint's trained weights are loaded into);
+        training on Ray it holds none: rollout workers and learner ranks build the policy with the same seeded
+        initialisation."""
+        cfg = self.cfg
+        driver_policy = None if use_ray(cfg) and train else (lambda spec: make_policy(cfg.model, spec))
+        return WorkerGroups.from_config(worker_config(cfg), train=train, policy_for=driver_policy)
+
+    def _write_placement(self, groups: WorkerGroups, actors) -> None:
         """``placement.json``: where every worker landed (component, rank, pid, Ray node)."""
-        groups = rollouts.groups
-        plan = groups._placement[0] if groups is not None and groups._placement is not None else None
+        plan = groups.placement[0] if groups.placement is not None else None
 
         def slot(component: str, rank: int):
             """The device (accelerator or CPU slot) id placement gave this worker."""
@@ -185,12 +196,11 @@ class Runner:
 
         where = {"actor": [{**{k: info.get(k) for k in ("rank", "pid", "node_id", "device", "fsdp")},
                             "slot": slot("actor", i)} for i, info in enumerate(actors.infos)]}
-        if groups is not None:
-            where["rollout"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
-                                 "slot": slot("rollout", i)} for i, info in enumerate(groups.rollout.infos)]
-            if groups.env is not None:
-                where["env"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
-                                 "slot": slot("env", i)} for i, info in enumerate(groups.env.infos)]
+        where["rollout"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
+                             "slot": slot("rollout", i)} for i, info in enumerate(groups.rollout.infos)]
+        if groups.env is not None:
+            where["env"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
+                             "slot": slot("env", i)} for i, info in enumerate(groups.env.infos)]
         (self.out / "placement.json").write_text(json.dumps(where, indent=1))
 
     @staticmethod
@@ -229,8 +239,8 @@ class Runner:
         for attempt in range(restarts + 1):
             seed_everything(self.seed)
             try:
-                with Rollouts(self.cfg) as rollouts:
-                    self._train(rollouts)
+                with self._workers(train=True) as groups:
+                    self._train(groups)
                 return
             except ActorRankDied as exc:
                 latest = ckpt.latest_checkpoint(self.out)
@@ -244,10 +254,10 @@ class Runner:
                 self._t_start = time.perf_counter()     # the checkpoint brings the minutes before it
                 self._restart_source = latest if latest is not None else self._resume_source()
 
-    def _train(self, rollouts) -> None:
+    def _train(self, groups: WorkerGroups) -> None:
         cfg, r = self.cfg, self.cfg.runner
         self.guard = CollapseGuard(GuardSettings.from_config(OmegaConf.to_container(r.guard, resolve=True)))
-        actors = rollouts.make_actors()
+        actors = groups.make_actors()
         starts_rng = np.random.default_rng(self.seed)
         start_step, env_steps = 0, 0.0
         kl_coef = KLController.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True)).value
@@ -262,12 +272,11 @@ class Runner:
             kl_coef = float(runner_state.get("kl_coef", kl_coef))
             self.guard.load_state_dict(runner_state.get("guard"))
             ckpt.load_rng(source / "runner")
-            rollouts.set_rng_states(ckpt.load_worker_rng(source / "runner"))
+            groups.set_rng_states(ckpt.load_worker_rng(source / "runner"))
             log.info("resumed from %s (step %d)", source, start_step)
         # the acting policy starts from the learner's weights and version (restored ones after a resume)
-        rollouts.receive_weights(actors.publish(full=True, consumer_nodes=rollouts.consumer_nodes(),
-                                                consumer_gpus=rollouts.consumer_gpus()))
-        self._write_placement(rollouts, actors)
+        groups.sync_weights(full=True)
+        self._write_placement(groups, actors)
         logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
         logger.log_hparams(OmegaConf.to_container(cfg, resolve=True))
         H = int(cfg.model.action_chunk)
@@ -282,16 +291,16 @@ class Runner:
         state = {"env_steps": env_steps, "kl_coef": kl_coef}
 
         def save(step: int) -> Path:
-            return self._save(step, actors, starts_rng, state["env_steps"], rollouts=rollouts, kl_coef=state["kl_coef"])
+            return self._save(step, actors, starts_rng, state["env_steps"], groups=groups, kl_coef=state["kl_coef"])
 
         def evaluate(step: int) -> None:
-            success = self._log_eval(logger, rollouts, step)
+            success = self._log_eval(logger, groups, step)
             if not self.guard.enabled:
                 return
             if self.guard.is_new_best(success):   # the rollback target: this evaluation's weights and learner state
                 self.guard.record_best(step, success, str(save(step)))
             else:
-                self._guard_check(self.guard.after_eval(step, success), step, actors, rollouts, logger)
+                self._guard_check(self.guard.after_eval(step, success), step, actors, groups, logger)
 
         try:
             if self.guard.enabled and start_step == 0 and not r.val_before_train:
@@ -300,7 +309,7 @@ class Runner:
                 evaluate(0)
             for step in range(start_step + 1, max_steps + 1):
                 t0 = time.perf_counter()
-                batch, stats = self._collect(rollouts, step, starts_rng)
+                batch, stats = self._collect(groups, step, starts_rng)
                 timings, metrics = collection_metrics(batch, stats, H, time.perf_counter() - t0 - stats.baseline_s)
                 # advantages (driver side, on the whole batch) + update (every rank on its shard)
                 t1 = time.perf_counter()
@@ -313,7 +322,7 @@ class Runner:
                 except NonFiniteUpdate as exc:
                     if not (self.guard.enabled and self.guard.settings.nonfinite):
                         raise RunFailed(_last_line(exc)) from None
-                    self._guard_check(_last_line(exc), step, actors, rollouts, logger)
+                    self._guard_check(_last_line(exc), step, actors, groups, logger)
                     if progress is not None:
                         progress.update(1)
                     continue
@@ -321,8 +330,7 @@ class Runner:
                 timings["time/update"] = time.perf_counter() - t1
                 # sync weights: the tensors this update changed go from rank 0 to the acting policy
                 t2 = time.perf_counter()
-                sync_metrics = rollouts.receive_weights(actors.publish(consumer_nodes=rollouts.consumer_nodes(),
-                                                                       consumer_gpus=rollouts.consumer_gpus()))
+                sync_metrics = groups.sync_weights()
                 if offload:   # collocated: the actor's state waits in host memory while the rollout runs
                     actors.offload()
                 timings["time/sync_weights"] = time.perf_counter() - t2
@@ -339,7 +347,7 @@ class Runner:
                 if progress is not None:
                     progress.update(1)
                 if self.guard.enabled:
-                    self._guard_check(self.guard.after_step(metrics), step, actors, rollouts, logger)
+                    self._guard_check(self.guard.after_step(metrics), step, actors, groups, logger)
                 if r.val_check_interval and step % int(r.val_check_interval) == 0:
                     evaluate(step)
                 if r.save_interval and (step % int(r.save_interval) == 0 or step == max_steps):
@@ -349,7 +357,8 @@ class Runner:
                 progress.close()
             logger.close()
 
-    def _guard_check(self, reason: str | None, step: int, actors, rollouts, logger: MetricsLogger) -> None:
+    def _guard_check(self, reason: str | None, step: int, actors, groups: WorkerGroups, logger: MetricsLogger
+                     ) -> None:
         """A tripped collapse guard (``reason``): log the event; roll every learner rank back to the best
         checkpoint, scale the learning rate and publish the restored weights - or stop the run."""
         if reason is None:
@@ -362,10 +371,9 @@ class Runner:
             raise RunFailed(sentence)
         self._load_actor_state(actors, Path(st.best_checkpoint))
         actors.set_lr_scale(st.lr_scale)
-        rollouts.receive_weights(actors.publish(full=True, consumer_nodes=rollouts.consumer_nodes(),
-                                                consumer_gpus=rollouts.consumer_gpus()))
+        groups.sync_weights(full=True)
 
-    def _collect(self, rollouts, step: int, starts_rng: np.random.Generator) -> tuple:
+    def _collect(self, groups: WorkerGroups, step: int, starts_rng: np.random.Generator) -> tuple:
         """``rollout.rollout_epoch`` rollouts -> one batch ``[N, T]`` and their summed timings; the first
         is recorded when this step is a training-video step."""
         cfg = self.cfg
@@ -375,7 +383,7 @@ class Runner:
         batches, stats = [], RolloutStats()
         # algorithm.filter_groups.resample: draw rollouts until the step has a full batch of informative groups
         keeper = InformativeGroups.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True),
-                                               num_slots=rollouts.num_slots, rollout_epoch=int(cfg.rollout.rollout_epoch))
+                                               num_slots=groups.num_slots, rollout_epoch=int(cfg.rollout.rollout_epoch))
         greedy_baseline = estimator_spec(cfg.algorithm.adv_type).greedy_baseline
         epoch, ticker = 0, Ticker()
         while keeper is not None or epoch < int(cfg.rollout.rollout_epoch):
@@ -383,13 +391,13 @@ class Runner:
                 most = cfg.rollout.rollout_epoch if keeper is None else f"at most {keeper.max_rollouts}"
                 log.info("[step %d] collecting rollout %d of %s, %.1f min so far", step, epoch + 1, most,
                          ticker.elapsed / 60)
-            starts = plan_starts(env_cfg, rollouts.spec, rollouts.num_slots, int(cfg.algorithm.group_size), starts_rng)
+            starts = plan_starts(env_cfg, groups.spec, groups.num_slots, int(cfg.algorithm.group_size), starts_rng)
             seed = self.seed + 1_000_003 * step + 7_919 * epoch
-            batch = rollouts.collect(starts, seed=seed, video_dir=video_dir if epoch == 0 else None, step=step)
+            batch = groups.collect(starts, seed=seed, video_dir=video_dir if epoch == 0 else None, step=step)
             for key in ("env_s", "infer_s", "wait_s", "recollected_rows", "shm_batches", "object_store_batches"):
-                setattr(stats, key, getattr(stats, key) + getattr(rollouts.stats, key))
+                setattr(stats, key, getattr(stats, key) + getattr(groups.stats, key))
             if greedy_baseline:   # (ReMax) the greedy rollout from the same starts: its own phase
-                batch, seconds = remax_baseline(rollouts, batch, seed=seed)
+                batch, seconds = remax_baseline(groups, batch, seed=seed)
                 stats.baseline_s += seconds
             epoch += 1
             if keeper is None:
@@ -400,9 +408,9 @@ class Runner:
                 break
         return (D.concat(batches) if len(batches) > 1 else batches[0]), stats
 
-    def _log_eval(self, logger: MetricsLogger, rollouts, step: int) -> float:
+    def _log_eval(self, logger: MetricsLogger, groups: WorkerGroups, step: int) -> float:
         out_dir = self.out / "eval" / step_folder(step)            # step_<n>, as checkpoints/step_<n>
-        info = self._evaluate(rollouts, step, out_dir)
+        info = self._evaluate(groups, step, out_dir)
         o = info["overall"]
         elapsed = self._elapsed_min()
         low, high = o["success_rate_ci95"]
@@ -435,11 +443,11 @@ class Runner:
         return self._elapsed_offset + (time.perf_counter() - self._t_start) / 60.0
 
     def _save(self, step: int, actors, starts_rng: np.random.Generator, env_steps: float = 0.0, *,
-              rollouts=None, kl_coef: float = 0.0) -> Path:
+              groups: WorkerGroups | None = None, kl_coef: float = 0.0) -> Path:
         """Checkpoint ``step_<step>`` in the layout of :mod:`embodirl.runner.checkpoint`: the learner
-        ranks write their shards and rank 0 the policy export (``rollouts``: where Ray rollout workers'
+        ranks write their shards and rank 0 the policy export (``groups``: where Ray rollout workers'
         RNG states come from)."""
-        worker_rng = None if rollouts is None else rollouts.rng_states()
+        worker_rng = None if groups is None else groups.rng_states()
 
         def write_policy(folder: Path) -> None:
             """Written with the learner state below (one call to the ranks)."""
@@ -461,6 +469,18 @@ class Runner:
                                                      layout.RUNNER: write_runner, layout.CONFIG: write_config})
         log.info("checkpoint: %s", path)
         return path
+
+
+def worker_config(cfg: DictConfig) -> DictConfig:
+    """The config the worker groups are built from: ``env.train`` with the configured video envs selected
+    when training videos are asked for (rendered only during a recorded rollout), ``env.eval`` as
+    evaluation runs it (:func:`~embodirl.runner.evaluation.eval_env_cfg`)."""
+    worker_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if int(cfg.runner.train_video_interval or 0) > 0:
+        video = OmegaConf.to_container(worker_cfg.env.train).get("video") or {}
+        worker_cfg.env.train.video = {**video, "enabled": True}
+    worker_cfg.env.eval = eval_env_cfg(cfg)
+    return worker_cfg
 
 
 def _last_line(exc: BaseException) -> str:

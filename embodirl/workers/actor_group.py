@@ -34,7 +34,7 @@ from embodirl.placement import data_parallel_size
 from embodirl.plain import to_plain
 from embodirl.workers.actor_worker import ActorWorker
 from embodirl.workers.transport import pack_trajectory
-from embodirl.workers.worker_set import WorkerSet
+from embodirl.workers.worker_set import WorkerDied, WorkerSet
 
 log = logging.getLogger(__name__)
 
@@ -95,45 +95,12 @@ class ActorGroup:
         args = per_rank_args or [()] * self.world_size
         return self._gather([self.workers.submit(r, method, *a, **kwargs) for r, a in enumerate(args)], method.__name__)
 
-    def _gather(self, refs: list, what: str) -> list:
+    def _gather(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
         """Results of one call per rank; a dead rank (a Ray worker's process) ends it with :class:`ActorRankDied`."""
-        if not self.remote:
-            return self.workers.get(refs)      # in this process an error is the call's own
-        import ray
-        from ray.exceptions import RayActorError
-
-        pending = {ref: r for r, ref in enumerate(refs)}
-        results: list = [None] * len(refs)
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            r = pending.pop(ready[0])
-            try:
-                results[r] = ray.get(ready[0])
-            except RayActorError:
-                self._rank_died(r, what)
-            except Exception:
-                # a collective that failed because a peer died: report the dead rank, not the symptom
-                dead = self._dead_ranks()
-                if dead:
-                    self._rank_died(dead[0], what)
-                raise
-        return results
-
-    def _dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
-        import ray
-        from ray.exceptions import RayActorError
-
-        probes = [self.workers.submit(r, ActorWorker.ready) for r in range(self.world_size)]
-        ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
-        dead = []
-        for r, probe in enumerate(probes):
-            try:
-                ray.get(probe, timeout=0.1)
-            except RayActorError:
-                dead.append(r)
-            except Exception:
-                pass
-        return dead
+        try:
+            return self.workers.gather(refs, ranks, probe=ActorWorker.ready)
+        except WorkerDied as died:
+            self._rank_died(died.rank, what)
 
     def _rank_died(self, r: int, what: str):
         info = self.infos[r] if r < len(self.infos) else {}
@@ -177,7 +144,7 @@ class ActorGroup:
                               consumer_gpus=list(consumer_gpus))
 
     def _call_one(self, rank: int, method, *args, **kwargs):
-        return self._gather([self.workers.submit(rank, method, *args, **kwargs)], method.__name__)[0]
+        return self._gather([self.workers.submit(rank, method, *args, **kwargs)], method.__name__, [rank])[0]
 
     # --- supervised fine-tuning (embodirl sft) --------------------------------------------------------
     def set_statistics(self, statistics: Mapping) -> None:

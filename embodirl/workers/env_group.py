@@ -1,6 +1,7 @@
 """The env worker group: K :class:`~embodirl.workers.env_worker.EnvWorker` s in a
 :class:`~embodirl.workers.worker_set.WorkerSet` (in this process or on Ray), each connected to its rollout
-worker; one collection is one ``collect`` per env worker, dead workers replaced
+worker. One collection (:meth:`embodirl.workers.groups.WorkerGroups.collect`) is one ``EnvWorker.collect`` per
+env worker on its :meth:`~EnvWorkerGroup.split` of the starts, dead workers replaced
 (:mod:`embodirl.workers.recovery`)."""
 
 from __future__ import annotations
@@ -78,22 +79,16 @@ class EnvWorkerGroup:
     def plan_starts(self) -> EpisodeStarts:
         return plan_starts(self.env_cfg, self.spec, self.layout.num_slots, self.layout.group_size, self._rng)
 
-    def collect(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
-                step: int = 0, mode: str | None = None):
-        """One rollout of all N slots: the trajectory ``[N, T]``, slots in order. ``video_dir``: record
-        the envs the config's ``video`` section selects (paths in :attr:`videos`). ``mode``: the rollout
-        workers' sampling mode for this rollout only (default: the group's). Workers that die meanwhile
-        are replaced and their slots collected again (:func:`~embodirl.workers.recovery.collect_all`)."""
+    def split(self, starts: EpisodeStarts | None) -> list[EpisodeStarts]:
+        """Each env worker's part of the ``N`` slots' episode starts (planned here when None)."""
         starts = starts if starts is not None else self.plan_starts()
         if len(starts) != self.layout.num_slots:
             raise ValueError(f"starts cover {len(starts)} slots, the group has {self.layout.num_slots}")
         per = self.layout.slots_per_worker
-        parts = [starts.slice(k * per, (k + 1) * per) for k in range(len(self.workers))]
-        kwargs = dict(seed=seed, video_dir=None if video_dir is None else str(video_dir), step=step,
-                      packed=self.remote)        # through Ray: the cheap form to send
-        if mode is not None:
-            kwargs["mode"] = mode
-        results = recovery.collect_all(self, parts, kwargs)
+        return [starts.slice(k * per, (k + 1) * per) for k in range(len(self.workers))]
+
+    def join(self, results: list, video_dir: str | None):
+        """The workers' trajectories (in worker order) as one ``[N, T]``, slots in order; the videos written."""
         self.videos = [v for vs in self.workers.call_all(EnvWorker.videos_written) for v in vs] if video_dir else []
         return D.concat([unpack_trajectory(r) if self.remote else r for r in results])
 

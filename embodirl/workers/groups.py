@@ -1,20 +1,25 @@
-"""Env and rollout worker groups: creation, collection, weight sync, evaluation.
+"""The run's workers: env, rollout and actor groups and Ray's lifetime, owned by one object.
 
 :class:`WorkerGroups` is what the runner talks to::
 
-    groups = WorkerGroups.from_config(cfg)                  # Ray workers (or remote=False: in this process)
-    groups.load_weights(learner_all_tensors, version)       # start (or resume) from the learner's weights
-    traj = groups.collect()                                 # Trajectory [N, T], N = env.train.num_envs
-    groups.publish(learner_changed_tensors, version)        # after each update (driver-held weights)
-    groups.close()
+    groups = WorkerGroups.from_config(cfg)              # env + rollout workers (Ray started here if needed)
+    actors = groups.make_actors()                       # the learner ranks (an ActorGroup)
+    groups.sync_weights(full=True)                      # the ranks' publication -> every rollout worker
+    traj = groups.collect(starts, seed=s)               # Trajectory [N, T], N = env.train.num_envs
+    info = run_sweep(groups, cfg, ...)                  # evaluation (runner/evaluation.py) on env.eval workers
+    groups.close()                                      # every worker, simulator and (if started here) Ray
 
-The same :class:`~embodirl.workers.env_worker.EnvWorker` and
-:class:`~embodirl.workers.rollout_worker.RolloutWorker` classes run in both cases; each group holds its
-workers in a :class:`~embodirl.workers.worker_set.WorkerSet`, the one place that tells an object in this
-process from a Ray worker (:mod:`embodirl.workers.env_group`, :mod:`embodirl.workers.rollout_group`). The
-slot layout is :mod:`embodirl.workers.layout`'s: each env worker runs the
-whole rollout loop itself, so the driver issues one call per env worker and concatenates the returned
-trajectories in slot order.
+The same :class:`~embodirl.workers.env_worker.EnvWorker`, :class:`~embodirl.workers.rollout_worker.RolloutWorker`
+and :class:`~embodirl.workers.actor_worker.ActorWorker` classes run in this process or on Ray (``cluster.use_ray``);
+each group holds its workers in a :class:`~embodirl.workers.worker_set.WorkerSet`, the one place that tells the two
+apart. In this process (the default job): one env worker whose simulators run in sub-processes, pipeline stages
+overlapping through a background inference thread, and one rollout worker acting with the learner rank's own policy
+object (a publication moves only the version). On Ray: env workers stream observations through shared memory to
+rollout workers holding inference copies; learner ranks run on the placement's devices; a local Ray is started
+unless one runs or ``cluster.ray_address`` / ``RAY_ADDRESS`` names a cluster, and shut down at :meth:`close`.
+
+A collection is one call per env worker (:meth:`WorkerGroups.collect` -> ``EnvWorker.collect`` -> its
+:class:`~embodirl.rollout.collector.RolloutCollector`); the driver concatenates the trajectories in slot order.
 
 Faults (Ray workers; :mod:`embodirl.workers.recovery`):
 
@@ -31,32 +36,34 @@ rollout workers offload their weights after collection and load them back before
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
+from contextlib import contextmanager
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from embodirl.algorithms.advantages import uses_critic
 from embodirl.channel import segments
+from embodirl.placement import use_ray
 from embodirl.plain import to_plain
+from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import EpisodeStarts
-from embodirl.workers import process_env
+from embodirl.workers import process_env, recovery
 from embodirl.workers.env_group import EnvWorkerGroup
+from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.layout import RolloutLayout, layout_from_config, plan_from_config
 from embodirl.workers.rollout_group import RolloutWorkerGroup
 from embodirl.workers.rollout_worker import EVAL, TRAIN, sampling_from_config
-from embodirl.workers.worker_set import WorkerSet
 
 log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 10_000  # evaluation simulators are seeded apart from training ones
-
-
-def _close_workers(workers: list, remote: bool, wait_s: float = 10.0) -> None:
-    """Close ``workers`` (objects in this process, or Ray workers) as :meth:`WorkerSet.close` does."""
-    closing = WorkerSet(object, remote=remote)
-    closing.handles = list(workers)
-    closing.close(wait_s)
+CLOSE_WAIT_S = 60.0          # a normal close: env workers shut their simulators down
+CLOSE_WAIT_ON_ERROR_S = 5.0  # after an exception or Ctrl-C the workers may be busy: kill them soon
+#: how a publication reached the rollout workers (``RolloutWorker.receive_weights`` paths) -> metric
+SYNC_PATHS = {"shm": "sync/shm_workers", "object_store": "sync/object_store_workers", "cuda_ipc": "sync/cuda_ipc_workers"}
 
 
 def trainable_dtype(cfg: DictConfig, train: bool) -> str | None:
@@ -69,97 +76,201 @@ def trainable_dtype(cfg: DictConfig, train: bool) -> str | None:
 
 
 class WorkerGroups:
-    """The runner's handle on rollout collection (see module docstring). Build it with
-    :meth:`from_config`; :meth:`evaluate` creates the evaluation env workers (``env.eval``) on first use
-    and serves them from the same rollout workers with evaluation sampling."""
+    """The run's workers (see module docstring). Build it with :meth:`from_config`; the evaluation env workers
+    (``env.eval``) are made on first use and served by the same rollout workers with evaluation sampling."""
 
-    def __init__(self, cfg: DictConfig, env_group: EnvWorkerGroup | None, rollout_group: RolloutWorkerGroup, *,
-                 remote: bool, placement=None, process_vars: Mapping[str, str] | None = None,
-                 eval_env_group: EnvWorkerGroup | None = None):
+    def __init__(self, cfg: DictConfig, *, remote: bool, train: bool):
         self.cfg = cfg
-        self.env = env_group              # None: built for evaluation only
-        self.rollout = rollout_group
         self.remote = remote
+        self.train = train
+        self.env: EnvWorkerGroup | None = None        # None: built for evaluation only
+        self.eval_env: EnvWorkerGroup | None = None
+        self.rollout: RolloutWorkerGroup | None = None
+        self.actors = None                            # the learner ranks (an ActorGroup), from make_actors()
+        self.policy = None                            # the driver's policy object, if it holds one
+        self.stats = RolloutStats()                   # the last training collection's timings
         self.rollout_offload = bool(cfg.rollout.get("enable_offload", False))
         self.env_offload = bool(cfg.env_workers.get("enable_offload", False))
-        self.eval_env = eval_env_group
-        self._placement = placement
-        self._process_vars = process_vars
+        self.placement = None
+        self.process_vars = None
+        self._owns_ray = False
+        self._transport_logged = False
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, *, remote: bool = True, policy=None, policy_for=None,
-                    use_placement_groups: bool = True, train: bool = True, weight_source=None) -> WorkerGroups:
+    def from_config(cls, cfg: DictConfig, *, remote: bool | None = None, policy=None, policy_for=None,
+                    use_placement_groups: bool = True, train: bool = True) -> WorkerGroups:
         """Build the training env workers and the rollout workers from a composed config (placement:
-        ``cluster.component_placement``; Ray: :func:`~embodirl.workers.ray_cluster.init_ray`).
-        ``remote=False`` runs every worker in this process. The rollout workers build their policy from
-        ``model`` unless given one: ``policy`` (an existing policy object), or ``policy_for(env_spec)``
-        called once the env spec is known (returning a policy object, or None to build from ``model``).
-        ``train=False`` builds the evaluation env workers instead of the training ones (evaluation only).
-        ``weight_source``: a callable giving the actor group's full publication (a
-        :class:`~embodirl.workers.weight_transfer.WeightHandle`) for restarted rollout workers; the
-        driver then keeps no copy of the weights."""
+        ``cluster.component_placement``). ``remote``: Ray workers (default: ``cluster.use_ray``); Ray is started
+        here unless one runs or the config names a cluster. The rollout workers build their policy from ``model``
+        unless given one: ``policy`` (an existing policy object), or ``policy_for(env_spec)`` called once the env
+        spec is known (the driver's policy, kept as :attr:`policy`; in this process the rollout workers act with it,
+        on Ray they get a copy unless ``model.path`` names a checkpoint each loads itself). ``train=False``
+        builds the evaluation env workers instead of the training ones (evaluation only)."""
+        groups = cls(cfg, remote=use_ray(cfg) if remote is None else bool(remote), train=train)
+        try:
+            groups._build(policy, policy_for, use_placement_groups)
+        except BaseException:
+            groups.close(CLOSE_WAIT_ON_ERROR_S)
+            raise
+        return groups
+
+    def _build(self, policy, policy_for, use_placement_groups: bool) -> None:
+        cfg = self.cfg
         layout = layout_from_config(cfg, "env.train")
         eval_layout = layout_from_config(cfg, "env.eval")
-        placement = process_vars = None
-        if remote:
-            from embodirl.workers.ray_cluster import init_ray
+        if self.remote:
+            import ray
 
+            from embodirl.workers.ray_cluster import init_ray, ray_address
+
+            self._owns_ray = not ray.is_initialized() and ray_address(cfg.cluster) is None
             init_ray(cfg.cluster)
-            process_vars = process_env.forwarded()
+            self.process_vars = process_env.forwarded()
             if use_placement_groups:
                 from embodirl.workers.placement_groups import create_placement_groups
 
                 plan = plan_from_config(cfg, layout, eval_layout)
-                placement = (plan, create_placement_groups(plan))
+                self.placement = (plan, create_placement_groups(plan))
         # env workers first: the env spec (task table, action bounds) comes from worker 0's simulators
-        env_group = eval_group = None
-        try:
-            if train:
-                env_group = _env_group(cfg, "env.train", layout, remote=remote, placement=placement,
-                                       process_vars=process_vars)
-            else:
-                eval_group = _env_group(cfg, "env.eval", eval_layout, remote=remote, placement=placement,
-                                        process_vars=process_vars, placement_offset=layout.num_env_workers)
-            spec = (env_group or eval_group).spec
-            if policy_for is not None:
-                policy = policy_for(spec)
-            rollout_cfg = to_plain(cfg.rollout)
-            rollout_group = RolloutWorkerGroup(cfg.model, spec, num_workers=layout.num_rollout_workers,
-                                               backend=rollout_cfg["backend"],
-                                               sampling=sampling_from_config(rollout_cfg, cfg.runner.eval_greedy),
-                                               remote=remote,
-                                               placement=placement, process_vars=process_vars, policy=policy,
-                                               seed=int(cfg.runner.seed), init_seed=int(cfg.runner.seed),
-                                               weight_source=weight_source, trainable_dtype=trainable_dtype(cfg, train),
-                                               merge_lora=bool(rollout_cfg.get("merge_lora", False)))
-            for group in (env_group, eval_group):
-                if group is not None:
-                    group.attach(rollout_group)
-        except BaseException:
-            for group in (env_group, eval_group):
-                if group is not None:
-                    group.close()
-            if placement is not None:
-                from embodirl.workers.placement_groups import remove_placement_groups
+        if self.train:
+            self.env = self._env_group("env.train", layout)
+        else:
+            self.eval_env = self._env_group("env.eval", eval_layout, placement_offset=layout.num_env_workers)
+        spec = (self.env or self.eval_env).spec
+        if policy_for is not None:
+            self.policy = policy = policy_for(spec)
+            if self.remote and cfg.model.get("path"):
+                policy = None          # each Ray worker loads the checkpoint itself
+        elif policy is not None:
+            self.policy = policy
+        rollout_cfg = cfg.rollout
+        self.rollout = RolloutWorkerGroup(
+            cfg.model, spec, num_workers=layout.num_rollout_workers, backend=rollout_cfg.backend,
+            sampling=sampling_from_config(to_plain(rollout_cfg), cfg.runner.eval_greedy), remote=self.remote,
+            placement=self.placement, process_vars=self.process_vars, policy=policy, seed=int(cfg.runner.seed),
+            init_seed=int(cfg.runner.seed), weight_source=self._full_weights if self.remote else None,
+            trainable_dtype=trainable_dtype(cfg, self.train), merge_lora=bool(rollout_cfg.get("merge_lora", False)))
+        for group in (self.env, self.eval_env):
+            if group is not None:
+                group.attach(self.rollout)
 
-                remove_placement_groups(placement[1])
-            raise
-        return cls(cfg, env_group, rollout_group, remote=remote, placement=placement, process_vars=process_vars,
-                   eval_env_group=eval_group)
+    def _env_group(self, env_key: str, layout: RolloutLayout, placement_offset: int = 0) -> EnvWorkerGroup:
+        return _env_group(self.cfg, env_key, layout, remote=self.remote, placement=self.placement,
+                          process_vars=self.process_vars, placement_offset=placement_offset)
 
-    # --- phases ------------------------------------------------------------------------------------
-    def collect(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
-                step: int = 0, mode: str | None = None):
-        """One training rollout: the trajectory ``[N, T]`` (``N = env.train.num_envs``); ``mode=EVAL``
-        samples as evaluation does (ReMax's greedy baseline rollout)."""
-        if self.env is None:
+    @property
+    def spec(self):
+        """The training env's spec (evaluation only: the evaluation env's)."""
+        return (self.env or self._eval_group()).spec
+
+    @property
+    def num_slots(self) -> int:
+        return self.env.layout.num_slots
+
+    # --- the learner ranks and their weights ---------------------------------------------------------
+    def make_actors(self):
+        """The learner's ranks: one in this process whose module the rollout worker acts with, or Ray workers
+        on the placement's ``actor`` devices."""
+        from embodirl.workers.actor_group import ActorGroup
+
+        if self.remote:
+            self.actors = ActorGroup.remote_group(self.cfg, self.spec, placement=self.placement,
+                                                  process_vars=self.process_vars)
+        else:
+            self.actors = ActorGroup.local(self.cfg, self.spec, policy=self.policy)
+        return self.actors
+
+    def consumer_gpus(self) -> list:
+        """The GPUs rollout workers run on (a publication shares rank 0's GPU buffer with them)."""
+        return sorted({info["gpu_uuid"] for info in self.rollout.infos if info.get("gpu_uuid")})
+
+    def _full_weights(self):
+        """A restarted rollout worker's weights: the ranks' full publication (None before there are ranks)."""
+        if self.actors is None:
+            return None
+        return self.actors.full_update(consumer_nodes=self.rollout.consumer_nodes(),
+                                       consumer_gpus=self.consumer_gpus())
+
+    def sync_weights(self, *, full: bool = False) -> dict[str, float]:
+        """The ranks publish their changed trainable tensors (``full``: all of them) and every rollout worker
+        applies that publication - the one way weights travel; metrics say how (none when the rollout worker shares
+        the rank's module: only the version moves)."""
+        handle = self.actors.publish(full=full, consumer_nodes=self.rollout.consumer_nodes(),
+                                     consumer_gpus=self.consumer_gpus())
+        self.rollout.receive_weights(handle)
+        if isinstance(handle, int):
+            return {}
+        paths = self.rollout.sync_paths
+        return {**{metric: float(paths.get(path, 0)) for path, metric in SYNC_PATHS.items()},
+                "sync/bytes": float(handle.nbytes)}
+
+    def publish(self, tensors: Mapping, version: int | None = None) -> int:
+        """Changed trainable tensors held by the driver (no learner ranks: tests, tools), posted as the ranks'
+        publication is; returns the version every rollout worker holds."""
+        return self.rollout.publish(tensors, version)
+
+    def load_weights(self, tensors: Mapping, version: int) -> int:
+        """Every trainable tensor at ``version`` from the driver (evaluation of a checkpoint); later
+        :meth:`publish` deltas build on them."""
+        return self.rollout.load_weights(tensors, version)
+
+    # --- collection ------------------------------------------------------------------------------------
+    def collect(self, starts: EpisodeStarts | None = None, *, seed: int | None = None, video_dir=None,
+                step: int | None = 0, greedy: bool = False, evaluation: bool = False):
+        """One rollout of every slot of the training env (``evaluation``: of ``env.eval``, with evaluation
+        sampling): the trajectory ``[N, T]``. ``starts``: each slot's episode start (default: planned from the
+        env's task table); ``video_dir``: record the envs the env's ``video`` section selects (paths in
+        :attr:`videos`); ``greedy``: sample as evaluation does (ReMax's baseline rollouts). A training collection's
+        timings are in :attr:`stats`. Workers that die meanwhile are replaced and their slots collected again."""
+        group = self._eval_group() if evaluation else self.env
+        if group is None:
             raise RuntimeError("these worker groups were built for evaluation only (train=False)")
-        return self._phase(self.env, starts, seed, video_dir, step, mode)
+        if self.policy is not None:
+            self.policy.eval()           # the learner's module acts here: out of its training mode
+        video_dir = None if video_dir is None else str(Path(video_dir).resolve())   # workers' cwd may differ
+        parts = group.split(starts)
+        kwargs = dict(seed=seed, video_dir=video_dir, step=step, packed=self.remote,   # Ray: the cheap form to send
+                      mode=EVAL if greedy else None)
+        with self._loaded(group):
+            pending = {group.workers.submit(k, EnvWorker.collect, part, **kwargs): k for k, part in enumerate(parts)}
+            results = recovery.settle(group, pending, parts, kwargs)
+        batch = group.join(results, video_dir)
+        if not evaluation:
+            self._record_stats(group)
+        return batch
 
-    def evaluate(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,
-                 step: int = 0):
+    def evaluate(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir=None,
+                 step: int | None = 0):
         """One evaluation rollout on ``env.eval`` with evaluation sampling (greedy by default)."""
-        return self._phase(self._eval_group(), starts, seed, video_dir, step)
+        return self.collect(starts, seed=seed, video_dir=video_dir, step=step, evaluation=True)
+
+    @contextmanager
+    def _loaded(self, group: EnvWorkerGroup):
+        """Collocated placement: what a collection needs comes back first, and goes after."""
+        if self.rollout_offload:
+            self.rollout.onload()
+        if self.env_offload:
+            group.onload()
+        try:
+            yield
+        finally:
+            if self.rollout_offload:
+                self.rollout.offload()
+            if self.env_offload:
+                group.offload()
+
+    def _record_stats(self, group: EnvWorkerGroup) -> None:
+        # env workers run in parallel: the slowest one's split is the rollout's
+        per_worker = group.last_stats()
+        stats = copy.copy(max(per_worker, key=lambda s: s.total_s))
+        for key in ("decisions", "restarts", "recollected_rows", "shm_batches", "object_store_batches"):
+            setattr(stats, key, sum(getattr(s, key) for s in per_worker))
+        self.stats = stats
+        if self.remote and not self._transport_logged:        # in this process there is no transport to tell of
+            self._transport_logged = True
+            shm = sum(bool(info.get("shm")) for info in group.transport_infos())
+            log.info("rollout transport: %d of %d env workers stream observations through shared memory",
+                     shm, len(group.workers))
 
     def eval_spec(self):
         """The evaluation env's spec (builds the evaluation env workers if needed)."""
@@ -167,39 +278,18 @@ class WorkerGroups:
 
     def _eval_group(self) -> EnvWorkerGroup:
         if self.eval_env is None:
-            layout = layout_from_config(self.cfg, "env.eval")
-            self.eval_env = _env_group(self.cfg, "env.eval", layout, remote=self.remote, placement=self._placement,
-                                       process_vars=self._process_vars,
-                                       placement_offset=self.env.layout.num_env_workers)
+            self.eval_env = self._env_group("env.eval", layout_from_config(self.cfg, "env.eval"),
+                                            placement_offset=self.env.layout.num_env_workers)
             self.eval_env.attach(self.rollout)
         return self.eval_env
 
-    def _phase(self, group: EnvWorkerGroup, starts, seed, video_dir, step, mode=None):
-        # collocated placement: what the rollout phase needs comes back first, and goes after
-        if self.rollout_offload:
-            self.rollout.onload()
-        if self.env_offload:
-            group.onload()
-        try:
-            return group.collect(starts, seed=seed, video_dir=video_dir, step=step, mode=mode)
-        finally:
-            if self.rollout_offload:
-                self.rollout.offload()
-            if self.env_offload:
-                group.offload()
+    # --- state -------------------------------------------------------------------------------------------
+    def rng_states(self) -> list[dict] | None:
+        """The Ray rollout workers' generator states (None: they sample with the driver's generators)."""
+        return self.rollout.rng_states()
 
-    def publish(self, tensors: Mapping, version: int | None = None) -> int:
-        """Publish changed trainable tensors held by the driver to every rollout worker; returns the version."""
-        return self.rollout.publish(tensors, version)
-
-    def receive_weights(self, handle) -> int:
-        """Every rollout worker applies the actor group's publication ``handle``."""
-        return self.rollout.receive_weights(handle)
-
-    def load_weights(self, tensors: Mapping, version: int) -> int:
-        """Give every rollout worker all trainable tensors at ``version`` (start, resume, evaluation of
-        a checkpoint); later :meth:`publish` deltas build on them."""
-        return self.rollout.load_weights(tensors, version)
+    def set_rng_states(self, states: list[dict] | None) -> None:
+        self.rollout.set_rng_states(states)
 
     @property
     def events(self) -> list[dict]:
@@ -210,35 +300,44 @@ class WorkerGroups:
     def videos(self) -> list[str]:
         return [v for g in (self.env, self.eval_env) if g is not None for v in g.videos]
 
-    def close(self, wait_s: float = 60.0) -> None:
-        """Stop every worker (``wait_s``: how long env workers may take to close their simulators before
-        they are killed) and release the placement groups."""
-        pids = [info.get("pid") for group in (self.eval_env, self.env, self.rollout) if group is not None
-                for info in (getattr(group, "infos", None) or [])]
+    # --- lifecycle ---------------------------------------------------------------------------------------
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop every worker (``wait_s``: how long env workers may take to close their simulators before they
+        are killed), release the placement groups, and shut Ray down if it was started here."""
+        groups = [g for g in (self.eval_env, self.env, self.rollout) if g is not None]
+        pids = [info.get("pid") for group in groups for info in (getattr(group, "infos", None) or [])]
         try:
+            if self.actors is not None:
+                self.actors.close(kill=wait_s < CLOSE_WAIT_S)
             for group in (self.eval_env, self.env):
                 if group is not None:
                     group.close(wait_s)
-            self.rollout.close()
+            if self.rollout is not None:
+                self.rollout.close()
         finally:
-            self.eval_env = self.env = None
+            self.actors = self.eval_env = self.env = self.rollout = None
             if self.remote:
                 # these workers are gone and can create no more entries: remove what one killed mid-way
                 # left behind (e.g. a response ring it opened while the run was interrupted)
                 for pid in pids:
                     if pid:
                         segments.sweep(segments.process_prefix(pid))
-            if self._placement is not None:
+            if self.placement is not None:
                 from embodirl.workers.placement_groups import remove_placement_groups
 
-                remove_placement_groups(self._placement[1])
-                self._placement = None
+                remove_placement_groups(self.placement[1])
+                self.placement = None
+            if self._owns_ray:
+                from embodirl.workers.ray_cluster import shutdown_ray
 
-    def __enter__(self):
+                shutdown_ray()
+                self._owns_ray = False
+
+    def __enter__(self) -> WorkerGroups:
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(CLOSE_WAIT_S if exc_type is None else CLOSE_WAIT_ON_ERROR_S)
 
 
 def _env_group(cfg: DictConfig, env_key: str, layout: RolloutLayout, *, remote: bool, placement, process_vars,

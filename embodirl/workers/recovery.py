@@ -1,8 +1,8 @@
 """Worker faults during a collection: a dead env worker is replaced, a dead rollout worker restarted, and
 the slots they held are collected again from the same episode starts (GRPO groups stay intact).
 
-:func:`collect_all` is the collection of an :class:`~embodirl.workers.groups.EnvWorkerGroup`: one
-``collect`` per env worker, answers taken as they come. A Ray worker that dies raises ``RayActorError``
+:func:`settle` takes the answers of one collection (one ``EnvWorker.collect`` per env worker of an
+:class:`~embodirl.workers.env_group.EnvWorkerGroup`) as they come. A Ray worker that dies raises ``RayActorError``
 (an env worker) or :class:`~embodirl.workers.transport.RolloutWorkerDied` (its rollout worker); either is
 recovered and that worker's part asked for again, up to ``max_faults`` times per collection. Workers in
 this process do not die apart from the driver: their errors are the run's.
@@ -34,11 +34,12 @@ def _worker_died() -> tuple[type[BaseException], ...]:
     return (RayActorError,)
 
 
-def collect_all(group, parts: list, kwargs: dict) -> list:
-    """Every env worker's trajectory of its part of the starts, in worker order (see module docstring)."""
+def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
+    """Every env worker's trajectory, in worker order, from ``pending`` (``EnvWorker.collect`` of each worker's
+    part, keyed to its index): a worker that died is replaced (or its rollout worker restarted) and its part
+    collected again (see module docstring)."""
     workers = group.workers
     results: list = [None] * len(workers)
-    pending = {workers.submit(k, EnvWorker.collect, parts[k], **kwargs): k for k in range(len(workers))}
     env_died = _worker_died() if workers.remote else ()
     rollout_died = (RolloutWorkerDied,) if workers.remote else ()
     faults = 0

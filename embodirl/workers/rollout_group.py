@@ -41,9 +41,9 @@ class RolloutWorkerGroup:
         self.publisher: WeightPublisher | None = None
         self._outbox = None              # the driver's own publications (WeightOutbox), made on first use
         #: where a restarted worker's weights come from when an actor group publishes: a callable
-        #: returning a full WeightHandle (None: the driver-side publisher below)
+        #: returning a full WeightHandle, or None while there is none (then: the driver's publications, if any)
         self.weight_source = weight_source
-        self._version = 0                # the last version received from the actor group
+        self._version = 0                # the last version every worker applied
         self.sync_paths: dict[str, int] = {}   # how the last publication reached the workers
         self.generation = [0] * num_workers   # bumped at every restart of worker r
         self.workers = WorkerSet(RolloutWorker, remote=remote, options_for=placement_options(placement, "rollout"))
@@ -52,8 +52,6 @@ class RolloutWorkerGroup:
             for r in range(num_workers):
                 self._start(r)
             self.infos = self.workers.call_all(RolloutWorker.info)    # remote: also waits until every worker is built
-            if weight_source is None and not self.shares_policy:
-                self._driver_publisher()
         except BaseException:
             self.close()
             raise
@@ -123,9 +121,8 @@ class RolloutWorkerGroup:
 
     @property
     def version(self) -> int:
-        if self.weight_source is not None or self.publisher is None:
-            return self._version
-        return self.publisher.version
+        """The weight version every worker holds (the last publication they applied)."""
+        return self._version
 
     def weight_versions(self) -> list[int]:
         return self.workers.call_all(RolloutWorker.weight_version)
@@ -155,8 +152,11 @@ class RolloutWorkerGroup:
         self.generation[r] += 1
         self._start(r)
         self.infos[r] = self.workers.call(r, RolloutWorker.info)
-        handle = self.weight_source() if self.weight_source is not None else self._post(self._driver_publisher().full_update())
-        self.workers.call(r, RolloutWorker.receive_weights, handle)
+        handle = self.weight_source() if self.weight_source is not None else None
+        if handle is None and self.publisher is not None:
+            handle = self._post(self.publisher.full_update())
+        if handle is not None:      # else nothing was published: the rebuilt worker's seeded start weights are current
+            self.workers.call(r, RolloutWorker.receive_weights, handle)
 
     def forget_channels(self, prefix: str) -> None:
         self.workers.call_all(RolloutWorker.forget_channels, prefix)

@@ -25,6 +25,14 @@ from collections.abc import Callable, Mapping
 log = logging.getLogger(__name__)
 
 
+class WorkerDied(RuntimeError):
+    """A Ray worker's process is gone (:meth:`WorkerSet.gather`)."""
+
+    def __init__(self, rank: int):
+        super().__init__(f"worker {rank} died")
+        self.rank = rank
+
+
 class _Settled:
     """The outcome of a call already made in this process (the local side of a Ray object ref)."""
 
@@ -108,6 +116,49 @@ class WorkerSet:
     def call_each(self, method: Callable, args_per_rank: list) -> list:
         """``method(args_per_rank[k])`` on every worker ``k``, together."""
         return self.get([self.submit(rank, method, arg) for rank, arg in enumerate(args_per_rank)])
+
+    def gather(self, pending: list, ranks: list[int] | None = None, *, probe: Callable | None = None) -> list:
+        """The results of ``pending`` (one :meth:`submit` per worker; ``ranks[i]`` made ``pending[i]``, default
+        ``i``), in that order. A Ray worker that died raises :class:`WorkerDied` naming its rank; so does a call that
+        failed because a peer died (a collective), found by calling ``probe`` (a cheap method) on every worker."""
+        if not self.remote:
+            return self.get(pending)      # in this process an error is the call's own
+        import ray
+        from ray.exceptions import RayActorError
+
+        ranks = list(range(len(pending))) if ranks is None else list(ranks)
+        waiting = {ref: i for i, ref in enumerate(pending)}
+        results: list = [None] * len(pending)
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=1)
+            i = waiting.pop(ready[0])
+            try:
+                results[i] = ray.get(ready[0])
+            except RayActorError:
+                raise WorkerDied(ranks[i]) from None
+            except Exception:
+                dead = self.dead_ranks(probe) if probe is not None else []
+                if dead:
+                    raise WorkerDied(dead[0]) from None
+                raise
+        return results
+
+    def dead_ranks(self, probe: Callable, timeout_s: float = 10.0) -> list[int]:
+        """The ranks whose Ray worker no longer answers ``probe``."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        probes = [self.submit(r, probe) for r in range(len(self.handles))]
+        ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
+        dead = []
+        for r, ref in enumerate(probes):
+            try:
+                ray.get(ref, timeout=0.1)
+            except RayActorError:
+                dead.append(r)
+            except Exception:
+                pass
+        return dead
 
     def wait_first(self, pending: Mapping) -> object:
         """The key of ``pending`` (a dict keyed by :meth:`submit` results) that finished first."""

@@ -31,11 +31,19 @@ COMPARED = ("train/return", "train/success_rate", "actor/pg_loss", "critic/value
             "actor/entropy", "actor/grad_norm", "actor/clip_fraction", "critic/explained_variance")
 
 
-def _close(a: list[dict], b: list[dict], keys=COMPARED, rel: float = 1e-4) -> None:
+#: a ratio at the clip boundary may fall on either side after a difference of float rounding: one token's worth
+CLIP_FRACTION_ATOL = 0.05
+
+
+def _close(a: list[dict], b: list[dict], keys=COMPARED) -> None:
+    """The first step tightly (one update from the same weights: only the split's summation order differs); later
+    steps start from weights that already differ by rounding, which grows ~5-10x per step, so within 1e-3."""
     assert [r["step"] for r in a] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        rel, abs_tol = (1e-4, 1e-6) if i == 0 else (1e-3, 1e-5)
         for key in keys:
-            assert math.isclose(ra[key], rb[key], rel_tol=rel, abs_tol=1e-6), (ra["step"], key, ra[key], rb[key])
+            tol = max(abs_tol, CLIP_FRACTION_ATOL) if key == "actor/clip_fraction" and i else abs_tol
+            assert math.isclose(ra[key], rb[key], rel_tol=rel, abs_tol=tol), (ra["step"], key, ra[key], rb[key])
 
 
 @pytest.mark.slow

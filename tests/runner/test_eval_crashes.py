@@ -11,7 +11,8 @@ import torch
 from embodirl import data as D
 from embodirl.config import compose
 from embodirl.runner.eval_report import write_eval_info
-from embodirl.runner.rollouts import Rollouts
+from embodirl.runner.evaluation import run_sweep
+from embodirl.runner.loop import Runner
 
 
 class CrashFirstEnv(torch.nn.Module):
@@ -36,12 +37,12 @@ class CrashFirstEnv(torch.nn.Module):
 def test_crashed_episode_is_run_again_and_counted(tmp_path):
     cfg = compose(["env=toy_reach", "env.eval.num_envs=2", "env.eval.state_obs=true", "env.train.state_obs=true",
                    "env.train.num_envs=2", "env.eval.num_tasks=1", "env.eval.reward_mode=dense",
-                   "runner.eval_episodes_per_task=2", "runner.eval_num_videos=0"])
+                   "runner.eval_episodes_per_task=2", "runner.eval_num_videos=0", f"runner.output_dir={tmp_path}"])
     torch.manual_seed(0)
-    with Rollouts(cfg, train=False) as rollouts:
-        clean = rollouts.evaluate(step=0, out_dir=tmp_path / "clean", seed=3)
-        rollouts.groups.rollout.workers[0].backend.policy = CrashFirstEnv(rollouts.policy)
-        info = rollouts.evaluate(step=0, out_dir=tmp_path / "crash", seed=3)
+    with Runner(cfg)._workers(train=False) as groups:
+        clean = run_sweep(groups, cfg, out_dir=tmp_path / "clean", seed=3)
+        groups.rollout.workers[0].backend.policy = CrashFirstEnv(groups.policy)
+        info = run_sweep(groups, cfg, out_dir=tmp_path / "crash", seed=3)
     assert info["overall"]["n_rerun_after_crash"] == 1 and clean["overall"]["n_rerun_after_crash"] == 0
     # the re-run episode is the one the sweep would have run
     assert info["per_episode"] == clean["per_episode"]

@@ -7,6 +7,7 @@ whatever the generator."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,18 +32,27 @@ def evaluate(tmp_path, name: str, *overrides: str) -> dict:
 
 
 def without_timing(info: dict) -> dict:
-    """The report without wall-clock fields, floats rounded to 6 significant digits (a policy copied into
-    a Ray worker may sum in another order: the last bits of a return may differ)."""
-    def rounded(x):
-        if isinstance(x, float):
-            return float(f"{x:.6g}")
-        if isinstance(x, dict):
-            return {k: rounded(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [rounded(v) for v in x]
-        return x
+    """The report without wall-clock fields."""
+    return {**info, "overall": {k: v for k, v in info["overall"].items() if k not in TIMING}}
 
-    return rounded({**info, "overall": {k: v for k, v in info["overall"].items() if k not in TIMING}})
+
+def assert_same_report(a: dict, b: dict, where: str = "") -> None:
+    """Equal reports: every non-float equal, floats equal to float32 rounding (a policy copied into a Ray worker
+    may sum in another order: the last bits of a return may differ; rounding both to fixed digits would not hide
+    that, a value next to a rounding boundary flips)."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)), where
+        assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9), f"{where}: {a} != {b}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_same_report(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_report(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def returns(info: dict) -> list[float]:
@@ -58,13 +68,14 @@ def test_in_process_and_ray_evaluation_write_the_same_report(tmp_path):
         assert [sorted(e) for e in local[key]] == [sorted(e) for e in ray[key]], key
     assert len(local["per_episode"]) == 4 and len(set(returns(local))) == 4    # four different episodes
     # the same episodes, outcomes, lengths, returns, seeds, videos and summaries on both paths
-    assert without_timing(local) == without_timing(ray)
+    assert_same_report(without_timing(local), without_timing(ray))
     assert len(ray["overall"]["video_paths"]) == 1
     assert (tmp_path / "outputs" / "ray" / ray["overall"]["video_paths"][0]).is_file()
     # evaluation sampling: temperature 0 is greedy on both paths; temperature 1 samples other actions
     cold = {path: evaluate(tmp_path, f"cold_{path}", *STATE, f"cluster.use_ray={path == 'ray'}",
                            "runner.eval_greedy=false", "rollout.temperature=0") for path in ("local", "ray")}
-    assert without_timing(cold["local"]) == without_timing(cold["ray"]) == without_timing(local)
+    assert_same_report(without_timing(cold["local"]), without_timing(cold["ray"]))
+    assert_same_report(without_timing(cold["local"]), without_timing(local))
     warm = evaluate(tmp_path, "warm_local", *STATE, "cluster.use_ray=false", "runner.eval_greedy=false")
     assert returns(warm) != returns(local)
 
@@ -80,6 +91,6 @@ def test_top_k_is_honoured_by_both_evaluation_paths(tmp_path):
         for top_k in ("1", "null"):
             runs[path, top_k] = evaluate(tmp_path, f"{path}_{top_k}", *TINY_VLA, f"cluster.use_ray={path == 'ray'}",
                                          "runner.eval_greedy=false", f"rollout.top_k={top_k}")
-    assert without_timing(runs["local", "1"]) == without_timing(runs["ray", "1"])
+    assert_same_report(without_timing(runs["local", "1"]), without_timing(runs["ray", "1"]))
     assert returns(runs["local", "null"]) != returns(runs["ray", "null"])
     assert returns(runs["local", "null"]) != returns(runs["local", "1"])

@@ -140,6 +140,7 @@ def test_identical_per_episode_outcomes_at_one_and_several_simulator_processes(t
     for one, four in zip(runs[1], runs[4], strict=True):
         for key in ("episode_ix", "task_id", "init_state_id", "seed", "success", "length"):
             assert one[key] == four[key], key
-        assert one["return"] == pytest.approx(four["return"], abs=1e-9)
+        # a batch of 1 and a batch of 4 may sum in another order (BLAS kernels differ per CPU): float rounding only
+        assert one["return"] == pytest.approx(four["return"], rel=1e-5, abs=1e-6)
     with pytest.raises(ConfigError, match="runner.eval_num_envs"):
         validate(compose([*TOY, "runner.eval_num_envs=0"]))

@@ -22,9 +22,8 @@ from embodirl.rollout.collector import RolloutCollector
 from embodirl.rollout.inference import PolicyInference
 from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner.collection import episode_returns, episode_starts
-from embodirl.runner.loop import Runner
+from embodirl.runner.loop import Runner, worker_config
 from embodirl.runner.metrics_logger import read_metrics
-from embodirl.runner.rollouts import Rollouts, worker_config
 
 TOY = ["env=toy_reach", "model=state_mlp", "env.train.state_obs=true", "env.eval.state_obs=true",
        "env.train.reward_mode=dense", "env.train.step_size=0.3", "env.train.num_envs=8", "env.eval.num_envs=4"]
@@ -34,13 +33,13 @@ def test_remax_baseline_is_the_greedy_return_from_the_same_starts(compose_cfg, t
     cfg = compose_cfg(*TOY, "algorithm.adv_type=remax", f"runner.output_dir={tmp_path}")
     validate(cfg)
     runner = Runner(cfg)
-    with Rollouts(cfg) as rollouts:
-        batch, stats = runner._collect(rollouts, 1, np.random.default_rng(0))
+    with runner._workers(train=True) as groups:
+        batch, stats = runner._collect(groups, 1, np.random.default_rng(0))
         baseline = D.get_extra(batch, REWARD_BASELINE)                         # (N,)
         assert stats.baseline_s > 0
         # the greedy return from the same starts, by a collector of its own on fresh simulators
         env = make_env(worker_config(cfg).env.train, num_envs=8, seed=int(cfg.runner.seed))
-        greedy = RolloutCollector([env], PolicyInference(rollouts.policy, env.spec.task_descriptions,
+        greedy = RolloutCollector([env], PolicyInference(groups.policy, env.spec.task_descriptions,
                                                          SamplingParams(greedy=True)),
                                   num_decisions=batch.batch_size[1]).collect(episode_starts(batch),
                                                                               seed=runner.seed + 1_000_003)
@@ -74,8 +73,8 @@ def test_resampling_fills_the_batch_with_informative_groups(compose_cfg, tmp_pat
                       f"algorithm.filter_groups.max_resample_rounds={cap}", f"runner.output_dir={tmp_path}")
     validate(cfg)
     runner = Runner(cfg)
-    with Rollouts(cfg) as rollouts:
-        batch, stats = runner._collect(rollouts, 1, np.random.default_rng(0))
+    with runner._workers(train=True) as groups:
+        batch, stats = runner._collect(groups, 1, np.random.default_rng(0))
     N = 8
     assert batch.batch_size[0] == N
     keep, _ = group_keep_mask(batch[D.SUCCESS], batch[D.VALID], group_size=2, min_success=0.0, max_success=1.0)
@@ -118,17 +117,16 @@ def test_resampled_group_filtering_trains_through_the_cli(tmp_path):
 
 
 def test_worker_groups_collect_greedy_baselines_in_evaluation_mode(compose_cfg):
-    """The worker groups' path (here in-process): ``mode=EVAL`` makes one training
+    """The worker groups' path (here in-process): ``greedy=True`` makes one training
     rollout greedy (repeatable), and the next one samples again."""
     from embodirl.workers.groups import WorkerGroups
-    from embodirl.workers.rollout_worker import EVAL
 
     cfg = compose_cfg(*TOY, "algorithm.adv_type=remax", "env_workers.num_workers=2")
     starts = EpisodeStarts(np.arange(8) % 4, np.arange(8))
     with WorkerGroups.from_config(cfg, remote=False) as groups:
-        a = groups.collect(starts, seed=3, mode=EVAL)
+        a = groups.collect(starts, seed=3, greedy=True)
         sampled = groups.collect(starts, seed=3)
-        b = groups.collect(starts, seed=3, mode=EVAL)
+        b = groups.collect(starts, seed=3, greedy=True)
     torch.testing.assert_close(a[D.ACTION_CHUNK], b[D.ACTION_CHUNK])
     assert not torch.equal(a[D.ACTION_CHUNK][:, 0], sampled[D.ACTION_CHUNK][:, 0])
 

@@ -14,6 +14,7 @@ import torch
 from embodirl import data as D
 from embodirl.channel import segments
 from embodirl.workers.groups import WorkerGroups
+from embodirl.workers.rollout_worker import RolloutWorker
 
 KILL_WAIT_S = 120.0
 
@@ -49,7 +50,7 @@ def test_collect_through_actors_over_shared_memory(ray_local, compose_cfg):
         rings = [i["segment"] for i in infos]
         assert all(r in _run_entries() for r in rings)
         # weight sync: the next rollout's decisions carry the published version
-        state = groups.rollout.publisher.state()
+        state = groups.rollout.workers.call(0, RolloutWorker.trainable_state_dict)
         assert groups.publish({k: v * 0.5 for k, v in state.items()}) == 1
         assert groups.rollout.weight_versions() == [1]
         assert (groups.collect()[D.WEIGHT_VERSION] == 1).all()
@@ -105,7 +106,7 @@ def test_env_worker_killed_mid_rollout_is_replaced(ray_local, compose_cfg):
 def test_rollout_worker_killed_mid_rollout_restarts_with_published_weights(ray_local, compose_cfg):
     cfg = _toy(compose_cfg, "env_workers.num_workers=2", "env.train.max_episode_steps=1000")
     with WorkerGroups.from_config(cfg, remote=True) as groups:
-        state = groups.rollout.publisher.state()
+        state = groups.rollout.workers.call(0, RolloutWorker.trainable_state_dict)
         groups.publish({k: v + 0.01 for k, v in state.items()})
         groups.publish({k: v + 0.02 for k, v in state.items()})
         victim = groups.rollout.infos[0]["pid"]

@@ -121,7 +121,7 @@ def test_reset_starts_over_at_a_given_version_and_deltas_build_on_it():
 
 def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(compose_cfg):
     """rollout.merge_lora: a rollout worker folds the adapter into its copy's weights at every update. With trained
-    (non-zero) adapters it acts as the unmerged copy (float32: greedy tokens equal, log-probs within float rounding),
+    (non-zero) adapters it acts as the unmerged copy (float32: greedy tokens equal but for near-ties, log-probs within float rounding),
     and after other weights and then the first ones again, its weights are bit-identical to the first merge: every
     merge starts from the original weights, so no rounding accumulates."""
     from embodirl.workers.weight_sync import WeightUpdate
@@ -143,7 +143,11 @@ def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(
     for merge, worker in workers.items():
         worker.update_weights(WeightUpdate(version=1, base_version=None, tensors=first, full=True))
         outputs[merge] = worker.infer(obs, mode="eval").fields
-    np.testing.assert_array_equal(outputs[True][D.ACTION_TOKENS], outputs[False][D.ACTION_TOKENS])
+    # greedy decoding is an argmax over the vocabulary: merged and unmerged logits differ by float rounding
+    # (~2e-6 here), so a token whose top two logits are closer than that may flip on another CPU's kernels;
+    # a wrong merge changes nearly every token
+    same = np.asarray(outputs[True][D.ACTION_TOKENS]) == np.asarray(outputs[False][D.ACTION_TOKENS])
+    assert same.mean() >= 0.97, f"{int((~same).sum())} of {same.size} greedy tokens differ"
     np.testing.assert_allclose(outputs[True][D.LOGPROB_BEHAVIOR], outputs[False][D.LOGPROB_BEHAVIOR], atol=1e-4)
     merged, plain = workers[True].backend.policy, dict(workers[False].backend.policy.named_parameters())
     weights = {n: p.detach().clone() for n, p in merged.named_parameters() if n.endswith("base_layer.weight")}
