@@ -121,9 +121,9 @@ def test_reset_starts_over_at_a_given_version_and_deltas_build_on_it():
 
 def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(compose_cfg):
     """rollout.merge_lora: a rollout worker folds the adapter into its copy's weights at every update. With trained
-    (non-zero) adapters it acts as the unmerged copy (float32: greedy tokens equal but for near-ties, log-probs within float rounding),
-    and after other weights and then the first ones again, its weights are bit-identical to the first merge: every
-    merge starts from the original weights, so no rounding accumulates."""
+    (non-zero) adapters it acts as the unmerged copy (float32: greedy tokens equal but for near-ties, log-probs
+    within float rounding), and after other weights and then the first ones again, its weights are bit-identical to
+    the first merge: every merge starts from the original weights, so no rounding accumulates."""
     from embodirl.workers.weight_sync import WeightUpdate
 
     cfg = compose_cfg("env=toy_reach", "model=openvla_oft_tiny", "model.lora.target_modules=[all-linear,lm_head]")
