@@ -2,7 +2,7 @@
 
 The package is laid out along the dataflow of one training step (see docs in the README):
 ``envs`` (simulators, chunk execution, video) -> ``rollout`` (env + policy -> Trajectory)
--> ``algorithms`` (advantages, losses) -> ``learner`` (FSDP updates) -> ``runner`` (the loop).
+-> ``algorithms`` (advantages, losses) -> ``actor`` (FSDP updates) -> ``runner`` (the loop).
 ``workers`` wraps those pieces as workers (in this process or on Ray); ``data`` holds the batch contract.
 """
 

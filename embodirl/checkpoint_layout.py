@@ -1,5 +1,5 @@
 """The layout of one run checkpoint folder, ``<output_dir>/checkpoints/step_<n>/``: the names every writer and reader
-of its parts shares (the runner writes and resumes a run, learner ranks write and read their state, evaluation reads
+of its parts shares (the runner writes and resumes a run, actor ranks write and read their state, evaluation reads
 the policy). Saving and finding checkpoints: :mod:`embodirl.runner.checkpoint`.
 
 A checkpoint (the part folders are what :class:`~embodirl.runner.loop.Runner` writes)::
@@ -11,14 +11,14 @@ A checkpoint (the part folders are what :class:`~embodirl.runner.loop.Runner` wr
         adapter_model.safetensors    PeftModel.save_pretrained (with the modules-to-save copies)
         trainable.safetensors      the other trained tensors by parameter name: the value head; for
                                      full-weight models (state_mlp, full fine-tuning) every trained tensor
-      learner/tensors/*.safetensors  trainable parameters and AdamW moments, one file per learner rank
+      actor/tensors/*.safetensors  trainable parameters and AdamW moments, one file per actor rank
                                      (torch.distributed.checkpoint; loads into any number of ranks)
-      learner/state.json           LR schedule, KL controller, optimizer settings, counters, world size
+      actor/state.json           LR schedule, KL controller, optimizer settings, counters, world size
                                      (+ replay_rank<r>.* when the replay buffer holds rollouts); checkpoints
                                      written before the sharded state have learner/train_state.pt instead
       runner/state.json            the step, the start-planning generator's state, the collapse guard's state
       runner/rng.json              python / numpy / torch (and CUDA) RNG states of the driver (JSON, no pickle)
-      runner/worker_rng.json       the same for each remote rollout worker (Ray path), which samples actions
+      runner/worker_rng.json       the same for each remote inference worker (Ray path), which samples actions
       config/config.yaml           the resolved config of the run
 """
 
@@ -32,7 +32,9 @@ import torch
 COMPLETE = "COMPLETE"
 CHECKPOINTS = "checkpoints"
 #: the parts the runner writes (sub-folders of a checkpoint)
-POLICY, LEARNER, RUNNER, CONFIG = "policy", "learner", "runner", "config"
+POLICY, ACTOR, RUNNER, CONFIG = "policy", "actor", "runner", "config"
+#: the actor ranks' part in checkpoints written before the learner ranks were called actor ranks
+LEGACY_ACTOR = "learner"
 TRAIN_STATE = "train_state.pt"
 #: RNG states: JSON, never a pickle (a shared checkpoint must not run code where it is resumed)
 RNG, WORKER_RNG = "rng.json", "worker_rng.json"
@@ -44,11 +46,18 @@ DISABLE = "disable"
 MODEL_CONFIG = "config.json"
 
 
-def save_train_state(folder: Path, learner_state: Mapping) -> None:
-    """The learner's state without its trained tensors (those go to the policy folder)."""
-    torch.save({k: v for k, v in learner_state.items() if k != "trainable"}, folder / TRAIN_STATE)
+def save_train_state(folder: Path, actor_state: Mapping) -> None:
+    """The actor's state without its trained tensors (those go to the policy folder)."""
+    torch.save({k: v for k, v in actor_state.items() if k != "trainable"}, folder / TRAIN_STATE)
 
 
 def load_train_state(folder: Path) -> dict:
-    """:func:`save_train_state`'s file (checkpoints written before the learner state was sharded)."""
+    """:func:`save_train_state`'s file (checkpoints written before the actor state was sharded)."""
     return torch.load(folder / TRAIN_STATE, weights_only=True)
+
+
+def actor_state_dir(checkpoint: Path) -> Path:
+    """Checkpoint ``step_<n>``'s actor state folder (``actor/``, or ``learner/`` in checkpoints written before)."""
+    checkpoint = Path(checkpoint)
+    legacy = checkpoint / LEGACY_ACTOR
+    return legacy if not (checkpoint / ACTOR).exists() and legacy.exists() else checkpoint / ACTOR

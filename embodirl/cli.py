@@ -75,11 +75,11 @@ def _own_command_flags(command: str, rest: list[str], overrides: list[str]) -> N
         generate.validate(cfg)
     elif command == "sft":
         from embodirl.config import validate
-        from embodirl.sft import config as sft_config
+        from embodirl.sft import compose as sft_compose
 
-        cfg = sft_config.compose(overrides)
-        sft_config.check(cfg)
-        validate(sft_config.main_config(cfg))
+        cfg = sft_compose.compose(overrides)
+        sft_compose.check(cfg)
+        validate(sft_compose.main_config(cfg))
     else:
         from embodirl.config import check_group_overrides, compose, validate
 

@@ -20,7 +20,7 @@ action_sample          [N,T,L]             float32  sampled pre-squash actions (
 action_chunk           [N,T,H,A]           float32  executed, un-normalised actions
 executed               [N,T,H]             bool     the chunk's action ran (False after an episode ended
                                                     inside the chunk, and at invalid decisions)
-logprob_behavior       [N,T,L]             float32  log-probs from the rollout worker
+logprob_behavior       [N,T,L]             float32  log-probs from the inference worker
 value                  [N,T] or [N,T,H]    float32  chunk- or action-level value (PPO)
 final_value            [N,T] or [N,T,H]    float32  value of the episode's final observation after a decision
                                                     that truncated it (time limit); 0 elsewhere (PPO)

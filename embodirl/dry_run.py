@@ -1,5 +1,5 @@
 """A full-size dry run on PyTorch's ``meta`` device: the policy a config describes is built without memory,
-acts, is evaluated, takes one learner update and publishes its weights - the code paths a GPU run takes,
+acts, is evaluated, takes one actor update and publishes its weights - the code paths a GPU run takes,
 on a machine without a GPU.
 
 Why the meta device: a tensor on the meta device has a shape and a dtype but no data, and PyTorch refuses to
@@ -236,10 +236,10 @@ def _nbytes(tensors) -> int:
 
 def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     """Build ``cfg.model`` on the meta device and run, as a GPU run would: ``act`` on a rollout batch, one
-    learner update of :data:`DRY_RUN_TRAJECTORIES` trajectories in micro-batches of one
+    actor update of :data:`DRY_RUN_TRAJECTORIES` trajectories in micro-batches of one
     (``actor.micro_batch_size``'s unit; each of ``rollout.max_decisions`` or the episode's decisions), and
     one full publication. ``act_batch``: default one env worker's share of ``env.train.num_envs``."""
-    from embodirl.learner.learner import Learner, prepare_batch
+    from embodirl.actor.actor import Actor, prepare_batch
     from embodirl.models.base import SamplingParams
     from embodirl.models.registry import make_policy
     from embodirl.plain import to_plain
@@ -272,7 +272,7 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
         algorithm["group_size"] = DRY_RUN_TRAJECTORIES
     actor = to_plain(cfg.actor)
     actor.update(micro_batch_size=1, global_batch_size=1, replay_buffer={**actor["replay_buffer"], "reuse_last_k": 0})
-    learner = Learner(policy, {"algorithm": algorithm, "actor": actor}, task_table=spec.task_descriptions,
+    actor = Actor(policy, {"algorithm": algorithm, "actor": actor}, task_table=spec.task_descriptions,
                       temperature=float(cfg.rollout.temperature or 1.0), device=META)
     prepared, _ = prepare_batch(dry_run_batch(policy, spec, DRY_RUN_TRAJECTORIES, T), algorithm)
     params = list(policy.parameters())
@@ -282,16 +282,16 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     t0 = time.perf_counter()
     live, flops = LiveBytes(META), Flops()
     with gpu_attention(), MetaDryRun(), flops, live:
-        learner.update(prepared)
+        actor.update(prepared)
     seconds["update"] = time.perf_counter() - t0
-    optimizer_bytes = _nbytes(v for state in learner.optimizer.state.values() for v in state.values()
+    optimizer_bytes = _nbytes(v for state in actor.optimizer.state.values() for v in state.values()
                               if isinstance(v, torch.Tensor) and v.device == META)
     grad_bytes = _nbytes(trainable)
     update_flops = flops.total / (DRY_RUN_TRAJECTORIES * T)
 
     t0 = time.perf_counter()
     with MetaDryRun():
-        _, published = learner.publish_weights(full=True)
+        _, published = actor.publish_weights(full=True)
     seconds["publish"] = time.perf_counter() - t0
     return DryRunReport(
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in trainable), param_bytes=param_bytes,
@@ -325,7 +325,7 @@ def format_report(report: DryRunReport | Mapping) -> str:
         f"act: {_si(r['act_flops_per_decision'], 'FLOP')} per decision (batch {r['act_batch']})",
         f"update: {_si(r['update_flops_per_decision'], 'FLOP')} per decision (forward and backward, "
         f"{r['update_decisions']} decisions per micro-batch)",
-        f"learner bytes: gradients {_bytes(r['grad_bytes'])}, optimizer state {_bytes(r['optimizer_bytes'])}, "
+        f"actor bytes: gradients {_bytes(r['grad_bytes'])}, optimizer state {_bytes(r['optimizer_bytes'])}, "
         f"activations {_bytes(r['activation_bytes'])}; peak {_bytes(r['update_peak_bytes'])}",
         f"publication: {r['published_tensors']} tensors, {_bytes(r['published_bytes'])}",
     ])

@@ -1,6 +1,6 @@
 """The memory a config needs, estimated before anything starts (``embodirl doctor``'s memory check and the
 pre-flight of ``train``/``eval``): parameter counts of the policy built on torch's meta device, and peak bytes
-per learner rank, rollout copy and env worker (:func:`memory_plan`) against what a device has
+per actor rank, rollout copy and env worker (:func:`memory_plan`) against what a device has
 (:func:`available_memory`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 GIB = 1024**3
-#: bytes per trainable parameter on a learner rank: fp32 master copy, fp32 gradient, AdamW's two moments
+#: bytes per trainable parameter on a actor rank: fp32 master copy, fp32 gradient, AdamW's two moments
 MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 #: activation bytes per token per transformer layer and hidden unit while training. Korthikanti et al. 2022
 #: ("Reducing Activation Recomputation in Large Transformer Models", eq. 1 without the attention-score term, as
@@ -80,9 +80,9 @@ def available_memory(accelerator: str, *, total: bool = False) -> list[int]:
 
 
 def memory_plan(cfg: DictConfig, size: ModelSize, accelerator: str) -> dict[str, int]:
-    """Estimated peak bytes per component instance: ``actor`` (one learner rank: parameters, fp32 master
+    """Estimated peak bytes per component instance: ``actor`` (one actor rank: parameters, fp32 master
     weights, gradients and AdamW moments of the trainable ones, sharded over the ranks, and activations of one
-    micro-batch; evaluation: the policy's parameters), ``rollout`` (one inference copy, 0 when the learner's
+    micro-batch; evaluation: the policy's parameters), ``rollout`` (one inference copy, 0 when the actor's
     own policy acts in this process) and ``env`` (one env worker's share of the training and evaluation
     simulator processes on the CPU; 0 on a GPU)."""
     from embodirl.placement import data_parallel_size, use_ray

@@ -133,7 +133,7 @@ RAY_MODELS = ("openvla_oft",)
 
 def use_ray(cfg) -> bool:
     """Whether the runner collects through Ray worker groups (``cluster.use_ray``; ``auto``: for VLA
-    models, several env or rollout workers, several nodes or a given Ray address) or in process."""
+    models, several env or inference workers, several nodes or a given Ray address) or in process."""
     choice = cfg.cluster.get("use_ray", "auto")
     if choice != "auto":
         return bool(choice)
@@ -143,7 +143,7 @@ def use_ray(cfg) -> bool:
 
 
 def data_parallel_size(cfg, placement: Placement | None = None) -> int:
-    """Learner ranks: accelerators given to the actor, or ``actor.cpu_world_size`` on CPU."""
+    """Actor ranks: accelerators given to the actor, or ``actor.cpu_world_size`` on CPU."""
     if placement is not None and placement.accelerator == "gpu":
         return len(placement.devices["actor"])
     return int(cfg.actor.get("cpu_world_size", 1) or 1)

@@ -1,4 +1,4 @@
-"""Plain containers from OmegaConf nodes, for the code that takes plain configs (workers, learner, adapters).
+"""Plain containers from OmegaConf nodes, for the code that takes plain configs (workers, actor, adapters).
 
 Kept apart from :mod:`embodirl.config` (composition and the schema), which imports the modules it
 checks; a module that needs plain dicts imports this leaf instead, so no import cycle can form.

@@ -8,7 +8,7 @@ One training step is collect -> advantages -> update, all in this process:
 * env:       16 PushCube simulators, one sub-process each, stepped one action chunk ``[B, H, A]`` at a time
 * policy:    a Gaussian MLP actor-critic over the state vector, producing chunks of H = 2 actions
 * collector: env + policy -> one trajectory batch ``[N, T]`` (N rows of T decisions; embodirl/data.py)
-* learner:   GAE advantages and PPO epochs on that batch; it trains the very module the collector acts with
+* actor:   GAE advantages and PPO epochs on that batch; it trains the very module the collector acts with
 
 `embodirl train` runs the same pieces, plus evaluation, checkpoints, logging and Ray when asked for.
 """
@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from embodirl import data as D
+from embodirl.actor.actor import Actor
 from embodirl.config import compose
 from embodirl.envs.registry import make_env
-from embodirl.learner.learner import Learner
 from embodirl.models.base import SamplingParams
 from embodirl.models.registry import make_policy
 from embodirl.plain import to_plain
@@ -62,9 +62,9 @@ def main() -> None:
     collector = RolloutCollector([env], inference, num_decisions=decisions_per_episode(cfg),
                                  auto_reset=bool(env_cfg["auto_reset"]), return_value=True, seed=args.seed)
 
-    # 5. Learner: the optimizer over the policy's weights; step() computes advantages (algorithm.adv_type = gae)
+    # 5. Actor: the optimizer over the policy's weights; step() computes advantages (algorithm.adv_type = gae)
     #    and runs algorithm.update_epochs PPO epochs (embodirl/algorithms/losses.py).
-    learner = Learner(policy, cfg, task_table=env.spec.task_descriptions, temperature=sampling.temperature)
+    actor = Actor(policy, cfg, task_table=env.spec.task_descriptions, temperature=sampling.temperature)
 
     try:
         for step in range(1, args.steps + 1):
@@ -74,7 +74,7 @@ def main() -> None:
             rollouts = [collector.collect(seed=args.seed + 1_000_003 * step + 7_919 * k)
                         for k in range(int(cfg.rollout.rollout_epoch))]
             batch = D.concat(rollouts) if len(rollouts) > 1 else rollouts[0]
-            metrics = learner.step(batch)       # the inference above acts with this same module: no weight copy
+            metrics = actor.step(batch)       # the inference above acts with this same module: no weight copy
 
             # every row is one episode here (no auto-reset): it ends at its last valid decision
             valid = batch.get(D.VALID)                                               # (N, T)

@@ -1,16 +1,16 @@
 #!/usr/bin/env python
-"""Benchmark of the learner as an actor group: FSDP2 ranks as Ray actors, placement modes, the 7B preset.
+"""Benchmark of the actor as an actor group: FSDP2 ranks as Ray actors, placement modes, the 7B preset.
 
 Three measurements, each printed side by side from one run (ratios of numbers measured together, no
 timed asserts):
 
-1. ``--part learner`` (tiny preset, CPU): learner update decisions/s and memory per rank, 1 vs 2 gloo
+1. ``--part actor`` (tiny preset, CPU): actor update decisions/s and memory per rank, 1 vs 2 gloo
    FSDP2 ranks built through the real :meth:`ActorGroup.remote_group <embodirl.workers.actor_group.
    ActorGroup.remote_group>` (Ray started here on 2 CPUs), for the LoRA adapter and for the full fine-tune
    (``actor.fsdp.full_finetune=true model.lora.enabled=false``). One prepared GRPO batch (the policy's own
-   sampled tokens, random rewards, :func:`~embodirl.learner.learner.prepare_batch`) is trained on with
+   sampled tokens, random rewards, :func:`~embodirl.actor.actor.prepare_batch`) is trained on with
    ``group.train`` once as a warm-up, then ``--repeats`` times timed. Decisions/s = valid decisions x
-   update epochs (``learner/decisions``, global over ranks) / seconds per ``train`` call (sharding and
+   update epochs (``actor/decisions``, global over ranks) / seconds per ``train`` call (sharding and
    the object-store hand-off included). Memory per rank, read on the rank itself (a function of this
    script run there through Ray's ``__ray_call__``): the bytes of its local shards of the parameters,
    of the gradients (one per trainable shard, in its dtype; they live during backward and are freed
@@ -19,7 +19,7 @@ timed asserts):
 2. ``--part placement`` (tiny preset, CPU): the real CLI, ``embodirl train env=toy_reach
    model=openvla_oft_tiny algorithm=grpo`` for ``--steps`` steps, once collocated
    (``cluster.component_placement=all``) and once disaggregated (``env: 0; rollout: 1; actor: 1``: the
-   machine has 2 CPU slots, so the rollout worker and the actor rank share the second); medians of
+   machine has 2 CPU slots, so the inference worker and the actor rank share the second); medians of
    ``time/step``, ``time/collect``, ``time/update`` over the steps after the first (warm-up) from each
    run's ``metrics.jsonl``. toy_reach is a test fixture, used here for its speed. On a machine without
    GPUs the device ids are Ray's logical CPU slots (processes are not pinned to cores; offload is a
@@ -37,7 +37,7 @@ timed asserts):
 Usage::
 
     python scripts/bench_actor.py                          # parts 1 and 2 (~3 min on 2 cores)
-    python scripts/bench_actor.py --part learner --trajectories 16 --repeats 3
+    python scripts/bench_actor.py --part actor --trajectories 16 --repeats 3
     python scripts/bench_actor.py --part placement --steps 8
     python scripts/bench_actor.py --preset full            # GPU: the 7B preset, one rank
     python scripts/bench_actor.py --preset full --device cpu --model openvla_oft_tiny   # that path, on CPU
@@ -46,7 +46,7 @@ Measured on the 2-core machine, 2026-11-24 (no GPU; shared with other engineers'
 ~16 during the run, so absolute times are noisy; under 3 minutes in all)::
 
     bench_actor: 2 cores, torch 2.13.0+cpu, 2026-11-24
-    1. learner update: tiny OpenVLA-OFT (8.9M parameters), GRPO, N=16 trajectories x T=4 decisions, 1 epoch(s),
+    1. actor update: tiny OpenVLA-OFT (8.9M parameters), GRPO, N=16 trajectories x T=4 decisions, 1 epoch(s),
        micro-batch 2, 1 torch thread per rank; median of 3 group.train after 1 warm-up, best of 2 rounds;
        memory per rank (max over ranks)
     setting                           trainable   dec/s  s/train    params    grads    optim     p+g+o  peak RSS
@@ -103,7 +103,7 @@ MIB = 2**20
 
 # --- shared -----------------------------------------------------------------------------------------------
 def compose_cfg(model: str, args, extra=()):
-    """The composed config of one learner setting (GRPO, groups of 2, no group filter)."""
+    """The composed config of one actor setting (GRPO, groups of 2, no group filter)."""
     from embodirl.config import compose
 
     return compose([f"model={model}", "algorithm=grpo", f"algorithm.group_size={GROUP_SIZE}",
@@ -113,11 +113,11 @@ def compose_cfg(model: str, args, extra=()):
 
 
 def prepared_batch(plain: dict, spec, args):
-    """The policy's own sampled batch (tests/learner/helpers.oft_batch) -> advantages, on CPU. The policy is
+    """The policy's own sampled batch (tests/actor/helpers.oft_batch) -> advantages, on CPU. The policy is
     built as the actor ranks build theirs (same seed), so the first update starts at ratio 1."""
-    from embodirl.learner.learner import prepare_batch
+    from embodirl.actor.actor import prepare_batch
     from embodirl.workers.actor_worker import build_policy
-    from tests.learner.helpers import oft_batch
+    from tests.actor.helpers import oft_batch
 
     policy = build_policy(plain["model"], spec, int(plain["runner"]["seed"]))
     with torch.no_grad():
@@ -125,7 +125,7 @@ def prepared_batch(plain: dict, spec, args):
     return prepare_batch(batch, plain["algorithm"])[0]
 
 
-# --- part 1: the learner, 1 vs 2 ranks ----------------------------------------------------------------------
+# --- part 1: the actor, 1 vs 2 ranks ----------------------------------------------------------------------
 def rank_memory(worker) -> dict:
     """Run on an actor rank (Ray ``__ray_call__``): bytes of this rank's shards of parameters, gradients
     and optimizer state, and its peak resident set."""
@@ -137,9 +137,9 @@ def rank_memory(worker) -> dict:
         local = t.to_local() if hasattr(t, "to_local") else t   # a DTensor's shard on this rank
         return local.numel() * local.element_size()
 
-    learner = worker.learner
-    params = list(learner.policy.parameters())
-    optim = sum(nbytes(v) for state in learner.optimizer.state.values() for k, v in state.items()
+    actor = worker.actor
+    params = list(actor.policy.parameters())
+    optim = sum(nbytes(v) for state in actor.optimizer.state.values() for k, v in state.items()
                 if isinstance(v, th.Tensor) and k != "step")
     return {"params": sum(nbytes(p) for p in params),
             "grads": sum(nbytes(p) for p in params if p.requires_grad),
@@ -173,13 +173,13 @@ def time_group(mode: str, world: int, args, spec) -> dict:
         group.close()
     seconds = statistics.median(times)
     return {"mode": mode, "world": world, "fsdp": fsdp, "setup_s": setup_s, "seconds": seconds,
-            "decisions": metrics["learner/decisions"], "dps": metrics["learner/decisions"] / seconds,
+            "decisions": metrics["actor/decisions"], "dps": metrics["actor/decisions"] / seconds,
             "ranks": ranks}
 
 
-def part_learner(args) -> list[str]:
+def part_actor(args) -> list[str]:
     from embodirl.workers.ray_cluster import init_ray, shutdown_ray
-    from tests.learner.helpers import oft_spec
+    from tests.actor.helpers import oft_spec
 
     worlds = [int(w) for w in args.worlds.split(",")]
     if any(args.trajectories % (GROUP_SIZE * w) for w in worlds):
@@ -200,7 +200,7 @@ def part_learner(args) -> list[str]:
         shutdown_ray()
     results = list(best.values())
     first = results[0]["ranks"][0]
-    lines = [f"1. learner update: tiny OpenVLA-OFT ({first['numel'] / 1e6:.1f}M parameters), GRPO, "
+    lines = [f"1. actor update: tiny OpenVLA-OFT ({first['numel'] / 1e6:.1f}M parameters), GRPO, "
              f"N={args.trajectories} trajectories x T={args.decisions} decisions, {args.epochs} epoch(s),",
              f"   micro-batch {args.micro_batch}, 1 torch thread per rank; median of {args.repeats} group.train "
              f"after 1 warm-up, best of {args.rounds} rounds;",
@@ -276,10 +276,10 @@ def part_placement(args) -> list[str]:
 
 # --- part 3: the full-size preset, one rank in this process ----------------------------------------------------
 def part_full(args) -> list[str]:
-    from embodirl.learner.learner import prepare_batch
+    from embodirl.actor.actor import prepare_batch
     from embodirl.plain import to_plain
     from embodirl.workers.actor_worker import ActorWorker, build_policy, free_port
-    from tests.learner.helpers import oft_batch, oft_spec
+    from tests.actor.helpers import oft_batch, oft_spec
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -329,23 +329,23 @@ def part_full(args) -> list[str]:
         offloaded = torch.cuda.memory_allocated(device) if cuda else None
         timed("onload()", worker.onload)
         total_peak = torch.cuda.max_memory_allocated(device) if cuda else None
-        trainable = sum(p.numel() for _, p in worker.learner._trainable)
+        trainable = sum(p.numel() for _, p in worker.actor._trainable)
     finally:
         worker.close()
     last_train = phases[f"train #{args.repeats}"]
     args.results = {"model": args.model, "parameters": numel, "trainable": trainable, "dtype": args.param_dtype,
-                    "device": args.device, "fsdp": worker.learner.use_fsdp, "trajectories": args.trajectories,
+                    "device": args.device, "fsdp": worker.actor.use_fsdp, "trajectories": args.trajectories,
                     "decisions_per_trajectory": args.decisions, "micro_batch": args.micro_batch,
-                    "seconds": phases, "decisions": float(metrics["learner/decisions"]),
-                    "decisions_per_s": float(metrics["learner/decisions"]) / last_train,
+                    "seconds": phases, "decisions": float(metrics["actor/decisions"]),
+                    "decisions_per_s": float(metrics["actor/decisions"]) / last_train,
                     "publication_bytes": handle.nbytes,
                     **({"train_peak_bytes": train_peak, "run_peak_bytes": total_peak, "resident_bytes": resident,
                         "offloaded_bytes": offloaded} if cuda else {})}
     lines = [f"3. full preset: model={args.model} ({numel / 1e9:.2f}B parameters, {trainable / 1e6:.1f}M trainable), "
-             f"{args.param_dtype}, LoRA, gradient checkpointing, offload, 1 rank (FSDP2={worker.learner.use_fsdp}), "
+             f"{args.param_dtype}, LoRA, gradient checkpointing, offload, 1 rank (FSDP2={worker.actor.use_fsdp}), "
              f"{args.device}, GRPO N={args.trajectories} x T={args.decisions}, micro-batch {args.micro_batch}"]
     lines += [f"  {name:<36}{seconds:>9.2f} s" for name, seconds in phases.items()]
-    lines.append(f"  decisions/s (last train)          {metrics['learner/decisions'] / last_train:>9.2f}")
+    lines.append(f"  decisions/s (last train)          {metrics['actor/decisions'] / last_train:>9.2f}")
     lines.append(f"  weight publication                 {handle.nbytes / MIB:>9.1f} MiB")
     if cuda:
         lines += [f"  peak GPU memory, train             {train_peak / 2**30:>9.2f} GiB",
@@ -362,7 +362,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=["tiny", "full"], default="tiny",
                         help="tiny: parts 1-2 on CPU with Ray; full: part 3, one rank in this process (GPU)")
-    parser.add_argument("--part", choices=["all", "learner", "placement"], default="all", help="tiny preset only")
+    parser.add_argument("--part", choices=["all", "actor", "placement"], default="all", help="tiny preset only")
     parser.add_argument("--trajectories", type=int, default=None, help="N rows (tiny: 16, full: 4)")
     parser.add_argument("--decisions", type=int, default=None, help="T decisions per trajectory (tiny: 4, full: 4)")
     parser.add_argument("--epochs", type=int, default=1, help="algorithm.update_epochs")
@@ -400,8 +400,8 @@ def main(argv=None) -> None:
             Path(args.json).write_text(json.dumps(args.results, indent=1))
     else:
         lines = []
-        if args.part in ("all", "learner"):
-            lines += part_learner(args)
+        if args.part in ("all", "actor"):
+            lines += part_actor(args)
         if args.part in ("all", "placement"):
             lines += part_placement(args)
     print(header)

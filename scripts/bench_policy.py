@@ -29,8 +29,8 @@ import torch
 from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
 from embodirl.models.openvla_oft import build_policy
-from embodirl.models.openvla_oft.config import load_preset
 from embodirl.models.openvla_oft.modeling import SequenceInputs
+from embodirl.models.openvla_oft.resolve import load_preset
 
 LIBERO_LIKE = EnvSpec(action_dim=7, max_episode_steps=520, task_descriptions=["put the bowl on the plate"],
                       camera_names=["agentview", "wrist"], image_size=(256, 256), state_dim=8, name="libero_10")

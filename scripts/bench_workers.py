@@ -2,15 +2,15 @@
 """Benchmark of the worker layer; every ratio comes from measurements taken side by side in one run.
 
 1. channel   - observation batches of 16 envs x two 224x224 RGB cameras (4.8 MB) from a producer
-               actor (env worker) to a consumer actor (rollout worker), which reads each in place:
+               actor (env worker) to a consumer actor (inference worker), which reads each in place:
                  stream: the shared-memory ring as a queue (send/recv), no Ray message per batch -
-                         how env workers reach a rollout worker on their node;
+                         how env workers reach an inference worker on their node;
                  ref:    the ring's reference as the argument of one Ray call per batch (shown for
                          comparison: Ray's per-call cost alone);
                  ray:    the batch as the argument of one Ray call (Ray's object store) - the path
                          between nodes.
                Target: stream >= 3x the throughput of ray.
-2. pipeline  - one env worker and one rollout worker (Ray actors) collecting the same N envs for T
+2. pipeline  - one env worker and one inference worker (Ray actors) collecting the same N envs for T
                decisions with rollout.pipeline_stage_num S = 1 and S = 2. Env and policy costs are made
                comparable two ways:
                  real:  the toy simulator rendering at a calibrated image size (CPU) and the tiny
@@ -23,7 +23,7 @@
    records   - (how results travel back) a LIBERO-sized trajectory (8 envs x 65 decisions x two 256x256
                cameras) returned by an env worker to the driver: the TensorDict itself vs the packed
                numpy form the worker groups use.
-3. cleanup   - a training-like run (Ray, env + rollout workers, shared-memory rings) killed with SIGKILL
+3. cleanup   - a training-like run (Ray, env + inference workers, shared-memory rings) killed with SIGKILL
                and with Ctrl-C (SIGINT) mid-rollout: counts the run's entries left in /dev/shm.
 
 Usage: python scripts/bench_workers.py [--part all|channel|pipeline|cleanup] [--quick]
@@ -63,7 +63,7 @@ CHANNEL_ENVS, CHANNEL_CAMERAS, CHANNEL_SIZE = 16, 2, 224
 # 1. channel
 # --------------------------------------------------------------------------------------------------
 class Consumer:
-    """A rollout worker's side of the transport: read the batch (zero-copy), touch it, release it."""
+    """An inference worker's side of the transport: read the batch (zero-copy), touch it, release it."""
 
     def __init__(self):
         self.reader = ShmReader()
@@ -268,17 +268,17 @@ def _collect_with_stages(cfg, S: int, N: int, T: int, *, env_builder=None, polic
 
     from embodirl.workers import process_env
     from embodirl.workers.env_group import EnvWorkerGroup
+    from embodirl.workers.inference_group import InferenceGroup
+    from embodirl.workers.inference_worker import sampling_from_config
     from embodirl.workers.layout import RolloutLayout
-    from embodirl.workers.rollout_group import RolloutWorkerGroup
-    from embodirl.workers.rollout_worker import sampling_from_config
 
-    layout = RolloutLayout(num_env_workers=1, num_stages=S, envs_per_stage=N // S, num_rollout_workers=1,
+    layout = RolloutLayout(num_env_workers=1, num_stages=S, envs_per_stage=N // S, num_inference_workers=1,
                            num_decisions=T)
     env_cfg = OmegaConf.to_container(cfg.env.train, resolve=True)
     # fractional CPUs: both actors fit a 2-core Ray; the OS, not Ray, shares the cores
     env_group = EnvWorkerGroup(env_cfg, layout, remote=True, return_value=False, use_shm=True,
                                process_vars=process_env.forwarded(), env_builder=env_builder)
-    rollout_group = RolloutWorkerGroup(cfg.model, env_group.spec, num_workers=1, backend="huggingface",
+    rollout_group = InferenceGroup(cfg.model, env_group.spec, num_workers=1, backend="huggingface",
                                        sampling=sampling_from_config(cfg.rollout), remote=True,
                                        process_vars=process_env.forwarded(), policy=policy)
     env_group.attach(rollout_group)
@@ -481,7 +481,7 @@ def main() -> None:
                                latency_s=args.latency_ms / 1e3)
             s1, s2 = r["s1"], r["s2"]
             print(f"pipeline ({load}): {r['note']}; N={r['N']} envs, T={r['T']} decisions, "
-                  "1 env worker + 1 rollout worker")
+                  "1 env worker + 1 inference worker")
             print(f"  S=1: {s1['wall']:.2f}s  (env-only {s1['env']:.2f}s, policy-only {s1['infer']:.2f}s)")
             print(f"  S=2: {s2['wall']:.2f}s  (env {s2['env']:.2f}s, policy {s2['infer']:.2f}s, "
                   f"waiting {s2['wait']:.2f}s)")

@@ -2,10 +2,10 @@
 
     .venv/bin/python scripts/dry_run.py env=libero_10 model=openvla_oft [--json out.json]
 
-Builds the model a config names without memory, runs ``act``, one learner update and a full publication through the
+Builds the model a config names without memory, runs ``act``, one actor update and a full publication through the
 real code (a tensor left on the CPU inside the policy raises, as on a GPU), and prints FLOPs per decision and the
 bytes of parameters, gradients, optimizer state and activations, then ``embodirl doctor``'s memory estimate for
-one learner rank with its ratio to the dry run's peak.
+one actor rank with its ratio to the dry run's peak.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     report = dry_run(cfg)
     print(format_report(report))
     doctor = memory_plan(cfg, model_size(cfg), "cpu")["actor"]
-    print(f"doctor's estimate for one learner rank: {doctor / 1024**3:.2f} GiB "
+    print(f"doctor's estimate for one actor rank: {doctor / 1024**3:.2f} GiB "
           f"({doctor / report.update_peak_bytes:.2f} x the dry run's peak)")
     print("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in report.seconds.items()))
     if args.json:

@@ -7,10 +7,10 @@ Steps, in order; the first that fails ends the check (exit status 1) with its er
 
 1. ``environment``: torch, transformers, peft, the device and its memory;
 2. ``dry_run``: the preset on the meta device (:mod:`embodirl.dry_run`): FLOPs per decision of ``act`` and of
-   an update, and the learner's bytes (the compute bound below comes from it);
+   an update, and the actor's bytes (the compute bound below comes from it);
 3. ``policy``: ``scripts/bench_policy.py`` - parallel vs autoregressive decoding and ``policy.act`` decisions/s
    at several batch sizes;
-4. ``learner``: ``scripts/bench_actor.py --preset full`` - one FSDP2 learner rank in this process: one update,
+4. ``actor``: ``scripts/bench_actor.py --preset full`` - one FSDP2 actor rank in this process: one update,
    publication, offload and onload, peak memory;
 5. ``train``: the real CLI, the in-process path (``cluster.use_ray=false model.device=<device>``) with the preset
    on ``env=toy_reach`` and GRPO, 3 training steps with an evaluation and a checkpoint at the third;
@@ -41,10 +41,10 @@ MODES = {
             "policy": ["--rounds", "5", "--decode-batches", "1", "8", "--act-batches", "1", "8", "32", "64",
                        "--attn-implementation", "sdpa"],
             # the issue's measured setting: N16 x T8, micro-batch 8 (64 decisions per forward)
-            "learner": ["--trajectories", "16", "--decisions", "8", "--micro-batch", "8", "--repeats", "2"]},
+            "actor": ["--trajectories", "16", "--decisions", "8", "--micro-batch", "8", "--repeats", "2"]},
     "cpu": {"preset": "openvla_oft_tiny", "device": "cpu", "dtype": "bfloat16",
             "policy": ["--rounds", "2", "--decode-batches", "1", "--act-batches", "1", "4", "--threads", "1"],
-            "learner": ["--trajectories", "4", "--decisions", "2", "--micro-batch", "2", "--repeats", "1"]},
+            "actor": ["--trajectories", "4", "--decisions", "2", "--micro-batch", "2", "--repeats", "1"]},
 }
 TRAIN_STEPS = 3
 #: the GPU issue's goals
@@ -162,10 +162,10 @@ def policy_step(report: Report, mode: dict) -> dict:
     return json.loads(out.read_text())
 
 
-def learner_step(report: Report, mode: dict) -> dict:
-    out = report.out / "learner.json"
+def actor_step(report: Report, mode: dict) -> dict:
+    out = report.out / "actor.json"
     args = ["scripts/bench_actor.py", "--preset", "full", "--device", mode["device"], "--model", mode["preset"],
-            "--param-dtype", mode["dtype"], *mode["learner"], "--json", str(out)]
+            "--param-dtype", mode["dtype"], *mode["actor"], "--json", str(out)]
     print(run(report, args, timeout_s=900)[-2500:], flush=True)
     return json.loads(out.read_text())
 
@@ -194,7 +194,7 @@ def train_step(report: Report, mode: dict, work: Path) -> dict:
         raise RuntimeError(f"the run ended with {len(steps)} steps, {len(evals)} evaluations and "
                            f"{'a' if checkpoint.is_dir() else 'no'} checkpoint at step {TRAIN_STEPS}")
     keys = ("time/step", "time/collect", "time/update", "time/sync_weights", "actor/first_step_ratio_error",
-            "train/success_rate", "learner/decisions")
+            "train/success_rate", "actor/decisions")
     return {"steps": [{k: r.get(k) for k in ("step", *keys)} for r in steps],
             "eval": {k: evals[-1].get(k) for k in ("step", "eval/success_rate", "eval/episodes", "time/eval")},
             "checkpoint": str(checkpoint)}
@@ -212,7 +212,7 @@ def eval_step(report: Report, mode: dict, work: Path, checkpoint: str) -> dict:
 def targets(data: dict) -> dict:
     """The GPU issue's goals beside the measured numbers (None where this mode cannot measure them)."""
     steps = {name: step.get("result") or {} for name, step in data["steps"].items()}
-    dry, policy, learner = steps.get("dry_run", {}), steps.get("policy", {}), steps.get("learner", {})
+    dry, policy, actor = steps.get("dry_run", {}), steps.get("policy", {}), steps.get("actor", {})
     peak = steps.get("environment", {}).get("bf16_peak_tflops")
     act = {r["batch"]: r["decisions_per_s"] for r in policy.get("act", [])}
     out = {}
@@ -222,15 +222,15 @@ def targets(data: dict) -> dict:
         out["act"] = {"batch": batch, "decisions_per_s": act[batch], "goal_decisions_per_s": ACT_TARGET_DECISIONS_PER_S,
                       "tflops": achieved, "fraction_of_peak": achieved / peak if peak else None,
                       "goal_fraction_of_peak": ACT_TARGET_FRACTION_OF_BOUND}
-    if learner:
-        achieved = learner["decisions_per_s"] * dry.get("update_flops_per_decision", 0) / 1e12
-        seconds = learner.get("seconds", {})
+    if actor:
+        achieved = actor["decisions_per_s"] * dry.get("update_flops_per_decision", 0) / 1e12
+        seconds = actor.get("seconds", {})
         moves = seconds.get("offload()", 0.0) + seconds.get("onload()", 0.0)
-        out["learner"] = {"decisions_per_s": learner["decisions_per_s"], "tflops": achieved,
+        out["actor"] = {"decisions_per_s": actor["decisions_per_s"], "tflops": achieved,
                           "fraction_of_peak": achieved / peak if peak else None,
                           "goal_fraction_of_peak": LEARNER_TARGET_FRACTION_OF_PEAK,
                           "offload_plus_onload_s": moves, "goal_offload_plus_onload_s": OFFLOAD_ONLOAD_TARGET_S,
-                          "train_peak_gib": (learner.get("train_peak_bytes") or 0) / 2**30 or None,
+                          "train_peak_gib": (actor.get("train_peak_bytes") or 0) / 2**30 or None,
                           "dry_run_peak_gib": dry.get("update_peak_bytes", 0) / 2**30}
     return out
 
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     report.step("environment", lambda: environment(mode["device"]))
     report.step("dry_run", lambda: dry_run_step(mode["preset"]))
     report.step("policy", lambda: policy_step(report, mode))
-    report.step("learner", lambda: learner_step(report, mode))
+    report.step("actor", lambda: actor_step(report, mode))
     trained = report.step("train", lambda: train_step(report, mode, work))
     report.step("eval", lambda: eval_step(report, mode, work, trained["checkpoint"]))
     report.data["targets"] = targets(report.data)

@@ -12,10 +12,10 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
+from embodirl.actor.settings import ActorSettings
 from embodirl.config import compose, validate
 from embodirl.errors import ConfigError
-from embodirl.learner.config import LearnerConfig
-from embodirl.models.openvla_oft.config import build_config, load_preset
+from embodirl.models.openvla_oft.resolve import build_config, load_preset
 from embodirl.models.registry import get_policy_builder
 from embodirl.placement import data_parallel_size
 from embodirl.rollout.records import decisions_per_episode
@@ -102,8 +102,8 @@ def test_recipe_values(recipe):
     assert cfg.env.train.max_episode_steps == 512 and decisions_per_episode(cfg) == 64   # RLinf, SimpleVLA-RL
     assert cfg.env.eval.max_episode_steps == 520                                          # OFT's protocol
     # GRPO: no critic, no reference forward
-    learner = LearnerConfig.from_config({"algorithm": cfg.algorithm, "actor": cfg.actor})
-    assert not learner.uses_critic and not learner.kl_active
+    actor = ActorSettings.from_config({"algorithm": cfg.algorithm, "actor": cfg.actor})
+    assert not actor.uses_critic and not actor.kl_active
 
 
 def test_recipe_sets_exactly_its_keys_outside_model():

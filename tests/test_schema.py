@@ -142,7 +142,7 @@ def test_dataclasses_that_read_the_config_agree_with_it():
                     continue
                 if repr(f.default) not in values[f.name]:
                     disagreements.append(f"{name}.{cls.__name__}.{f.name} = {f.default!r}, config: {values[f.name]}")
-    assert {"AdvantageParams", "LossParams", "LearnerConfig"} <= set(checked), checked
+    assert {"AdvantageParams", "LossParams", "ActorSettings"} <= set(checked), checked
     assert not disagreements, disagreements
 
 
@@ -232,7 +232,7 @@ LAYERS = [
      "config_fields"},
     {"envs"}, {"data"}, {"algorithms", "channel"}, {"models"},
     {"schema"},                   # the typed config: what the layers above read; choice lists from the leaves below
-    {"rollout"}, {"learner"}, {"workers"}, {"runner"},
+    {"rollout"}, {"actor"}, {"workers"}, {"runner"},
     {"config"},                   # composition and validation (runs the runner's own rules)
     {"memory_plan", "dry_run"}, {"doctor"}, {"demos", "sft"}, {"cli"},
 ]

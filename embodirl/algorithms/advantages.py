@@ -39,7 +39,7 @@ consecutive blocks of ``group_size`` rows that share ``group_id`` (and ``init_st
 
 :func:`compute_advantages` applies the estimator to a whole batch and optionally whitens the result
 over valid entries (``normalize_advantages``). Both need the *whole* rollout batch (group and batch
-statistics), so they run before the batch is cut into learner shards.
+statistics), so they run before the batch is cut into actor shards.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ Estimator = Callable[[AdvantageInputs, AdvantageParams], tuple[torch.Tensor, tor
 @dataclass(frozen=True)
 class EstimatorSpec:
     """An estimator and what a run must provide for it, declared where it is registered (the schema, the worker
-    groups, the learner and the runner read these flags instead of lists of names)."""
+    groups, the actor and the runner read these flags instead of lists of names)."""
 
     fn: Estimator
     critic: bool = False            # reads the critic's ``value`` (a value head, PPO-style)
@@ -147,7 +147,7 @@ def get_advantage_estimator(name: str) -> Estimator:
 
 
 def uses_critic(adv_type: str) -> bool:
-    """The estimator reads the critic's values (so rollouts ask the policy for values and the learner trains them)."""
+    """The estimator reads the critic's values (so rollouts ask the policy for values and the actor trains them)."""
     return estimator_spec(str(adv_type)).critic
 
 

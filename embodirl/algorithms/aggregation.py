@@ -19,7 +19,7 @@ of valid tokens in that micro-batch - a token's weight would depend on how many 
 to share its micro-batch, and the result would change with ``micro_batch_size`` and the number of
 ranks. Every reduction above is instead written as ``sum over rows of row_term / D`` where ``row_term``
 depends only on the row and ``D`` (valid units, or sequences with at least one valid unit) is counted
-on the whole global batch *before* splitting (summed across ranks by the learner). A sum of row terms
+on the whole global batch *before* splitting (summed across ranks by the actor). A sum of row terms
 splits exactly along N, so the micro-batched, sharded gradient equals the full-batch gradient up to
 floating-point reassociation.
 """

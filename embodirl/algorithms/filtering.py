@@ -7,8 +7,8 @@ kept when its success rate lies strictly inside ``(min_success, max_success)`` -
 al. 2025, without the re-sampling).
 
 Dropped rows are not removed from the batch: :func:`drop_filtered` marks their decisions invalid, so
-shapes stay fixed (every learner shard keeps the same number of rows), the aggregation's global
-denominators exclude them, and the learner skips their forward passes.
+shapes stay fixed (every actor shard keeps the same number of rows), the aggregation's global
+denominators exclude them, and the actor skips their forward passes.
 """
 
 from __future__ import annotations

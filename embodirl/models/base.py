@@ -1,4 +1,4 @@
-"""The policy interface shared by the rollout worker (``act``) and the learner (``evaluate``).
+"""The policy interface shared by the inference worker (``act``) and the actor (``evaluate``).
 
 A policy maps a batched observation to an action chunk ``[B, H, A]`` and returns the quantities RL
 needs: the sampled "policy-space" actions from which log-probs are recomputed (``action_tokens`` for
@@ -63,7 +63,7 @@ def default_dtype(dtype: torch.dtype):
 
 def scoring_temperature(temperature: float) -> float:
     """The temperature at which the log-probs of actions chosen at ``temperature`` were scored: greedy
-    decisions (temperature 0) are scored at 1, so the learner recomputes them there."""
+    decisions (temperature 0) are scored at 1, so the actor recomputes them there."""
     return 1.0 if float(temperature) == 0 else float(temperature)
 
 
@@ -96,8 +96,8 @@ class Policy(nn.Module, abc.ABC):
 
     # --- weights that change during RL ---------------------------------------------------------
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """The tensors the learner changes (LoRA adapter, value head, ...), detached on CPU; this is
-        what weight sync publishes to rollout workers."""
+        """The tensors the actor changes (LoRA adapter, value head, ...), detached on CPU; this is
+        what weight sync publishes to inference workers."""
         return {name: p.detach().cpu().clone() for name, p in self.named_parameters() if p.requires_grad}
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -115,9 +115,9 @@ class Policy(nn.Module, abc.ABC):
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
     def cast_trainable_(self, dtype: torch.dtype) -> None:
-        """Hold the trainable tensors in ``dtype``: an inference copy computes them in the dtype its learner
+        """Hold the trainable tensors in ``dtype``: an inference copy computes them in the dtype its actor
         computes them in (FSDP2's mixed precision casts the float32 master weights to it), so that its
-        log-probs are the learner's; weight updates are cast on arrival (:meth:`load_trainable_state_dict`)."""
+        log-probs are the actor's; weight updates are cast on arrival (:meth:`load_trainable_state_dict`)."""
         for param in self.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
@@ -126,7 +126,7 @@ class Policy(nn.Module, abc.ABC):
     def save_trainable(self, folder: str | Path, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         """Write the trained tensors into ``folder``: by default every trainable tensor, by parameter
         name, in ``trainable.safetensors``. ``tensors`` (full CPU tensors named as in
-        :meth:`trainable_state_dict`, e.g. gathered by the learner) replaces the live ones. Adapter
+        :meth:`trainable_state_dict`, e.g. gathered by the actor) replaces the live ones. Adapter
         policies override this to write the adapter in its library's layout."""
         from safetensors.torch import save_file
 

@@ -53,8 +53,8 @@ class StateNormalizer(nn.Module):
     """Per-feature running mean and variance of training states; ``forward`` standardises and clips.
 
     The statistics are parameters that no gradient reaches (``forward`` detaches them, so the optimizer,
-    which skips parameters without a gradient, never steps them). The learner folds each batch's valid
-    states in after its update (:meth:`observe`, merged over the learner's ranks) and publishes them with
+    which skips parameters without a gradient, never steps them). The actor folds each batch's valid
+    states in after its update (:meth:`observe`, merged over the actor's ranks) and publishes them with
     the changed weights, so rollout copies, evaluation and checkpoints all normalise with the same numbers,
     and the states of one update are scored with the statistics they were collected with.
     """
@@ -142,7 +142,7 @@ class StateMLPPolicy(Policy):
 
     def observe_batch(self, batch) -> list[str]:
         """After an update: fold the batch's valid states into the normaliser; returns the names of the
-        parameters that changed (the learner publishes them). Collective under a process group."""
+        parameters that changed (the actor publishes them). Collective under a process group."""
         if self.obs_norm is None:
             return []
         states = batch.get(D.STATE)                       # (N, T, S)

@@ -7,7 +7,7 @@ all pipelining needs, and it hides where inference runs:
 * :class:`PolicyInference` (here) runs a :class:`~embodirl.models.base.Policy` in this process -
   synchronously, or on one background thread so that env stepping (simulators in sub-processes) and
   inference (torch ops release the GIL) overlap;
-* the worker layer's Ray client sends the batch to a rollout worker (shared-memory channel or Ray's
+* the worker layer's Ray client sends the batch to an inference worker (shared-memory channel or Ray's
   object store) and returns a handle on the remote call.
 
 :func:`act` is the one place that turns an env observation into a policy call (instructions looked up

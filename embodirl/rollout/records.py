@@ -5,7 +5,7 @@ and is filled one decision at a time, in the order the collector sees things:
 
 1. :meth:`~DecisionRecorder.record_obs` - the observation the policy acted on (``images``, ``state``,
    ``task_id``) and whether the decision happened (``valid``);
-2. :meth:`~DecisionRecorder.record_policy` - what the rollout worker returned (``action_chunk``, the
+2. :meth:`~DecisionRecorder.record_policy` - what the inference worker returned (``action_chunk``, the
    policy-space actions ``action_tokens``/``action_sample``, ``logprob_behavior``, ``value``) and the
    ``weight_version`` that produced it;
 3. :meth:`~DecisionRecorder.record_step` - what the env returned for that chunk (``reward``,
@@ -93,7 +93,7 @@ class DecisionRecorder:
         self.valid[:, t] = valid
 
     def record_policy(self, t: int, out: Mapping[str, object], weight_version: int) -> None:
-        """The rollout worker's answer for decision ``t`` (tensors or arrays with leading dim B)."""
+        """The inference worker's answer for decision ``t`` (tensors or arrays with leading dim B)."""
         for key in POLICY_FIELDS:
             if key in out:
                 self._put(key, t, out[key])

@@ -219,7 +219,7 @@ def load_rng(folder: Path) -> None:
 
 
 def save_worker_rng(folder: Path, states: list[dict] | None) -> None:
-    """The rollout workers' RNG states (remote workers sample in their own processes) as JSON; None:
+    """The inference workers' RNG states (remote workers sample in their own processes) as JSON; None:
     nothing to save (in-process workers use the driver's generators, saved in ``rng.json``)."""
     if states is not None:
         _write_json(folder / WORKER_RNG, [rng_state_to_json(state) for state in states])

@@ -7,8 +7,8 @@ state k, 50 trials per task in the standard protocol) or, for adapters without f
 slots on the evaluation env workers of a :class:`~embodirl.workers.groups.WorkerGroups` (in this process
 or Ray workers: the same code), which collect with the training
 :class:`~embodirl.rollout.collector.RolloutCollector` without auto-reset, every episode to termination or
-its time limit, the rollout workers sampling with the evaluation parameters
-(:func:`~embodirl.workers.rollout_worker.sampling_from_config`: greedy with ``runner.eval_greedy``, else
+its time limit, the inference workers sampling with the evaluation parameters
+(:func:`~embodirl.workers.inference_worker.sampling_from_config`: greedy with ``runner.eval_greedy``, else
 ``rollout.temperature`` / ``rollout.eval_temperature``, ``rollout.top_k``, ``rollout.top_p``).
 :func:`episode_results` turns each batch into :class:`~embodirl.runner.eval_report.EpisodeResult` rows and
 :func:`~embodirl.runner.eval_report.build_eval_info` builds the report. The first ``runner.eval_num_videos``
@@ -139,7 +139,7 @@ def eval_env_cfg(cfg: DictConfig) -> dict:
 
 def run_sweep(groups, cfg: DictConfig, *, out_dir: str | Path, seed: int) -> dict:
     """The evaluation sweep on ``groups``' evaluation env workers (:meth:`WorkerGroups.evaluate
-    <embodirl.workers.groups.WorkerGroups.evaluate>`: the training collector with the rollout workers'
+    <embodirl.workers.groups.WorkerGroups.evaluate>`: the training collector with the inference workers'
     evaluation sampling), in batches of the evaluation env's ``num_envs`` slots; returns the ``eval_info``
     dict. The first batch's first ``runner.eval_num_videos`` episodes are recorded (with
     ``runner.eval_episodes``: every chosen episode) straight into ``out_dir/videos``."""

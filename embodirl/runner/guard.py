@@ -13,7 +13,7 @@ Rules, each optional (``runner.guard.*``):
 * ``nonfinite``: a non-finite loss term or gradient (:class:`~embodirl.errors.NonFiniteUpdate`), which otherwise
   stops the run.
 
-A tripped rule with ``action: rollback`` restores every learner rank from the checkpoint of the best evaluation so
+A tripped rule with ``action: rollback`` restores every actor rank from the checkpoint of the best evaluation so
 far (weights, optimizer moments, learning-rate schedule; the guard writes one at each new best), multiplies the
 learning rate by ``lr_factor`` (cumulatively), publishes the restored weights and goes on counting steps; after
 ``max_rollbacks`` rollbacks, or with ``action: stop``, the run stops with one sentence naming the best checkpoint.

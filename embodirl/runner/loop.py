@@ -1,11 +1,11 @@
 """The single-controller loop: ``collect -> advantages -> update -> sync weights``, each timed, with
 evaluation, checkpoints and logging around it.
 
-Every worker belongs to one :class:`~embodirl.workers.groups.WorkerGroups`: env workers and rollout workers, in
+Every worker belongs to one :class:`~embodirl.workers.groups.WorkerGroups`: env workers and inference workers, in
 this process (the default job: simulators in sub-processes, pipeline stages overlapping through a background
 inference thread) or as Ray workers with the shared-memory observation channel (``cluster.use_ray``), the
-same classes either way, and the learner's :class:`~embodirl.workers.actor_group.ActorGroup`: one rank in this
-process (whose module the rollout worker acts with), or N FSDP2 ranks as Ray workers.
+same classes either way, and the actor's :class:`~embodirl.workers.actor_group.ActorGroup`: one rank in this
+process (whose module the inference worker acts with), or N FSDP2 ranks as Ray workers.
 
 One step::
 
@@ -13,15 +13,15 @@ One step::
     batch    = actors.with_ref_logprob(batch)   # only with a KL term (reference forward on the ranks)
     prepared = prepare_batch(batch)             # driver: KL penalty, group filter, advantages (whole batch)
     metrics  = actors.train(prepared)           # every rank its shard of whole groups: replay + update epochs
-    groups.sync_weights()                       # rank 0 posts the changed tensors; rollout workers read them
+    groups.sync_weights()                       # rank 0 posts the changed tensors; inference workers read them
 
 Every ``runner.train_video_interval`` steps the first rollout of the step is recorded to
 ``videos/train/step_<n>/`` (the envs of ``env.train.video.env_ids``).
 
 Resuming: ``runner.resume_mode=auto`` continues from the latest complete checkpoint of
-``runner.output_dir`` (or ``runner.resume_dir``); the learner ranks restore their state (from any number
-of ranks that wrote it), RNG states (the rollout workers' too) and the start-planning generator are
-restored, and the acting policy starts from the restored weights and version. A learner rank that dies
+``runner.output_dir`` (or ``runner.resume_dir``); the actor ranks restore their state (from any number
+of ranks that wrote it), RNG states (the inference workers' too) and the start-planning generator are
+restored, and the acting policy starts from the restored weights and version. A actor rank that dies
 ends the run with one sentence, or with ``runner.max_restarts`` rebuilds the workers from the last
 complete checkpoint.
 """
@@ -40,11 +40,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from embodirl import checkpoint_layout as layout
 from embodirl import data as D
 from embodirl import runtime
+from embodirl.actor.actor import prepare_batch
 from embodirl.algorithms.advantages import estimator_spec
 from embodirl.algorithms.kl import KLController
 from embodirl.envs.video import step_folder
 from embodirl.errors import ConfigError, NonFiniteUpdate, RunFailed
-from embodirl.learner.learner import prepare_batch
 from embodirl.models.registry import make_policy
 from embodirl.placement import use_ray
 from embodirl.progress import Ticker
@@ -178,9 +178,9 @@ class Runner:
         return ckpt.resume_source(r.resume_dir, r.resume_mode, self.out)
 
     def _workers(self, *, train: bool) -> WorkerGroups:
-        """The run's workers. The driver holds a policy object in this process (the one the learner rank trains and
-        the rollout worker acts with) and for evaluation (the one a checkpoint's trained weights are loaded into);
-        training on Ray it holds none: rollout workers and learner ranks build the policy with the same seeded
+        """The run's workers. The driver holds a policy object in this process (the one the actor rank trains and
+        the inference worker acts with) and for evaluation (the one a checkpoint's trained weights are loaded into);
+        training on Ray it holds none: inference workers and actor ranks build the policy with the same seeded
         initialisation."""
         cfg = self.cfg
         driver_policy = None if use_ray(cfg) and train else (lambda spec: make_policy(cfg.model, spec))
@@ -197,7 +197,7 @@ class Runner:
         where = {"actor": [{**{k: info.get(k) for k in ("rank", "pid", "node_id", "device", "fsdp")},
                             "slot": slot("actor", i)} for i, info in enumerate(actors.infos)]}
         where["rollout"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
-                             "slot": slot("rollout", i)} for i, info in enumerate(groups.rollout.infos)]
+                             "slot": slot("rollout", i)} for i, info in enumerate(groups.inference.infos)]
         if groups.env is not None:
             where["env"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
                              "slot": slot("env", i)} for i, info in enumerate(groups.env.infos)]
@@ -218,7 +218,7 @@ class Runner:
 
     @staticmethod
     def _load_actor_state(actors, source: Path) -> None:
-        """Restore every learner rank from checkpoint ``source`` (trained weights, optimizer, schedule,
+        """Restore every actor rank from checkpoint ``source`` (trained weights, optimizer, schedule,
         replay buffer, counters); a checkpoint of another model is one sentence naming it."""
         try:
             actors.load(source.resolve())
@@ -230,7 +230,7 @@ class Runner:
             raise ConfigError("runner.resume_dir", f"cannot resume from {source}: {message}{hint}") from None
 
     def run_train(self) -> None:
-        """Train; with ``runner.max_restarts > 0`` a learner rank that dies rebuilds every worker group
+        """Train; with ``runner.max_restarts > 0`` a actor rank that dies rebuilds every worker group
         and the run goes on from its last complete checkpoint."""
         from embodirl.workers.actor_group import ActorRankDied
 
@@ -274,7 +274,7 @@ class Runner:
             ckpt.load_rng(source / "runner")
             groups.set_rng_states(ckpt.load_worker_rng(source / "runner"))
             log.info("resumed from %s (step %d)", source, start_step)
-        # the acting policy starts from the learner's weights and version (restored ones after a resume)
+        # the acting policy starts from the actor's weights and version (restored ones after a resume)
         groups.sync_weights(full=True)
         self._write_placement(groups, actors)
         logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
@@ -297,7 +297,7 @@ class Runner:
             success = self._log_eval(logger, groups, step)
             if not self.guard.enabled:
                 return
-            if self.guard.is_new_best(success):   # the rollback target: this evaluation's weights and learner state
+            if self.guard.is_new_best(success):   # the rollback target: this evaluation's weights and actor state
                 self.guard.record_best(step, success, str(save(step)))
             else:
                 self._guard_check(self.guard.after_eval(step, success), step, actors, groups, logger)
@@ -359,7 +359,7 @@ class Runner:
 
     def _guard_check(self, reason: str | None, step: int, actors, groups: WorkerGroups, logger: MetricsLogger
                      ) -> None:
-        """A tripped collapse guard (``reason``): log the event; roll every learner rank back to the best
+        """A tripped collapse guard (``reason``): log the event; roll every actor rank back to the best
         checkpoint, scale the learning rate and publish the restored weights - or stop the run."""
         if reason is None:
             return
@@ -444,15 +444,15 @@ class Runner:
 
     def _save(self, step: int, actors, starts_rng: np.random.Generator, env_steps: float = 0.0, *,
               groups: WorkerGroups | None = None, kl_coef: float = 0.0) -> Path:
-        """Checkpoint ``step_<step>`` in the layout of :mod:`embodirl.runner.checkpoint`: the learner
-        ranks write their shards and rank 0 the policy export (``groups``: where Ray rollout workers'
+        """Checkpoint ``step_<step>`` in the layout of :mod:`embodirl.runner.checkpoint`: the actor
+        ranks write their shards and rank 0 the policy export (``groups``: where Ray inference workers'
         RNG states come from)."""
         worker_rng = None if groups is None else groups.rng_states()
 
         def write_policy(folder: Path) -> None:
-            """Written with the learner state below (one call to the ranks)."""
+            """Written with the actor state below (one call to the ranks)."""
 
-        def write_learner(folder: Path) -> None:
+        def write_actor(folder: Path) -> None:
             actors.save(folder.resolve(), (folder.parent / layout.POLICY).resolve())
 
         def write_runner(folder: Path) -> None:
@@ -465,7 +465,7 @@ class Runner:
         def write_config(folder: Path) -> None:
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
 
-        path = ckpt.save_checkpoint(self.out, step, {layout.POLICY: write_policy, layout.LEARNER: write_learner,
+        path = ckpt.save_checkpoint(self.out, step, {layout.POLICY: write_policy, layout.ACTOR: write_actor,
                                                      layout.RUNNER: write_runner, layout.CONFIG: write_config})
         log.info("checkpoint: %s", path)
         return path

@@ -56,8 +56,8 @@ def _kl_controllers():
     return KL_CONTROLLERS
 
 
-#: choices of keys whose code sits above the schema (the learner, the runner): declared here, imported there
-LR_SCHEDULES = ("constant", "linear", "cosine")           # actor.optim.lr_schedule (embodirl/learner/optim.py)
+#: choices of keys whose code sits above the schema (the actor, the runner): declared here, imported there
+LR_SCHEDULES = ("constant", "linear", "cosine")           # actor.optim.lr_schedule (embodirl/actor/optim.py)
 EVAL_PROTOCOLS = ("parallel", "oft")                      # runner.eval_protocol (embodirl/runner/evaluation.py)
 GUARD_ACTIONS = ("rollback", "stop")                      # runner.guard.action (embodirl/runner/guard.py)
 
@@ -210,7 +210,7 @@ class Algorithm:
                                               "the same start, so a row must hold one episode: set "
                                               "env.train.auto_reset=false")
             if ctx.use_ray and not cfg.runner.eval_greedy:
-                _fail("runner.eval_greedy", f"adv_type={adv_type} runs its baseline rollouts with the rollout workers' "
+                _fail("runner.eval_greedy", f"adv_type={adv_type} runs its baseline rollouts with the inference workers' "
                                             "evaluation sampling, which must be greedy: set runner.eval_greedy=true")
         if alg.reward_type != cfg.env.train.get("reward_type", alg.reward_type):
             _fail("env.train.reward_type", f"'{cfg.env.train.reward_type}' differs from algorithm.reward_type "
@@ -247,8 +247,8 @@ class Rollout:
                 _fail("rollout.merge_lora", f"model {cfg.model.name} has no LoRA adapter to merge; set "
                                             "rollout.merge_lora=false")
             if not ctx.use_ray:
-                _fail("rollout.merge_lora", "folds the adapter into a rollout worker's own copy of the policy, and "
-                                            "without Ray the rollout acts with the learner's module: set "
+                _fail("rollout.merge_lora", "folds the adapter into an inference worker's own copy of the policy, and "
+                                            "without Ray the rollout acts with the actor's module: set "
                                             "cluster.use_ray=true, or rollout.merge_lora=false")
 
         H, steps = int(cfg.model.action_chunk), int(cfg.env.train.max_episode_steps)
@@ -277,7 +277,7 @@ class EnvWorkers:
     enable_offload: bool = required()
 
 
-# --- actor (the learner) -----------------------------------------------------------------------------------
+# --- actor (the actor) -----------------------------------------------------------------------------------
 @dataclass
 class Optim:
     lr: float = num(0, lo_open=True)
@@ -324,21 +324,21 @@ class Actor:
     def rules(cfg, ctx) -> None:
         actor, dp, placement = cfg.actor, ctx.dp, ctx.placement
         if placement.accelerator == "cpu" and dp > len(placement.devices["actor"]):
-            _fail("actor.cpu_world_size", f"{dp} learner ranks need {dp} CPU slots but cluster.component_placement "
+            _fail("actor.cpu_world_size", f"{dp} actor ranks need {dp} CPU slots but cluster.component_placement "
                                           f"gives actor {len(placement.devices['actor'])} "
                                           f"({','.join(map(str, placement.devices['actor']))}); lower "
                                           "actor.cpu_world_size or give actor more slots")
         if placement.accelerator == "gpu" and int(actor.cpu_world_size) > 1:
-            _fail("actor.cpu_world_size", f"on GPUs the learner has one rank per device placement gives actor ({dp}); "
+            _fail("actor.cpu_world_size", f"on GPUs the actor has one rank per device placement gives actor ({dp}); "
                                           "leave actor.cpu_world_size=1 and set cluster.component_placement")
         # each rank takes global/dp rows per optimizer step, in micro-batches of at most micro rows
         micro, global_bs = int(actor.micro_batch_size), int(actor.global_batch_size)
         if global_bs % dp:
             _fail("actor.global_batch_size", f"{global_bs} trajectories do not split evenly over the data-parallel "
-                                             f"size {dp} (learner ranks); make it a multiple of {dp}")
+                                             f"size {dp} (actor ranks); make it a multiple of {dp}")
         per_rank = global_bs // dp
         if micro < per_rank and per_rank % micro:
-            _fail("actor.global_batch_size", f"the {per_rank} rows each of the {dp} learner rank(s) takes per optimizer "
+            _fail("actor.global_batch_size", f"the {per_rank} rows each of the {dp} actor rank(s) takes per optimizer "
                                              f"step are not divisible by actor.micro_batch_size = {micro}; make "
                                              f"global_batch_size a multiple of {micro * dp}")
         rollout_batch = int(cfg.env.train.num_envs) * int(cfg.rollout.rollout_epoch)
@@ -346,16 +346,16 @@ class Actor:
             _fail("actor.global_batch_size", f"the rollout batch env.train.num_envs x rollout.rollout_epoch = "
                                              f"{rollout_batch} trajectories is not divisible by actor.global_batch_size "
                                              f"= {global_bs}")
-        if not cfg.runner.only_eval:  # the rules the learner checks again with its world size
-            learner_rules(actor, cfg.algorithm, dp)
+        if not cfg.runner.only_eval:  # the rules the actor checks again with its world size
+            actor_rules(actor, cfg.algorithm, dp)
 
 
-def learner_rules(actor, algorithm, world_size: int) -> None:
-    """The actor rules that need only ``actor``, ``algorithm`` and the learner's world size (the learner runs
-    them itself, :meth:`embodirl.learner.config.LearnerConfig.check`)."""
+def actor_rules(actor, algorithm, world_size: int) -> None:
+    """The actor rules that need only ``actor``, ``algorithm`` and the actor's world size (the actor runs
+    them itself, :meth:`embodirl.actor.settings.ActorSettings.check`)."""
     global_bs = int(actor["global_batch_size"])
     if global_bs % world_size:
-        _fail("actor.global_batch_size", f"{global_bs} trajectories do not split evenly over {world_size} learner "
+        _fail("actor.global_batch_size", f"{global_bs} trajectories do not split evenly over {world_size} actor "
                                          "ranks")
     optim = actor["optim"]
     if optim["lr_schedule"] != "constant" and optim["lr_decay_steps"] is None:

@@ -14,11 +14,11 @@ def main(overrides: Sequence[str]) -> int:
     from embodirl.envs.registry import make_env
     from embodirl.errors import ConfigError
     from embodirl.plain import to_plain
-    from embodirl.sft import config as sft_config
+    from embodirl.sft import compose as sft_compose
 
-    cfg = sft_config.compose(overrides)
-    sft_config.check(cfg)
-    validate(sft_config.main_config(cfg))
+    cfg = sft_compose.compose(overrides)
+    sft_compose.check(cfg)
+    validate(sft_compose.main_config(cfg))
     try:
         dataset = LeRobotDataset(cfg.data.path, action_chunk=int(cfg.model.action_chunk))
     except DatasetError as exc:
@@ -28,7 +28,7 @@ def main(overrides: Sequence[str]) -> int:
     probe = make_env(to_plain(cfg.env.train), num_envs=1, seed=int(cfg.runner.seed))
     spec = probe.spec
     probe.close()
-    camera_keys = sft_config.check_dataset(cfg, dataset, spec)
+    camera_keys = sft_compose.check_dataset(cfg, dataset, spec)
     from embodirl.sft.loop import run
 
     model_dir = run(cfg, dataset, spec, camera_keys)

@@ -1,4 +1,4 @@
-"""Dataset statistics in OpenVLA-OFT's ``dataset_statistics.json`` format, and learner batches from a
+"""Dataset statistics in OpenVLA-OFT's ``dataset_statistics.json`` format, and actor batches from a
 :class:`~embodirl.demos.lerobot.reader.LeRobotDataset`.
 
 Statistics (OpenVLA's ``save_dataset_statistics`` layout, one entry under ``unnorm_key``)::
@@ -69,7 +69,7 @@ def batch_indices(num_samples: int, batch_size: int, step: int, seed: int) -> np
 
 
 class BatchMaker:
-    """Samples -> the learner's SFT batch: ``images`` uint8 ``[B, V, 3, h, w]`` (the env's cameras, in its
+    """Samples -> the actor's SFT batch: ``images`` uint8 ``[B, V, 3, h, w]`` (the env's cameras, in its
     order), ``state`` float32 ``[B, S]`` (raw; the policy normalises it with the same statistics),
     ``instruction`` (list), ``actions`` float32 ``[B, H, A]`` normalised to [-1, 1] with the statistics."""
 

@@ -5,15 +5,15 @@
     dataset  = LeRobotDataset(data.path, action_chunk=model.action_chunk)
     stats    = dataset_statistics(dataset, unnorm_key)        # -> output_dir/dataset_statistics.json
     actors   = ActorGroup.local(cfg, spec); actors.set_statistics(stats)
-    for step: metrics = actors.sft_train(make_batch(batch_indices(step)), options)   # Learner.sft_update
+    for step: metrics = actors.sft_train(make_batch(batch_indices(step)), options)   # Actor.sft_update
     every runner.save_interval steps and at the end: checkpoints/step_<n>/ with
         model/    the public OpenVLA-OFT/peft layout (`embodirl train|eval model.path=<it>`), marked
                   action_tokens_trained (autoconfig's RL-ready check)
-        learner/  policy/  runner/  config/     as `embodirl train` writes them (resume)
+        actor/  policy/  runner/  config/     as `embodirl train` writes them (resume)
     every runner.val_check_interval steps: the runner's evaluation (Runner.run_eval) of that step's model/
 
 Resume: ``runner.resume_mode=auto`` continues from the latest complete checkpoint of ``runner.output_dir``
-(learner state through ``ActorGroup.load``; the batches are a function of the step, see :mod:`.data`).
+(actor state through ``ActorGroup.load``; the batches are a function of the step, see :mod:`.data`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from embodirl import checkpoint_layout as layout
-from embodirl.models.openvla_oft.checkpoint import TOKENS_TRAINED
+from embodirl.models.openvla_oft.hf_checkpoint import TOKENS_TRAINED
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.loop import seed_everything
 from embodirl.runner.metrics_logger import MetricsLogger
@@ -43,8 +43,8 @@ def unnorm_key(cfg: DictConfig, spec) -> str:
     return str(cfg.model.unnorm_key or spec.name or cfg.env.train.get("task") or "dataset")
 
 
-def learner_options(cfg: DictConfig) -> dict:
-    """The ``sft`` keys as :meth:`~embodirl.learner.learner.Learner.sft_update` takes them."""
+def actor_options(cfg: DictConfig) -> dict:
+    """The ``sft`` keys as :meth:`~embodirl.actor.actor.Actor.sft_update` takes them."""
     s = cfg.sft
     return {"micro_batch_size": int(s.micro_batch_size or s.batch_size), "token_loss": bool(s.token_loss),
             "stop_token": bool(s.stop_token), "l1_head": bool(s.l1_head)}
@@ -53,7 +53,7 @@ def learner_options(cfg: DictConfig) -> dict:
 def _evaluate(cfg: DictConfig, model_dir: Path, out_dir: Path) -> dict:
     """The runner's evaluation of the exported model (``embodirl eval model.path=<model_dir>``)."""
     from embodirl.runner.loop import Runner
-    from embodirl.sft.config import main_config
+    from embodirl.sft.compose import main_config
 
     eval_cfg = main_config(cfg)
     with open_dict(eval_cfg):
@@ -82,7 +82,7 @@ def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
     (out / STATISTICS_FILE).write_text(json.dumps(statistics, indent=2))
     make_batch = BatchMaker(dataset, statistics[key], camera_keys, use_state=dataset.state_key is not None
                             and bool(spec.state_dim), normalization=str(cfg.model.normalization))
-    options = learner_options(cfg)
+    options = actor_options(cfg)
     actors = ActorGroup.local(cfg, spec)
     try:
         actors.set_statistics(statistics)
@@ -154,9 +154,9 @@ def _save(cfg: DictConfig, actors, out: Path, step: int, marker: dict) -> Path:
         actors.export(folder.resolve(), step, marker)
 
     def write_policy(folder: Path) -> None:
-        """Written with the learner state below (one call to the ranks)."""
+        """Written with the actor state below (one call to the ranks)."""
 
-    def write_learner(folder: Path) -> None:
+    def write_actor(folder: Path) -> None:
         actors.save(folder.resolve(), (folder.parent / layout.POLICY).resolve())
 
     def write_runner(folder: Path) -> None:
@@ -166,7 +166,7 @@ def _save(cfg: DictConfig, actors, out: Path, step: int, marker: dict) -> Path:
     def write_config(folder: Path) -> None:
         (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
-    path = ckpt.save_checkpoint(out, step, {MODEL: write_model, layout.POLICY: write_policy, layout.LEARNER: write_learner,
+    path = ckpt.save_checkpoint(out, step, {MODEL: write_model, layout.POLICY: write_policy, layout.ACTOR: write_actor,
                                             layout.RUNNER: write_runner, layout.CONFIG: write_config})
     log.info("checkpoint: %s", path)
     return path

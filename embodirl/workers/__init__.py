@@ -1,9 +1,9 @@
-"""The rollout pieces as workers: env workers, rollout workers, the learner's ranks, their groups.
+"""The rollout pieces as workers: env workers, inference workers, the actor's ranks, their groups.
 
-``env_worker``, ``rollout_worker`` and ``actor_worker`` are plain classes; ``worker_set`` runs them as objects
+``env_worker``, ``inference_worker`` and ``actor_worker`` are plain classes; ``worker_set`` runs them as objects
 in this process or on Ray (the one place that tells the two apart); ``groups`` creates the env and rollout
 workers (with their placement on Ray), runs collection and weight sync, ``layout`` splits the slots and
-``recovery`` replaces dead workers; ``actor_group`` holds the learner's ranks; ``stream`` (shared memory on one
+``recovery`` replaces dead workers; ``actor_group`` holds the actor's ranks; ``stream`` (shared memory on one
 node) and ``transport`` (in-process, or Ray's object store between nodes) move observation batches and
 answers; ``backends`` holds the inference engines; ``weight_sync`` the versioned weight updates;
 ``placement_groups`` the Ray bundles; ``ray_cluster`` starts or joins Ray. No math here.

@@ -1,4 +1,4 @@
-"""The learner as a group of N ranks: one :class:`~embodirl.workers.actor_worker.ActorWorker` each.
+"""The actor as a group of N ranks: one :class:`~embodirl.workers.actor_worker.ActorWorker` each.
 
 ::
 
@@ -7,7 +7,7 @@
     handle = actors.publish(full=True, consumers=...)         # rank 0 posts; the driver forwards the handle
     prepared = prepare_batch(actors.with_ref_logprob(batch))  # driver side: pure math on the whole batch
     metrics = actors.train(prepared)                          # each rank its shard of whole groups
-    actors.save(learner_dir, policy_dir)                      # sharded learner state + public export
+    actors.save(actor_dir, policy_dir)                      # sharded actor state + public export
 
 ``remote=False`` holds one rank in this process (the default CPU job: no Ray, and the driver's
 inference shares the rank's module). ``remote=True`` starts N Ray workers - N = the accelerators
@@ -29,7 +29,7 @@ import torch
 from omegaconf import DictConfig
 
 from embodirl import data as D
-from embodirl.learner import sharding
+from embodirl.actor import sharding
 from embodirl.placement import data_parallel_size
 from embodirl.plain import to_plain
 from embodirl.workers.actor_worker import ActorWorker
@@ -40,11 +40,11 @@ log = logging.getLogger(__name__)
 
 
 class ActorRankDied(RuntimeError):
-    """A learner rank's process died during a call (the message is one sentence)."""
+    """A actor rank's process died during a call (the message is one sentence)."""
 
 
 class ActorGroup:
-    """The learner's ranks as one :class:`~embodirl.workers.worker_set.WorkerSet` of :class:`ActorWorker`
+    """The actor's ranks as one :class:`~embodirl.workers.worker_set.WorkerSet` of :class:`ActorWorker`
     (objects in this process or Ray workers, told apart there only)."""
 
     def __init__(self, workers: WorkerSet, *, infos: list[dict]):
@@ -125,7 +125,7 @@ class ActorGroup:
 
     def train(self, prepared) -> dict[str, float]:
         """Update on the prepared batch, each rank on its shard; the metrics (already reduced over
-        ranks inside the learner) of rank 0."""
+        ranks inside the actor) of rank 0."""
         shards, _ = self._shards(prepared)
         return self._call_all(ActorWorker.train, [(s,) for s in shards])[0]
 
@@ -133,13 +133,13 @@ class ActorGroup:
         """Gather the changed trainable tensors and post them from rank 0: its handle. In-process the
         rollout side shares the module, so only the version moves (an int)."""
         if not self.remote:
-            version, _ = self.workers[0].learner.publish_weights(full=full)
+            version, _ = self.workers[0].actor.publish_weights(full=full)
             return version
         return self._call_all(ActorWorker.publish, full=full, consumer_nodes=list(consumer_nodes),
                               consumer_gpus=list(consumer_gpus))[0]
 
     def full_update(self, *, consumer_nodes=(), consumer_gpus=()):
-        """Every trainable tensor at the current version, posted by rank 0 (restarted rollout workers)."""
+        """Every trainable tensor at the current version, posted by rank 0 (restarted inference workers)."""
         return self._call_one(0, ActorWorker.full_update, consumer_nodes=list(consumer_nodes),
                               consumer_gpus=list(consumer_gpus))
 
@@ -155,7 +155,7 @@ class ActorGroup:
         per rank; rank 0's metrics (global over ranks)."""
         n = len(batch["actions"])
         if n % self.world_size:
-            raise ValueError(f"{n} samples cannot be split evenly over {self.world_size} learner ranks")
+            raise ValueError(f"{n} samples cannot be split evenly over {self.world_size} actor ranks")
         size = n // self.world_size
         shards = [{k: (v[r * size:(r + 1) * size] if v is not None else None) for k, v in batch.items()}
                   for r in range(self.world_size)]
@@ -165,8 +165,8 @@ class ActorGroup:
         self._call_all(ActorWorker.export, [(str(directory), int(step), dict(marker or {}))] * self.world_size)
 
     # --- state --------------------------------------------------------------------------------------
-    def save(self, learner_dir, policy_dir) -> None:
-        self._call_all(ActorWorker.save, [(str(learner_dir), str(policy_dir))] * self.world_size)
+    def save(self, actor_dir, policy_dir) -> None:
+        self._call_all(ActorWorker.save, [(str(actor_dir), str(policy_dir))] * self.world_size)
 
     def load(self, checkpoint_dir) -> int:
         return self._call_all(ActorWorker.load, [(str(checkpoint_dir),)] * self.world_size)[0]

@@ -1,17 +1,17 @@
-"""One learner rank: the trainable policy under FSDP2, its optimizer, and weight publication.
+"""One actor rank: the trainable policy under FSDP2, its optimizer, and weight publication.
 
 A plain class (driven in-process by the CPU default job and tests) that
 :class:`~embodirl.workers.actor_group.ActorGroup` wraps with ``ray.remote`` for every rank of a
-distributed learner. Ranks join one torch.distributed group (gloo on CPU, NCCL on GPU) through
+distributed actor. Ranks join one torch.distributed group (gloo on CPU, NCCL on GPU) through
 :meth:`rendezvous` / :meth:`setup`; each builds the policy from the ``model`` config with the same
-seed (so a randomly initialised frozen base is identical on every rank and rollout worker), wraps it
-with FSDP2 (:class:`~embodirl.learner.learner.Learner`) and then, each step, trains on its shard of the
+seed (so a randomly initialised frozen base is identical on every rank and inference worker), wraps it
+with FSDP2 (:class:`~embodirl.actor.actor.Actor`) and then, each step, trains on its shard of the
 prepared batch. Rank 0 turns what an update changed into one packed publication for the rollout
 workers (:mod:`embodirl.workers.weight_transfer`), keeping the snapshot that brings a new or
-restarted rollout worker up to date.
+restarted inference worker up to date.
 
-Checkpoints: :meth:`save` writes the learner state with ``torch.distributed.checkpoint`` (every rank
-its shards, :mod:`embodirl.learner.sharded_state`) and rank 0 the policy export in the public
+Checkpoints: :meth:`save` writes the actor state with ``torch.distributed.checkpoint`` (every rank
+its shards, :mod:`embodirl.actor.sharded_state`) and rank 0 the policy export in the public
 peft/OpenVLA-OFT layout. Collocated placement: :meth:`offload` moves parameters, gradients and
 optimizer state to host memory while the rollout phase runs; :meth:`onload` brings them back.
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from embodirl.learner import fsdp
-from embodirl.learner.learner import Learner
+from embodirl.actor import fsdp
+from embodirl.actor.actor import Actor
 from embodirl.workers import process_env
 from embodirl.workers.weight_sync import WeightPublisher
 from embodirl.workers.weight_transfer import WeightOutbox
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 def build_policy(model_cfg: Mapping, env_spec, seed: int):
     """The policy from ``model`` with a seeded initialisation: every process that builds it (actor ranks,
-    rollout workers) gets identical weights, so a random frozen base needs no transfer."""
+    inference workers) gets identical weights, so a random frozen base needs no transfer."""
     from embodirl.models.registry import make_policy
 
     with torch.random.fork_rng(devices=[]):
@@ -71,7 +71,7 @@ class ActorWorker:
         self.spec = env_spec
         self.rank, self.world_size = int(rank), int(world_size)
         self._policy = policy
-        self.learner: Learner | None = None
+        self.actor: Actor | None = None
         self.publisher: WeightPublisher | None = None
         self.outbox: WeightOutbox | None = None
         self.offloaded = False
@@ -89,7 +89,7 @@ class ActorWorker:
         return address, free_port()
 
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> dict:
-        """Join the process group (when given an address), build the policy and the learner."""
+        """Join the process group (when given an address), build the policy and the actor."""
         device = fsdp.default_device()
         if master_addr is not None:
             fsdp.init_process_group(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
@@ -98,7 +98,7 @@ class ActorWorker:
         policy = self._policy
         if policy is None:
             policy = build_policy(cfg["model"], self.spec, int(cfg["runner"]["seed"]))
-        self.learner = Learner(policy, {"algorithm": cfg["algorithm"], "actor": cfg["actor"]},
+        self.actor = Actor(policy, {"algorithm": cfg["algorithm"], "actor": cfg["actor"]},
                                task_table=self.spec.task_descriptions,
                                temperature=_temperature(cfg["rollout"]), device=device)
         if self.rank == 0:
@@ -107,13 +107,13 @@ class ActorWorker:
 
     @property
     def policy(self):
-        return self.learner.policy
+        return self.actor.policy
 
     def info(self) -> dict:
         info = process_env.describe()
         info.update(rank=self.rank, world_size=self.world_size,
-                    device=str(self.learner.device) if self.learner is not None else None,
-                    fsdp=bool(self.learner.use_fsdp) if self.learner is not None else None)
+                    device=str(self.actor.device) if self.actor is not None else None,
+                    fsdp=bool(self.actor.use_fsdp) if self.actor is not None else None)
         return info
 
     def ready(self) -> bool:
@@ -126,22 +126,22 @@ class ActorWorker:
 
         shard = _unpacked(shard)
         self.onload()
-        return self.learner.compute_ref_logprob(shard).get(D.LOGPROB_REF).numpy()
+        return self.actor.compute_ref_logprob(shard).get(D.LOGPROB_REF).numpy()
 
     def train(self, shard) -> dict[str, float]:
         """Replay buffer + update epochs on this rank's prepared rows; metrics are global over ranks."""
         shard = _unpacked(shard)
         was_offloaded = self.offloaded
         self.onload()
-        metrics = {k: float(v) for k, v in self.learner.train(shard).items()}
-        metrics["learner/onloaded"] = float(was_offloaded)   # collocated: the state came back for this update
+        metrics = {k: float(v) for k, v in self.actor.train(shard).items()}
+        metrics["actor/onloaded"] = float(was_offloaded)   # collocated: the state came back for this update
         return metrics
 
     def publish(self, *, full: bool = False, consumer_nodes=(), consumer_gpus=(), inline: bool = False):
         """Gather what the last update changed (every tensor with ``full``; collective) and, on rank 0,
-        post it for the rollout workers: returns the :class:`~.weight_transfer.WeightHandle` (other
+        post it for the inference workers: returns the :class:`~.weight_transfer.WeightHandle` (other
         ranks: None)."""
-        version, tensors = self.learner.publish_weights(full=full)
+        version, tensors = self.actor.publish_weights(full=full)
         if self.rank != 0:
             return None
         if self.publisher is None or full:
@@ -152,40 +152,40 @@ class ActorWorker:
         return self.outbox.post(update, set(consumer_nodes), inline=inline, consumer_gpus=set(consumer_gpus))
 
     def full_update(self, *, consumer_nodes=(), consumer_gpus=(), inline: bool = False):
-        """Rank 0: every trainable tensor at the current version (a new or restarted rollout worker)."""
+        """Rank 0: every trainable tensor at the current version (a new or restarted inference worker)."""
         return self.outbox.post(self.publisher.full_update(), set(consumer_nodes), inline=inline,
                                 consumer_gpus=set(consumer_gpus))
 
     def set_lr_scale(self, scale: float) -> None:
         """The configured learning rates times ``scale`` from now on (every rank)."""
-        self.learner.set_lr_scale(scale)
+        self.actor.set_lr_scale(scale)
 
     # --- checkpoints --------------------------------------------------------------------------------
-    def save(self, learner_dir: str, policy_dir: str | None = None) -> None:
-        """Learner state, sharded (every rank); the policy export in its public layout (rank 0)."""
-        from embodirl.learner.sharded_state import save_learner
+    def save(self, actor_dir: str, policy_dir: str | None = None) -> None:
+        """Actor state, sharded (every rank); the policy export in its public layout (rank 0)."""
+        from embodirl.actor.sharded_state import save_actor
 
         self.onload()
-        save_learner(self.learner, learner_dir)
+        save_actor(self.actor, actor_dir)
         if policy_dir is not None:
-            tensors = self.learner.gather_trainable()     # collective
+            tensors = self.actor.gather_trainable()     # collective
             if self.rank == 0:
                 self.policy.save_trainable(Path(policy_dir), tensors)
 
     def load(self, checkpoint_dir: str) -> int:
         """Restore from a run checkpoint ``step_<n>``; returns the restored weight version."""
         from embodirl import checkpoint_layout as layout
-        from embodirl.learner.sharded_state import is_sharded_state, load_learner
+        from embodirl.actor.sharded_state import is_sharded_state, load_actor
 
         source = Path(checkpoint_dir)
-        learner_dir = source / layout.LEARNER
-        if is_sharded_state(learner_dir):
-            load_learner(self.learner, learner_dir)
-        else:   # a checkpoint written before the learner state was sharded
+        actor_dir = layout.actor_state_dir(source)
+        if is_sharded_state(actor_dir):
+            load_actor(self.actor, actor_dir)
+        else:   # a checkpoint written before the actor state was sharded
             self.policy.load_trainable(source / layout.POLICY)
-            state = layout.load_train_state(learner_dir)
-            self.learner.load_state_dict({**state, "trainable": self.policy.trainable_state_dict()})
-        return self.learner.version
+            state = layout.load_train_state(actor_dir)
+            self.actor.load_state_dict({**state, "trainable": self.policy.trainable_state_dict()})
+        return self.actor.version
 
     # --- supervised fine-tuning (embodirl sft) -------------------------------------------------------
     def set_statistics(self, statistics: Mapping) -> None:
@@ -193,19 +193,19 @@ class ActorWorker:
         self.policy.set_statistics(statistics)
 
     def sft_train(self, shard: Mapping, options: Mapping) -> dict[str, float]:
-        """One supervised optimizer step on this rank's samples (:meth:`Learner.sft_update`); global metrics."""
+        """One supervised optimizer step on this rank's samples (:meth:`Actor.sft_update`); global metrics."""
         self.onload()
-        return {k: float(v) for k, v in self.learner.sft_update(shard, **options).items()}
+        return {k: float(v) for k, v in self.actor.sft_update(shard, **options).items()}
 
     def export(self, directory: str, step: int, marker: Mapping | None = None) -> None:
         """The trained policy in the public OpenVLA-OFT/peft layout (collective gather; rank 0 writes). Under
         FSDP2 rank 0 writes it from a seeded copy of the policy (the same frozen base) with the gathered
         trainable tensors."""
-        tensors = self.learner.gather_trainable()
+        tensors = self.actor.gather_trainable()
         if self.rank != 0:
             return
         policy = self.policy
-        if self.learner.use_fsdp:
+        if self.actor.use_fsdp:
             live = policy
             policy = build_policy(self.cfg["model"], self.spec, int(self.cfg["runner"]["seed"]))
             policy.load_trainable_state_dict(tensors)
@@ -216,7 +216,7 @@ class ActorWorker:
     # --- collocated placement -----------------------------------------------------------------------
     def offload(self) -> None:
         """Parameters, gradients and optimizer state to host memory (GPU ranks; a no-op on CPU)."""
-        if self.offloaded or self.learner is None:
+        if self.offloaded or self.actor is None:
             return
         self._move("cpu")
         self.offloaded = True
@@ -224,12 +224,12 @@ class ActorWorker:
     def onload(self) -> None:
         if not self.offloaded:
             return
-        self._move(self.learner.device)
+        self._move(self.actor.device)
         self.offloaded = False
 
     def _move(self, device) -> None:
-        self.learner.policy.to(device)
-        for state in self.learner.optimizer.state.values():
+        self.actor.policy.to(device)
+        for state in self.actor.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":
                     state[key] = value.to(device, non_blocking=True)

@@ -15,15 +15,15 @@ from embodirl.plain import to_plain
 from embodirl.rollout.starts import EpisodeStarts, plan_starts
 from embodirl.workers import recovery
 from embodirl.workers.env_worker import EnvWorker
+from embodirl.workers.inference_group import InferenceGroup
+from embodirl.workers.inference_worker import TRAIN
 from embodirl.workers.layout import RolloutLayout, placement_options
-from embodirl.workers.rollout_group import RolloutWorkerGroup
-from embodirl.workers.rollout_worker import TRAIN
 from embodirl.workers.transport import unpack_trajectory
 from embodirl.workers.worker_set import WorkerSet
 
 
 class EnvWorkerGroup:
-    """K env workers, each connected to its rollout worker (see module docstring)."""
+    """K env workers, each connected to its inference worker (see module docstring)."""
 
     def __init__(self, env_cfg: Mapping, layout: RolloutLayout, *, remote: bool, return_value: bool, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, placement=None,
@@ -31,7 +31,7 @@ class EnvWorkerGroup:
                  max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None):
         self.env_cfg = to_plain(env_cfg)
         self.layout = layout
-        self.rollout: RolloutWorkerGroup | None = None
+        self.inference: InferenceGroup | None = None
         self.mode = mode
         self.max_faults = max_faults
         self.events: list[dict] = []
@@ -63,17 +63,17 @@ class EnvWorkerGroup:
         """Create (or replace) env worker ``k`` with its slots."""
         self.workers.start(k, self.env_cfg, **self._kwargs, slot_offset=k * self.layout.slots_per_worker)
 
-    def attach(self, rollout_group: RolloutWorkerGroup) -> None:
-        """Connect every env worker to its rollout worker (``k % R``)."""
-        self.rollout = rollout_group
+    def attach(self, inference_group: InferenceGroup) -> None:
+        """Connect every env worker to its inference worker (``k % R``)."""
+        self.inference = inference_group
         for k in range(len(self.workers)):
             self.connect(k)
 
     def connect(self, k: int) -> None:
-        r = self.layout.rollout_worker_of(k)
-        same_node = self.infos[k]["node_id"] == self.rollout.infos[r]["node_id"]
-        self.workers.call(k, EnvWorker.connect, self.rollout.workers[r], same_node=same_node, mode=self.mode)
-        self._connected_gen[k] = self.rollout.generation[r]
+        r = self.layout.inference_worker_of(k)
+        same_node = self.infos[k]["node_id"] == self.inference.infos[r]["node_id"]
+        self.workers.call(k, EnvWorker.connect, self.inference.workers[r], same_node=same_node, mode=self.mode)
+        self._connected_gen[k] = self.inference.generation[r]
 
     # --- collection --------------------------------------------------------------------------------
     def plan_starts(self) -> EpisodeStarts:
@@ -93,7 +93,7 @@ class EnvWorkerGroup:
         return D.concat([unpack_trajectory(r) if self.remote else r for r in results])
 
     def transport_infos(self) -> list[dict]:
-        """How each env worker's observations reach its rollout worker (shared memory or Ray)."""
+        """How each env worker's observations reach its inference worker (shared memory or Ray)."""
         return self.workers.call_all(EnvWorker.transport_info)
 
     def last_stats(self) -> list:

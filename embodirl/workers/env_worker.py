@@ -1,12 +1,12 @@
 """The env worker: S pipeline stages x B simulators and the rollout loop that drives them.
 
 A plain class (in-process in most tests) that the worker groups wrap with ``ray.remote``. It builds
-its env batches with the adapter registry, connects to one rollout worker (an object in this process,
+its env batches with the adapter registry, connects to one inference worker (an object in this process,
 a Ray worker on this node reached through a shared-memory stream, or one elsewhere reached through
 Ray's object store: :mod:`embodirl.workers.stream`, :mod:`embodirl.workers.transport`) and runs
 :class:`~embodirl.rollout.collector.RolloutCollector`: the trajectory of its ``S*B`` slots comes back
 as the return value of :meth:`EnvWorker.collect`. Images stay on the env side until then, so the
-per-decision traffic to the rollout worker is one observation batch out and a few KB back.
+per-decision traffic to the inference worker is one observation batch out and a few KB back.
 
 Besides the trajectory it keeps, per collection, the videos it wrote.
 
@@ -92,25 +92,25 @@ class EnvWorker:
         return True
 
     # --- wiring ------------------------------------------------------------------------------------
-    def connect(self, rollout_worker, *, same_node: bool = True, mode: str = "train") -> None:
-        """Serve decisions from ``rollout_worker``: an object in this process (:meth:`connect_local`) or a
+    def connect(self, inference_worker, *, same_node: bool = True, mode: str = "train") -> None:
+        """Serve decisions from ``inference_worker``: an object in this process (:meth:`connect_local`) or a
         Ray worker (:meth:`connect_remote`), whichever the worker groups hand over."""
-        from embodirl.workers.rollout_worker import RolloutWorker
+        from embodirl.workers.inference_worker import InferenceWorker
 
-        if isinstance(rollout_worker, RolloutWorker):
-            self.connect_local(rollout_worker, mode=mode)
+        if isinstance(inference_worker, InferenceWorker):
+            self.connect_local(inference_worker, mode=mode)
         else:
-            self.connect_remote(rollout_worker, same_node=same_node, mode=mode)
+            self.connect_remote(inference_worker, same_node=same_node, mode=mode)
 
-    def connect_local(self, rollout_worker, *, mode: str = "train", background: bool | None = None) -> None:
-        """Serve decisions from a rollout worker object in this process (``background``: on a thread,
+    def connect_local(self, inference_worker, *, mode: str = "train", background: bool | None = None) -> None:
+        """Serve decisions from an inference worker object in this process (``background``: on a thread,
         so that stages overlap; default when S > 1)."""
-        self._set_client(LocalClient(rollout_worker, mode=mode, background=self.S > 1 if background is None
+        self._set_client(LocalClient(inference_worker, mode=mode, background=self.S > 1 if background is None
                                      else background))
 
     def connect_remote(self, worker, *, same_node: bool, mode: str = "train") -> None:
-        """Serve decisions from a rollout worker on Ray: a shared-memory stream when ``same_node`` (and
-        ``use_shm``), Ray's object store otherwise. Connecting again (a restarted rollout worker) keeps
+        """Serve decisions from an inference worker on Ray: a shared-memory stream when ``same_node`` (and
+        ``use_shm``), Ray's object store otherwise. Connecting again (a restarted inference worker) keeps
         the rings and drops what the old worker held."""
         stream = self.use_shm and same_node
         kind = StreamClient if stream else RayClient
@@ -141,10 +141,10 @@ class EnvWorker:
         """One rollout of this worker's slots: the trajectory ``[S*B, T]`` (stage-major rows). With
         ``video_dir`` the envs the config's ``video`` section selects are recorded to mp4 files there
         (paths in :attr:`videos`). ``packed``: return it as :func:`~embodirl.workers.transport.pack_trajectory`
-        does (the cheap form to send through Ray). ``mode``: the rollout worker's sampling mode for this
+        does (the cheap form to send through Ray). ``mode``: the inference worker's sampling mode for this
         rollout only (default: the one connected with)."""
         if self.collector is None:
-            raise RuntimeError("connect the env worker to a rollout worker before collect()")
+            raise RuntimeError("connect the env worker to an inference worker before collect()")
         if mode is not None and mode != self.client.mode:
             connected, self.client.mode = self.client.mode, mode
             try:
@@ -189,7 +189,7 @@ class EnvWorker:
                 if ids else None for s, (env, ids) in enumerate(zip(self.envs, self._record_ids))]
 
     def transport_info(self) -> dict:
-        """How observations reached the rollout worker (counts per path; ring name)."""
+        """How observations reached the inference worker (counts per path; ring name)."""
         info = getattr(self.client, "info", None)
         return info() if info is not None else {"shm": False, "segment": None, "local": True}
 

@@ -2,20 +2,20 @@
 
 :class:`WorkerGroups` is what the runner talks to::
 
-    groups = WorkerGroups.from_config(cfg)              # env + rollout workers (Ray started here if needed)
-    actors = groups.make_actors()                       # the learner ranks (an ActorGroup)
-    groups.sync_weights(full=True)                      # the ranks' publication -> every rollout worker
+    groups = WorkerGroups.from_config(cfg)              # env + inference workers (Ray started here if needed)
+    actors = groups.make_actors()                       # the actor ranks (an ActorGroup)
+    groups.sync_weights(full=True)                      # the ranks' publication -> every inference worker
     traj = groups.collect(starts, seed=s)               # Trajectory [N, T], N = env.train.num_envs
     info = run_sweep(groups, cfg, ...)                  # evaluation (runner/evaluation.py) on env.eval workers
     groups.close()                                      # every worker, simulator and (if started here) Ray
 
-The same :class:`~embodirl.workers.env_worker.EnvWorker`, :class:`~embodirl.workers.rollout_worker.RolloutWorker`
+The same :class:`~embodirl.workers.env_worker.EnvWorker`, :class:`~embodirl.workers.inference_worker.InferenceWorker`
 and :class:`~embodirl.workers.actor_worker.ActorWorker` classes run in this process or on Ray (``cluster.use_ray``);
 each group holds its workers in a :class:`~embodirl.workers.worker_set.WorkerSet`, the one place that tells the two
 apart. In this process (the default job): one env worker whose simulators run in sub-processes, pipeline stages
-overlapping through a background inference thread, and one rollout worker acting with the learner rank's own policy
+overlapping through a background inference thread, and one inference worker acting with the actor rank's own policy
 object (a publication moves only the version). On Ray: env workers stream observations through shared memory to
-rollout workers holding inference copies; learner ranks run on the placement's devices; a local Ray is started
+inference workers holding inference copies; actor ranks run on the placement's devices; a local Ray is started
 unless one runs or ``cluster.ray_address`` / ``RAY_ADDRESS`` names a cluster, and shut down at :meth:`close`.
 
 A collection is one call per env worker (:meth:`WorkerGroups.collect` -> ``EnvWorker.collect`` -> its
@@ -26,11 +26,11 @@ Faults (Ray workers; :mod:`embodirl.workers.recovery`):
 * an env worker that dies (its process killed) is replaced by a new one with the same arguments and
   placement; its shared memory is swept, and its slots are collected again from the same episode
   starts (GRPO groups stay intact); the event is logged and kept in :attr:`WorkerGroups.events`;
-* a rollout worker that dies is restarted with the last published weights, the env workers it served
+* an inference worker that dies is restarted with the last published weights, the env workers it served
   reconnect, and their slots are collected again.
 
 Collocated placement (a component sharing devices with another): with ``rollout.enable_offload`` the
-rollout workers offload their weights after collection and load them back before the next one;
+inference workers offload their weights after collection and load them back before the next one;
 ``env_workers.enable_offload`` does the same for env workers.
 """
 
@@ -53,31 +53,31 @@ from embodirl.rollout.starts import EpisodeStarts
 from embodirl.workers import process_env, recovery
 from embodirl.workers.env_group import EnvWorkerGroup
 from embodirl.workers.env_worker import EnvWorker
+from embodirl.workers.inference_group import InferenceGroup
+from embodirl.workers.inference_worker import EVAL, TRAIN, sampling_from_config
 from embodirl.workers.layout import RolloutLayout, layout_from_config, plan_from_config
-from embodirl.workers.rollout_group import RolloutWorkerGroup
-from embodirl.workers.rollout_worker import EVAL, TRAIN, sampling_from_config
 
 log = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 10_000  # evaluation simulators are seeded apart from training ones
 CLOSE_WAIT_S = 60.0          # a normal close: env workers shut their simulators down
 CLOSE_WAIT_ON_ERROR_S = 5.0  # after an exception or Ctrl-C the workers may be busy: kill them soon
-#: how a publication reached the rollout workers (``RolloutWorker.receive_weights`` paths) -> metric
+#: how a publication reached the inference workers (``InferenceWorker.receive_weights`` paths) -> metric
 SYNC_PATHS = {"shm": "sync/shm_workers", "object_store": "sync/object_store_workers", "cuda_ipc": "sync/cuda_ipc_workers"}
 
 
 def trainable_dtype(cfg: DictConfig, train: bool) -> str | None:
-    """The dtype a rollout copy holds its trainable tensors in: the one the learner ranks compute them in
-    (training), so that the rollout's log-probs are the learner's; evaluation only: the policy's own."""
-    from embodirl.learner.fsdp import learner_compute_dtype
+    """The dtype a rollout copy holds its trainable tensors in: the one the actor ranks compute them in
+    (training), so that the rollout's log-probs are the actor's; evaluation only: the policy's own."""
+    from embodirl.actor.fsdp import actor_compute_dtype
 
     model_dtype = cfg.model.get("dtype") or "float32"
-    return learner_compute_dtype(to_plain(cfg.actor.fsdp), str(model_dtype)) if train else None
+    return actor_compute_dtype(to_plain(cfg.actor.fsdp), str(model_dtype)) if train else None
 
 
 class WorkerGroups:
     """The run's workers (see module docstring). Build it with :meth:`from_config`; the evaluation env workers
-    (``env.eval``) are made on first use and served by the same rollout workers with evaluation sampling."""
+    (``env.eval``) are made on first use and served by the same inference workers with evaluation sampling."""
 
     def __init__(self, cfg: DictConfig, *, remote: bool, train: bool):
         self.cfg = cfg
@@ -85,8 +85,8 @@ class WorkerGroups:
         self.train = train
         self.env: EnvWorkerGroup | None = None        # None: built for evaluation only
         self.eval_env: EnvWorkerGroup | None = None
-        self.rollout: RolloutWorkerGroup | None = None
-        self.actors = None                            # the learner ranks (an ActorGroup), from make_actors()
+        self.inference: InferenceGroup | None = None
+        self.actors = None                            # the actor ranks (an ActorGroup), from make_actors()
         self.policy = None                            # the driver's policy object, if it holds one
         self.stats = RolloutStats()                   # the last training collection's timings
         self.rollout_offload = bool(cfg.rollout.get("enable_offload", False))
@@ -99,11 +99,11 @@ class WorkerGroups:
     @classmethod
     def from_config(cls, cfg: DictConfig, *, remote: bool | None = None, policy=None, policy_for=None,
                     use_placement_groups: bool = True, train: bool = True) -> WorkerGroups:
-        """Build the training env workers and the rollout workers from a composed config (placement:
+        """Build the training env workers and the inference workers from a composed config (placement:
         ``cluster.component_placement``). ``remote``: Ray workers (default: ``cluster.use_ray``); Ray is started
-        here unless one runs or the config names a cluster. The rollout workers build their policy from ``model``
+        here unless one runs or the config names a cluster. The inference workers build their policy from ``model``
         unless given one: ``policy`` (an existing policy object), or ``policy_for(env_spec)`` called once the env
-        spec is known (the driver's policy, kept as :attr:`policy`; in this process the rollout workers act with it,
+        spec is known (the driver's policy, kept as :attr:`policy`; in this process the inference workers act with it,
         on Ray they get a copy unless ``model.path`` names a checkpoint each loads itself). ``train=False``
         builds the evaluation env workers instead of the training ones (evaluation only)."""
         groups = cls(cfg, remote=use_ray(cfg) if remote is None else bool(remote), train=train)
@@ -144,15 +144,15 @@ class WorkerGroups:
         elif policy is not None:
             self.policy = policy
         rollout_cfg = cfg.rollout
-        self.rollout = RolloutWorkerGroup(
-            cfg.model, spec, num_workers=layout.num_rollout_workers, backend=rollout_cfg.backend,
+        self.inference = InferenceGroup(
+            cfg.model, spec, num_workers=layout.num_inference_workers, backend=rollout_cfg.backend,
             sampling=sampling_from_config(to_plain(rollout_cfg), cfg.runner.eval_greedy), remote=self.remote,
             placement=self.placement, process_vars=self.process_vars, policy=policy, seed=int(cfg.runner.seed),
             init_seed=int(cfg.runner.seed), weight_source=self._full_weights if self.remote else None,
             trainable_dtype=trainable_dtype(cfg, self.train), merge_lora=bool(rollout_cfg.get("merge_lora", False)))
         for group in (self.env, self.eval_env):
             if group is not None:
-                group.attach(self.rollout)
+                group.attach(self.inference)
 
     def _env_group(self, env_key: str, layout: RolloutLayout, placement_offset: int = 0) -> EnvWorkerGroup:
         return _env_group(self.cfg, env_key, layout, remote=self.remote, placement=self.placement,
@@ -167,9 +167,9 @@ class WorkerGroups:
     def num_slots(self) -> int:
         return self.env.layout.num_slots
 
-    # --- the learner ranks and their weights ---------------------------------------------------------
+    # --- the actor ranks and their weights ---------------------------------------------------------
     def make_actors(self):
-        """The learner's ranks: one in this process whose module the rollout worker acts with, or Ray workers
+        """The actor's ranks: one in this process whose module the inference worker acts with, or Ray workers
         on the placement's ``actor`` devices."""
         from embodirl.workers.actor_group import ActorGroup
 
@@ -181,38 +181,38 @@ class WorkerGroups:
         return self.actors
 
     def consumer_gpus(self) -> list:
-        """The GPUs rollout workers run on (a publication shares rank 0's GPU buffer with them)."""
-        return sorted({info["gpu_uuid"] for info in self.rollout.infos if info.get("gpu_uuid")})
+        """The GPUs inference workers run on (a publication shares rank 0's GPU buffer with them)."""
+        return sorted({info["gpu_uuid"] for info in self.inference.infos if info.get("gpu_uuid")})
 
     def _full_weights(self):
-        """A restarted rollout worker's weights: the ranks' full publication (None before there are ranks)."""
+        """A restarted inference worker's weights: the ranks' full publication (None before there are ranks)."""
         if self.actors is None:
             return None
-        return self.actors.full_update(consumer_nodes=self.rollout.consumer_nodes(),
+        return self.actors.full_update(consumer_nodes=self.inference.consumer_nodes(),
                                        consumer_gpus=self.consumer_gpus())
 
     def sync_weights(self, *, full: bool = False) -> dict[str, float]:
-        """The ranks publish their changed trainable tensors (``full``: all of them) and every rollout worker
-        applies that publication - the one way weights travel; metrics say how (none when the rollout worker shares
+        """The ranks publish their changed trainable tensors (``full``: all of them) and every inference worker
+        applies that publication - the one way weights travel; metrics say how (none when the inference worker shares
         the rank's module: only the version moves)."""
-        handle = self.actors.publish(full=full, consumer_nodes=self.rollout.consumer_nodes(),
+        handle = self.actors.publish(full=full, consumer_nodes=self.inference.consumer_nodes(),
                                      consumer_gpus=self.consumer_gpus())
-        self.rollout.receive_weights(handle)
+        self.inference.receive_weights(handle)
         if isinstance(handle, int):
             return {}
-        paths = self.rollout.sync_paths
+        paths = self.inference.sync_paths
         return {**{metric: float(paths.get(path, 0)) for path, metric in SYNC_PATHS.items()},
                 "sync/bytes": float(handle.nbytes)}
 
     def publish(self, tensors: Mapping, version: int | None = None) -> int:
-        """Changed trainable tensors held by the driver (no learner ranks: tests, tools), posted as the ranks'
-        publication is; returns the version every rollout worker holds."""
-        return self.rollout.publish(tensors, version)
+        """Changed trainable tensors held by the driver (no actor ranks: tests, tools), posted as the ranks'
+        publication is; returns the version every inference worker holds."""
+        return self.inference.publish(tensors, version)
 
     def load_weights(self, tensors: Mapping, version: int) -> int:
         """Every trainable tensor at ``version`` from the driver (evaluation of a checkpoint); later
         :meth:`publish` deltas build on them."""
-        return self.rollout.load_weights(tensors, version)
+        return self.inference.load_weights(tensors, version)
 
     # --- collection ------------------------------------------------------------------------------------
     def collect(self, starts: EpisodeStarts | None = None, *, seed: int | None = None, video_dir=None,
@@ -226,7 +226,7 @@ class WorkerGroups:
         if group is None:
             raise RuntimeError("these worker groups were built for evaluation only (train=False)")
         if self.policy is not None:
-            self.policy.eval()           # the learner's module acts here: out of its training mode
+            self.policy.eval()           # the actor's module acts here: out of its training mode
         video_dir = None if video_dir is None else str(Path(video_dir).resolve())   # workers' cwd may differ
         parts = group.split(starts)
         kwargs = dict(seed=seed, video_dir=video_dir, step=step, packed=self.remote,   # Ray: the cheap form to send
@@ -248,14 +248,14 @@ class WorkerGroups:
     def _loaded(self, group: EnvWorkerGroup):
         """Collocated placement: what a collection needs comes back first, and goes after."""
         if self.rollout_offload:
-            self.rollout.onload()
+            self.inference.onload()
         if self.env_offload:
             group.onload()
         try:
             yield
         finally:
             if self.rollout_offload:
-                self.rollout.offload()
+                self.inference.offload()
             if self.env_offload:
                 group.offload()
 
@@ -280,16 +280,16 @@ class WorkerGroups:
         if self.eval_env is None:
             self.eval_env = self._env_group("env.eval", layout_from_config(self.cfg, "env.eval"),
                                             placement_offset=self.env.layout.num_env_workers)
-            self.eval_env.attach(self.rollout)
+            self.eval_env.attach(self.inference)
         return self.eval_env
 
     # --- state -------------------------------------------------------------------------------------------
     def rng_states(self) -> list[dict] | None:
-        """The Ray rollout workers' generator states (None: they sample with the driver's generators)."""
-        return self.rollout.rng_states()
+        """The Ray inference workers' generator states (None: they sample with the driver's generators)."""
+        return self.inference.rng_states()
 
     def set_rng_states(self, states: list[dict] | None) -> None:
-        self.rollout.set_rng_states(states)
+        self.inference.set_rng_states(states)
 
     @property
     def events(self) -> list[dict]:
@@ -304,7 +304,7 @@ class WorkerGroups:
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Stop every worker (``wait_s``: how long env workers may take to close their simulators before they
         are killed), release the placement groups, and shut Ray down if it was started here."""
-        groups = [g for g in (self.eval_env, self.env, self.rollout) if g is not None]
+        groups = [g for g in (self.eval_env, self.env, self.inference) if g is not None]
         pids = [info.get("pid") for group in groups for info in (getattr(group, "infos", None) or [])]
         try:
             if self.actors is not None:
@@ -312,10 +312,10 @@ class WorkerGroups:
             for group in (self.eval_env, self.env):
                 if group is not None:
                     group.close(wait_s)
-            if self.rollout is not None:
-                self.rollout.close()
+            if self.inference is not None:
+                self.inference.close()
         finally:
-            self.actors = self.eval_env = self.env = self.rollout = None
+            self.actors = self.eval_env = self.env = self.inference = None
             if self.remote:
                 # these workers are gone and can create no more entries: remove what one killed mid-way
                 # left behind (e.g. a response ring it opened while the run was interrupted)

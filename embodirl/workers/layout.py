@@ -3,7 +3,7 @@ worker serves which env worker, and the placement plan of every component.
 
 Layout (``K = env_workers.num_workers``, ``S = rollout.pipeline_stage_num``, ``R =
 rollout.num_workers``): env worker ``k`` holds S stages of ``B = N / (K*S)`` simulators, i.e. slots
-``k*S*B .. (k+1)*S*B - 1``, and is served by rollout worker ``k % R``.
+``k*S*B .. (k+1)*S*B - 1``, and is served by inference worker ``k % R``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class RolloutLayout:
     num_env_workers: int      # K
     num_stages: int           # S
     envs_per_stage: int       # B
-    num_rollout_workers: int  # R
+    num_inference_workers: int  # R
     num_decisions: int        # T
     group_size: int = 1       # G
 
@@ -37,8 +37,8 @@ class RolloutLayout:
     def slots_per_worker(self) -> int:
         return self.num_stages * self.envs_per_stage
 
-    def rollout_worker_of(self, k: int) -> int:
-        return k % self.num_rollout_workers
+    def inference_worker_of(self, k: int) -> int:
+        return k % self.num_inference_workers
 
 
 def layout_from_config(cfg: DictConfig, env_key: str = "env.train") -> RolloutLayout:
@@ -66,14 +66,14 @@ def layout_from_config(cfg: DictConfig, env_key: str = "env.train") -> RolloutLa
 
 def plan_from_config(cfg: DictConfig, layout: RolloutLayout, eval_layout: RolloutLayout | None = None):
     """The placement plan for this layout (and the evaluation env workers, placed after the training
-    ones) plus the learner's ranks (``actor``)."""
+    ones) plus the actor's ranks (``actor``)."""
     from embodirl.placement import data_parallel_size, placement_from_config
     from embodirl.workers.placement_groups import plan_placement
 
     num_nodes = int(cfg.cluster.num_nodes)
     placement = placement_from_config(cfg.cluster)
     num_env = layout.num_env_workers + (eval_layout.num_env_workers if eval_layout is not None else 0)
-    workers = {"env": num_env, "rollout": layout.num_rollout_workers,
+    workers = {"env": num_env, "rollout": layout.num_inference_workers,
                "actor": data_parallel_size(cfg, placement)}
     return plan_placement(placement, workers, num_nodes=num_nodes)
 

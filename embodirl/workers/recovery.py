@@ -1,9 +1,9 @@
-"""Worker faults during a collection: a dead env worker is replaced, a dead rollout worker restarted, and
+"""Worker faults during a collection: a dead env worker is replaced, a dead inference worker restarted, and
 the slots they held are collected again from the same episode starts (GRPO groups stay intact).
 
 :func:`settle` takes the answers of one collection (one ``EnvWorker.collect`` per env worker of an
 :class:`~embodirl.workers.env_group.EnvWorkerGroup`) as they come. A Ray worker that dies raises ``RayActorError``
-(an env worker) or :class:`~embodirl.workers.transport.RolloutWorkerDied` (its rollout worker); either is
+(an env worker) or :class:`~embodirl.workers.transport.InferenceWorkerDied` (its inference worker); either is
 recovered and that worker's part asked for again, up to ``max_faults`` times per collection. Workers in
 this process do not die apart from the driver: their errors are the run's.
 """
@@ -15,7 +15,7 @@ import time
 
 from embodirl.channel import segments
 from embodirl.workers.env_worker import EnvWorker
-from embodirl.workers.transport import RolloutWorkerDied
+from embodirl.workers.transport import InferenceWorkerDied
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,12 @@ def _worker_died() -> tuple[type[BaseException], ...]:
 
 def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
     """Every env worker's trajectory, in worker order, from ``pending`` (``EnvWorker.collect`` of each worker's
-    part, keyed to its index): a worker that died is replaced (or its rollout worker restarted) and its part
+    part, keyed to its index): a worker that died is replaced (or its inference worker restarted) and its part
     collected again (see module docstring)."""
     workers = group.workers
     results: list = [None] * len(workers)
     env_died = _worker_died() if workers.remote else ()
-    rollout_died = (RolloutWorkerDied,) if workers.remote else ()
+    rollout_died = (InferenceWorkerDied,) if workers.remote else ()
     faults = 0
     while pending:
         ref = workers.wait_first(pending)
@@ -62,15 +62,15 @@ def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
 
 def replace_env_worker(group, k: int, cause: BaseException) -> None:
     """Env worker ``k`` died: sweep the shared memory it left, start a new one with the same slots and
-    placement, and connect it to its rollout worker."""
+    placement, and connect it to its inference worker."""
     pid = group.infos[k]["pid"]
     group.workers.kill(k)
     prefix = segments.process_prefix(pid)
     swept = segments.sweep(prefix)
     try:
-        group.rollout.forget_channels(prefix)
+        group.inference.forget_channels(prefix)
     except Exception as exc:
-        log.debug("rollout workers could not unmap %s: %s", prefix, exc)
+        log.debug("inference workers could not unmap %s: %s", prefix, exc)
     per = group.layout.slots_per_worker
     log.warning("env worker %d (pid %d) died; replacing it and collecting its %d episodes (slots %d..%d) again%s",
                 k, pid, per, k * per, (k + 1) * per - 1,
@@ -84,11 +84,11 @@ def replace_env_worker(group, k: int, cause: BaseException) -> None:
 
 
 def recover_rollout(group, k: int, cause: BaseException) -> None:
-    """Env worker ``k``'s rollout worker died: restart it (once, whichever env worker noticed first) and
+    """Env worker ``k``'s inference worker died: restart it (once, whichever env worker noticed first) and
     reconnect ``k``."""
-    r = group.layout.rollout_worker_of(k)
-    if group._connected_gen[k] == group.rollout.generation[r]:   # nobody restarted it yet
-        group.rollout.restart(r, cause=str(cause).splitlines()[0])
-        group.events.append({"event": "rollout_worker_restarted", "worker": r, "time": time.time(),
-                             "version": group.rollout.version})
+    r = group.layout.inference_worker_of(k)
+    if group._connected_gen[k] == group.inference.generation[r]:   # nobody restarted it yet
+        group.inference.restart(r, cause=str(cause).splitlines()[0])
+        group.events.append({"event": "inference_worker_restarted", "worker": r, "time": time.time(),
+                             "version": group.inference.version})
     group.connect(k)

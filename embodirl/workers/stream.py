@@ -1,22 +1,22 @@
-"""The shared-memory stream between an env worker and its rollout worker on one node.
+"""The shared-memory stream between an env worker and its inference worker on one node.
 
 Per decision no Ray message is sent: the env worker (:class:`StreamClient`) writes the observation
-batch into its request ring and queues it (:meth:`ShmChannel.send`); a thread of the rollout worker
+batch into its request ring and queues it (:meth:`ShmChannel.send`); a thread of the inference worker
 (:class:`StreamServer`) waits on every connected request ring at once, runs the backend on zero-copy
 views, and writes the answer (action chunk, policy-space actions, log-probs, values, weight version)
 into a response ring it owns for that env worker, which the env worker reads back. Ray carries only
 the one call that opens the stream (it also answers the first decision) and, when an answer is slow,
-a liveness check of the rollout worker.
+a liveness check of the inference worker.
 
 Answers are matched to requests by the request's sequence number, so a client may hold several
 requests in flight (one per pipeline stage) and collect them in any order. Request metadata (an int
 on the ready queue) says whether values are wanted and whether to sample for evaluation.
 
-Faults: if the rollout worker dies, the client notices at once (it waits on the worker's pidfd next to
+Faults: if the inference worker dies, the client notices at once (it waits on the worker's pidfd next to
 the response queue; where pidfds do not exist, a Ray liveness check after ``LIVENESS_CHECK_S``) and
-raises :class:`~embodirl.workers.transport.RolloutWorkerDied`; after the group restarts it, :meth:`reconnect`
+raises :class:`~embodirl.workers.transport.InferenceWorkerDied`; after the group restarts it, :meth:`reconnect`
 frees the request slots the dead worker held and the next request opens a new stream. If an env
-worker dies, the group tells the rollout worker to :meth:`StreamServer.close_matching` its rings.
+worker dies, the group tells the inference worker to :meth:`StreamServer.close_matching` its rings.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _response_batch(fields: Mapping[str, np.ndarray], seq: int, version: int, in
 
 
 # --------------------------------------------------------------------------------------------------
-# rollout-worker side
+# inference-worker side
 # --------------------------------------------------------------------------------------------------
 class _Stream:
     def __init__(self, request: ChannelInfo, response: ShmChannel, template: dict[str, np.ndarray]):
@@ -170,7 +170,7 @@ class StreamServer:
                 out = self._decide(self._reader.read(ref), self._has_value, "eval" if meta & EVAL_MODE else "train")
                 answer = _response_batch(out.fields, ref.seq, out.weight_version, time.perf_counter() - t0)
             except Exception:
-                log.error("rollout worker failed on a streamed batch:\n%s", traceback.format_exc())
+                log.error("inference worker failed on a streamed batch:\n%s", traceback.format_exc())
                 answer = dict(stream.template, **{_SEQ: np.array([ref.seq], np.int64),
                                                   _ERROR: np.array([1], np.int64)})
             finally:
@@ -197,7 +197,7 @@ class _StreamPending:
 
 class StreamClient:
     """An env worker's :class:`~embodirl.rollout.inference.InferenceClient` over a shared-memory
-    stream to a rollout worker on Ray, on the same node (see module docstring)."""
+    stream to an inference worker on Ray, on the same node (see module docstring)."""
 
     def __init__(self, worker, *, queue_size: int, mode: str = "train", tag: str = "obs",
                  liveness_check_s: float = LIVENESS_CHECK_S):
@@ -234,11 +234,11 @@ class StreamClient:
             try:
                 msg = self._reader.recv(self.response, timeout=0)
             except FileNotFoundError as exc:
-                # the response ring is gone before this side mapped it: its owner, the rollout worker,
+                # the response ring is gone before this side mapped it: its owner, the inference worker,
                 # died and its segments were swept (a death like any other: the group restarts it)
-                from embodirl.workers.transport import RolloutWorkerDied
+                from embodirl.workers.transport import InferenceWorkerDied
 
-                raise RolloutWorkerDied(f"rollout worker died: its response ring {exc.filename} is gone") from exc
+                raise InferenceWorkerDied(f"inference worker died: its response ring {exc.filename} is gone") from exc
             if msg is None:
                 self._wait()
                 continue
@@ -250,7 +250,7 @@ class StreamClient:
             del views
             self._reader.release(ref)
             if failed:
-                raise RuntimeError(f"the rollout worker failed on batch {answer_seq}; see its log")
+                raise RuntimeError(f"the inference worker failed on batch {answer_seq}; see its log")
             self._answers[answer_seq] = out
         return _strip(self._answers.pop(seq), return_value)
 
@@ -267,15 +267,15 @@ class StreamClient:
             self._server_pidfd = None
 
     def _wait(self) -> None:
-        """Wait until an answer is queued or the rollout worker died (raises RolloutWorkerDied)."""
-        from embodirl.workers.transport import RolloutWorkerDied
+        """Wait until an answer is queued or the inference worker died (raises InferenceWorkerDied)."""
+        from embodirl.workers.transport import InferenceWorkerDied
 
         fds = [self._reader.ready_fd(self.response)]
         if self._server_pidfd is not None:
             fds.append(self._server_pidfd)
         readable, _, _ = select.select(fds, [], [], self.liveness_check_s)
         if self._server_pidfd is not None and self._server_pidfd in readable:
-            raise RolloutWorkerDied("the rollout worker process exited while serving this env worker")
+            raise InferenceWorkerDied("the inference worker process exited while serving this env worker")
         if not readable and self._server_pidfd is None:
             self._check_alive()
 
@@ -292,19 +292,19 @@ class StreamClient:
     def _call(fn):
         from ray.exceptions import RayActorError
 
-        from embodirl.workers.transport import RolloutWorkerDied
+        from embodirl.workers.transport import InferenceWorkerDied
 
         try:
             return fn()
         except RayActorError as exc:
-            raise RolloutWorkerDied(f"rollout worker died: {exc}") from exc
+            raise InferenceWorkerDied(f"inference worker died: {exc}") from exc
 
     def info(self) -> dict:
         return {"shm": True, "stream": True, "segment": self.request.info.segment if self.request else None,
                 "shm_batches": self.batches, "ray_batches": 0, "fallbacks": 0}
 
     def reconnect(self, worker) -> None:
-        """Serve from a new rollout worker: requests the old one held are dropped, a new stream opens."""
+        """Serve from a new inference worker: requests the old one held are dropped, a new stream opens."""
         self.worker = worker
         if self.request is not None:
             self.request.reclaim()

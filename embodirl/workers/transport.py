@@ -1,13 +1,13 @@
 """How data moves between workers: the collector's inference clients, and trajectories going home.
 
-Decisions (an env worker asking its rollout worker):
+Decisions (an env worker asking its inference worker):
 
-* :class:`LocalClient` - the rollout worker is an object in this process (zero remote workers). With
+* :class:`LocalClient` - the inference worker is an object in this process (zero remote workers). With
   ``background=True`` decisions run on one thread so pipeline stages still overlap.
-* :class:`~embodirl.workers.stream.StreamClient` - the rollout worker runs on Ray on the same
+* :class:`~embodirl.workers.stream.StreamClient` - the inference worker runs on Ray on the same
   node: observation batches and answers travel through shared-memory rings, no Ray message per
   decision (``rollout.channel.shm: true``, the default);
-* :class:`RayClient` - the rollout worker runs on Ray on another node (or shared memory is off):
+* :class:`RayClient` - the inference worker runs on Ray on another node (or shared memory is off):
   every decision is a Ray call carrying the batch through Ray's object store; the answer (a few KB)
   is the call's return value, which Ray sends inline with the reply.
 
@@ -46,12 +46,12 @@ def unpack_trajectory(packed: dict):
     return TensorDict(fields, batch_size=packed["batch_size"]).unflatten_keys(".")
 
 
-class RolloutWorkerDied(RuntimeError):
-    """The rollout worker serving this env worker died during a decision."""
+class InferenceWorkerDied(RuntimeError):
+    """The inference worker serving this env worker died during a decision."""
 
 
 class LocalClient:
-    """In-process client over a :class:`~embodirl.workers.rollout_worker.RolloutWorker` object."""
+    """In-process client over a :class:`~embodirl.workers.inference_worker.InferenceWorker` object."""
 
     def __init__(self, worker, *, mode: str = "train", background: bool = False):
         self.worker = worker
@@ -81,11 +81,11 @@ class _RayPending:
         try:
             return ray.get(self._ref)
         except RayActorError as exc:
-            raise RolloutWorkerDied(f"rollout worker died: {exc}") from exc
+            raise InferenceWorkerDied(f"inference worker died: {exc}") from exc
 
 
 class RayClient:
-    """Client over a Ray rollout worker's handle through Ray's object store: each decision is one
+    """Client over a Ray inference worker's handle through Ray's object store: each decision is one
     Ray call whose argument is the batch (the path between nodes, or with
     ``rollout.channel.shm: false``)."""
 

@@ -1,16 +1,16 @@
-"""Weight sync from the learner to rollout workers, with a version counter.
+"""Weight sync from the actor to inference workers, with a version counter.
 
-After each update the learner publishes ``(version, tensors)``: the trainable tensors it changed (LoRA
+After each update the actor publishes ``(version, tensors)``: the trainable tensors it changed (LoRA
 adapter, value head). :class:`WeightPublisher` (driver side) keeps a CPU snapshot of every trainable
 tensor it has seen, drops the ones whose values did not change, and produces a
-:class:`WeightUpdate` *delta* ``base_version -> version``. Rollout workers hold a
+:class:`WeightUpdate` *delta* ``base_version -> version``. Inference workers hold a
 :class:`WeightReceiver`: a delta applies only on top of its base version, so a worker can never mix
 tensors of different updates; a worker that missed one (it was restarted, or it is new) gets a *full*
 update - the snapshot of every trainable tensor at the latest version - instead.
 
-Every decision a rollout worker makes carries the receiver's version (``weight_version`` in the
+Every decision an inference worker makes carries the receiver's version (``weight_version`` in the
 trajectory), which proves which weights produced which decision. No Ray here: the worker layer moves
-updates (one ``ray.put`` shared by all rollout workers).
+updates (one ``ray.put`` shared by all inference workers).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class WeightUpdate:
 class WeightPublisher:
     """Driver-side bookkeeping of published weights (see module docstring).
 
-    ``initial`` is the trainable state the rollout workers start from (version ``INITIAL_VERSION``);
+    ``initial`` is the trainable state the inference workers start from (version ``INITIAL_VERSION``);
     the snapshot only ever holds CPU tensors.
     """
 
@@ -57,7 +57,7 @@ class WeightPublisher:
         self._snapshot: dict[str, torch.Tensor] = {k: _cpu(v) for k, v in (initial or {}).items()}
 
     def publish(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> WeightUpdate:
-        """Record a learner update and return the delta to send. ``version`` defaults to the next one
+        """Record a actor update and return the delta to send. ``version`` defaults to the next one
         and must increase. Tensors equal to the snapshot are left out of the delta."""
         version = self.version + 1 if version is None else int(version)
         if version <= self.version:

@@ -1,15 +1,15 @@
 """Moving a published :class:`~embodirl.workers.weight_sync.WeightUpdate` from the actor group's rank 0
-to every rollout worker, without the driver touching the tensors.
+to every inference worker, without the driver touching the tensors.
 
 Rank 0 packs the update's tensors into one flat byte buffer once and describes it in a small
 :class:`WeightHandle` (names, dtypes, shapes, offsets, version) that the driver forwards:
 
-* rollout workers on rank 0's Ray node map a shared-memory segment rank 0 wrote
+* inference workers on rank 0's Ray node map a shared-memory segment rank 0 wrote
   (:mod:`embodirl.channel.segments`; it lives until the next publication, and the run's janitor
   removes it however the run ends);
-* rollout workers on other nodes ``ray.get`` one object-store copy rank 0 put (Ray moves it between
+* inference workers on other nodes ``ray.get`` one object-store copy rank 0 put (Ray moves it between
   nodes once per node);
-* a rollout worker on the same GPU as rank 0 (collocated placement on GPUs) opens a CUDA IPC handle
+* an inference worker on the same GPU as rank 0 (collocated placement on GPUs) opens a CUDA IPC handle
   of rank 0's packed device buffer instead: no copy through host memory. (Written for GPUs, exercised
   on CPU machines only through the other two paths.)
 

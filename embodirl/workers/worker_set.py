@@ -1,6 +1,6 @@
 """A set of workers of one class, in this process or on Ray: the one place that tells them apart.
 
-The worker groups (:mod:`embodirl.workers.groups`) and the runner talk to env and rollout workers only
+The worker groups (:mod:`embodirl.workers.groups`) and the runner talk to env and inference workers only
 through a :class:`WorkerSet`; whether worker ``k`` is an object in this process (the default job: no Ray)
 or a Ray worker process changes nothing in their code::
 

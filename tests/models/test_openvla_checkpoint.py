@@ -15,9 +15,9 @@ from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
 from embodirl.models.base import SamplingParams
 from embodirl.models.openvla_oft import build_policy
-from embodirl.models.openvla_oft.checkpoint import CheckpointError, CheckpointFileMissing
-from embodirl.models.openvla_oft.config import build_config, load_preset
+from embodirl.models.openvla_oft.hf_checkpoint import CheckpointError, CheckpointFileMissing
 from embodirl.models.openvla_oft.modeling import build_model
+from embodirl.models.openvla_oft.resolve import build_config, load_preset
 from embodirl.models.processor import ImageProcessor
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=100, task_descriptions=["t"], camera_names=["agentview", "wrist"],

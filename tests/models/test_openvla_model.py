@@ -6,8 +6,8 @@ import torch
 from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
 from embodirl.models.openvla_oft import build_policy
-from embodirl.models.openvla_oft.config import build_config, load_preset
 from embodirl.models.openvla_oft.modeling import NUM_SUFFIX_TOKENS, build_model
+from embodirl.models.openvla_oft.resolve import build_config, load_preset
 from embodirl.models.openvla_oft.sampling import log_prob_and_entropy, sample, truncate
 from embodirl.models.processor import LLAMA_STOP_ID, ImageProcessor, PromptTokenizer
 

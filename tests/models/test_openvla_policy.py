@@ -8,7 +8,7 @@ from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
 from embodirl.models.base import SamplingParams
 from embodirl.models.openvla_oft import OpenVLAOFTPolicy
-from embodirl.models.openvla_oft.config import load_preset
+from embodirl.models.openvla_oft.resolve import load_preset
 from embodirl.models.registry import get_policy_builder, make_policy
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=100, task_descriptions=["t"], camera_names=["agentview", "wrist"],
@@ -128,13 +128,13 @@ def test_lora_on_off_and_reference_policy():
 
 
 def test_trainable_state_round_trip_between_workers():
-    learner, rollout = make(seed=3), make(seed=3)
-    perturb_adapters(learner)
-    state = learner.trainable_state_dict()
+    actor, rollout = make(seed=3), make(seed=3)
+    perturb_adapters(actor)
+    state = actor.trainable_state_dict()
     assert all(t.device.type == "cpu" for t in state.values())
     rollout.load_trainable_state_dict(state)
     obs = observation()
-    a = learner.act(obs, SamplingParams(greedy=True), return_value=True)
+    a = actor.act(obs, SamplingParams(greedy=True), return_value=True)
     b = rollout.act(obs, SamplingParams(greedy=True), return_value=True)
     assert torch.equal(a[D.ACTION_TOKENS], b[D.ACTION_TOKENS]) and torch.equal(a[D.VALUE], b[D.VALUE])
 
@@ -219,7 +219,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_bfloat16_model_with_float32_trainable_tensors():
-    """The learner keeps trainable tensors (LoRA, heads) in float32 next to a bfloat16 model."""
+    """The actor keeps trainable tensors (LoRA, heads) in float32 next to a bfloat16 model."""
     policy = make(seed=8, dtype="bfloat16")
     assert policy.core.language_model.model.embed_tokens.weight.dtype == torch.bfloat16
     for param in policy.parameters():

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from embodirl.envs.base import EnvSpec
-from embodirl.models.openvla_oft.config import build_config, load_preset
 from embodirl.models.openvla_oft.modeling import build_model
+from embodirl.models.openvla_oft.resolve import build_config, load_preset
 from embodirl.models.openvla_oft.weights import public_weights
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from embodirl.models.openvla_oft.checkpoint import _load_tokenizer
+from embodirl.models.openvla_oft.hf_checkpoint import _load_tokenizer
 from embodirl.models.processor import LLAMA_EMPTY_PIECE_ID, PromptTokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"

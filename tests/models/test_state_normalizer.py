@@ -1,7 +1,7 @@
-"""The state policy's observation normaliser through the real collector and learner (toy simulator):
+"""The state policy's observation normaliser through the real collector and actor (toy simulator):
 after an update it holds the statistics of every valid state the update trained on, merged with earlier
-ones; it is part of what the learner publishes, so a rollout copy that loads the publication acts exactly
-as the learner's policy; the states of an update are scored with the statistics they were collected with."""
+ones; it is part of what the actor publishes, so a rollout copy that loads the publication acts exactly
+as the actor's policy; the states of an update are scored with the statistics they were collected with."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from embodirl import data as D
+from embodirl.actor.actor import Actor
 from embodirl.envs.registry import make_env
-from embodirl.learner.learner import Learner
 from embodirl.models.base import SamplingParams
 from embodirl.models.registry import make_policy
 from embodirl.rollout.collector import RolloutCollector
 from embodirl.rollout.inference import PolicyInference
-from tests.learner.helpers import learner_cfg, ppo
+from tests.actor.helpers import actor_cfg, ppo
 
 SAMPLE = SamplingParams()
 
@@ -34,9 +34,9 @@ def test_the_normaliser_learns_the_training_states_and_travels_with_the_weights(
     env = make_env(cfg.env.train, num_envs=4, seed=0)
     torch.manual_seed(0)
     policy = make_policy(cfg.model, env.spec)
-    rollout_copy = copy.deepcopy(policy)                 # what a rollout worker holds
+    rollout_copy = copy.deepcopy(policy)                 # what an inference worker holds
     # with replay, step 2 trains on step 1's rows again: they still count once in the statistics
-    learner = Learner(policy, learner_cfg(ppo(update_epochs=2), {"global_batch_size": 4, "micro_batch_size": 4,
+    actor = Actor(policy, actor_cfg(ppo(update_epochs=2), {"global_batch_size": 4, "micro_batch_size": 4,
                                                                  "replay_buffer.reuse_last_k": reuse_last_k}),
                       task_table=[])
     collector = RolloutCollector([env], PolicyInference(rollout_copy, env.spec.task_descriptions, SAMPLE),
@@ -48,7 +48,7 @@ def test_the_normaliser_learns_the_training_states_and_travels_with_the_weights(
         # first optimizer step needs identical log-probs: the first epoch's first ratio is 1)
         before = {k: v.clone() for k, v in policy.obs_norm.state_dict().items()}
         torch.testing.assert_close(before, rollout_copy.obs_norm.state_dict())
-        metrics = learner.step(traj)
+        metrics = actor.step(traj)
         assert torch.isfinite(metrics["actor/pg_loss"])
         states.append(_valid_states(traj))
         seen = torch.cat(states)
@@ -57,7 +57,7 @@ def test_the_normaliser_learns_the_training_states_and_travels_with_the_weights(
         assert float(policy.obs_norm.count.detach()) == seen.shape[0]
         # no gradient ever reaches the statistics: only the normaliser's own update moved them
         assert all(p.grad is None for p in policy.obs_norm.parameters())
-        version, published = learner.publish_weights()
+        version, published = actor.publish_weights()
         assert {"obs_norm.mean", "obs_norm.var", "obs_norm.count"} <= set(published)
         rollout_copy.load_trainable_state_dict(published)
         obs = {"state": traj[D.STATE][:, 0], "task_id": traj[D.TASK_ID][:, 0]}

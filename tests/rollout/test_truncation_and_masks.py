@@ -1,4 +1,4 @@
-"""Episode ends through the real collector (toy simulator, real state policy) and the real learner:
+"""Episode ends through the real collector (toy simulator, real state policy) and the real actor:
 
 * a decision the time limit truncates gets, as its successor value, the critic's value of that
   episode's own final observation - without auto-reset and with it, at the row's end and inside a row
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from embodirl import data as D
+from embodirl.actor.actor import Actor
 from embodirl.algorithms.advantages import compute_advantages
 from embodirl.envs import toy
 from embodirl.envs.registry import make_env
-from embodirl.learner.learner import Learner
 from embodirl.models.base import SamplingParams
 from embodirl.models.registry import make_policy
 from embodirl.rollout.collector import RolloutCollector
@@ -113,7 +113,7 @@ def test_chunks_cut_by_the_time_limit_flag_their_unexecuted_actions(toy_cfg):
     torch.testing.assert_close(executed.sum(-1), torch.tensor([[4, 2, 4, 2]] * B))
 
 
-# --- mid-chunk terminations through the learner -------------------------------------------------------
+# --- mid-chunk terminations through the actor -------------------------------------------------------
 class _Oracle(torch.nn.Module):
     """The toy task's scripted oracle behind the inference interface (reaches the goal mid-chunk)."""
 
@@ -174,11 +174,11 @@ def test_unexecuted_actions_do_not_reach_the_policy_loss(compose_cfg, logprob_ty
     actor = {**dict(cfg.actor), "global_batch_size": 8, "micro_batch_size": 8}
     states = []
     for batch in (traj, noisy):
-        learner_policy = _copy(policy)
-        learner = Learner(learner_policy, {"algorithm": algorithm, "actor": actor}, task_table=["t"] * 8)
-        metrics = learner.step(batch)
+        actor_policy = _copy(policy)
+        actor = Actor(actor_policy, {"algorithm": algorithm, "actor": actor}, task_table=["t"] * 8)
+        metrics = actor.step(batch)
         assert np.isfinite(float(metrics["actor/grad_norm"]))
-        states.append(learner.publish_weights(full=True)[1])
+        states.append(actor.publish_weights(full=True)[1])
     for key in states[0]:
         torch.testing.assert_close(states[0][key], states[1][key], rtol=0, atol=0, msg=key)
 
@@ -203,7 +203,7 @@ def _copy(policy):
 
 
 def test_unexecuted_actions_carry_no_kl_reward_penalty(compose_cfg):
-    from embodirl.learner.learner import prepare_batch
+    from embodirl.actor.actor import prepare_batch
 
     cfg, _, traj = _oracle_batch(compose_cfg)
     traj.set(D.LOGPROB_REF, traj[D.LOGPROB_BEHAVIOR] - 0.3)

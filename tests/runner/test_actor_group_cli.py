@@ -1,6 +1,6 @@
-"""The learner as Ray actor ranks, through the CLI: two gloo FSDP2 ranks train like one, checkpoints move
+"""The actor as Ray actor ranks, through the CLI: two gloo FSDP2 ranks train like one, checkpoints move
 between rank counts, a killed rank ends or restarts the run, and a two-node Ray cluster places env
-workers, rollout workers and actor ranks where ``cluster.component_placement`` says."""
+workers, inference workers and actor ranks where ``cluster.component_placement`` says."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ RUN_TIMEOUT_S = 600.0
 # one optimizer step per epoch (global batch = the rollout), several micro-batches: a step's gradient is
 # the same sum whatever the split, so 1 and 2 ranks give the same numbers up to float rounding. The state
 # normaliser is on: its statistics are merged over the ranks, written into FSDP2's sharded parameters,
-# published to the rollout worker and carried by the checkpoints that move between rank counts.
+# published to the inference worker and carried by the checkpoints that move between rank counts.
 EQUAL = [*TOY, "cluster.use_ray=true", "actor.global_batch_size=4", "actor.micro_batch_size=1",
          "algorithm.update_epochs=2", "model.obs_norm=true"]
 COMPARED = ("train/return", "train/success_rate", "actor/pg_loss", "critic/value_loss", "actor/approx_kl",
@@ -54,8 +54,8 @@ def test_two_ranks_train_as_one_and_checkpoints_move_between_rank_counts(tmp_pat
             tmp_path, f"r{ranks}{run}")
     one = read_metrics(tmp_path / "outputs" / "r1" / "metrics.jsonl")
     two = read_metrics(tmp_path / "outputs" / "r2" / "metrics.jsonl")
-    assert [r["learner/world_size"] for r in one] == [1.0] * 3
-    assert [r["learner/world_size"] for r in two] == [2.0] * 3
+    assert [r["actor/world_size"] for r in one] == [1.0] * 3
+    assert [r["actor/world_size"] for r in two] == [2.0] * 3
     _close(one, two)
     placement = json.loads((tmp_path / "outputs" / "r2" / "placement.json").read_text())
     assert [a["rank"] for a in placement["actor"]] == [0, 1] and all(a["fsdp"] for a in placement["actor"])
@@ -67,8 +67,8 @@ def test_two_ranks_train_as_one_and_checkpoints_move_between_rank_counts(tmp_pat
              f"runner.resume_dir={tmp_path / 'outputs' / source / 'checkpoints' / 'step_2'}"], tmp_path,
             f"{name}{run}")
         resumed = read_metrics(tmp_path / "outputs" / name / "metrics.jsonl")
-        assert [r["learner/world_size"] for r in resumed] == [float(ranks)]
-        assert [r["learner/version"] for r in resumed] == [3.0]
+        assert [r["actor/world_size"] for r in resumed] == [float(ranks)]
+        assert [r["actor/version"] for r in resumed] == [3.0]
         _close(resumed, straight[2:])
 
 
@@ -126,7 +126,7 @@ def test_a_killed_actor_rank_restarts_the_run_or_ends_it_in_one_sentence(tmp_pat
         assert "restarting (1 of 1) from" in lines[0]
         records = [r for r in read_metrics(out / "metrics.jsonl") if "train/return" in r]
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-        assert [r["learner/version"] for r in records] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        assert [r["actor/version"] for r in records] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
         assert (out / "checkpoints" / "step_6" / "COMPLETE").is_file()
         placement = json.loads((out / "placement.json").read_text())
         assert killed not in [a["pid"] for a in placement["actor"]]        # new ranks after the restart
@@ -162,9 +162,9 @@ def test_placement_modes_run_where_they_say(tmp_path, mode, options, slots):
     out = tmp_path / "outputs" / mode
     assert _placed(out) == slots
     records = [r for r in read_metrics(out / "metrics.jsonl") if "train/return" in r]
-    assert [r["learner/world_size"] for r in records] == [2.0, 2.0]
+    assert [r["actor/world_size"] for r in records] == [2.0, 2.0]
     # with offload, step 2's update found the actor's state put away after step 1's publication
-    assert [r["learner/onloaded"] for r in records] == ([0.0, 1.0] if mode == "collocated" else [0.0, 0.0])
+    assert [r["actor/onloaded"] for r in records] == ([0.0, 1.0] if mode == "collocated" else [0.0, 0.0])
 
 
 @pytest.fixture(scope="module")
@@ -203,17 +203,17 @@ def test_cli_on_a_two_node_cluster_places_components_and_uses_both_transports(tm
         other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
     finally:
         ray.shutdown()
-    # placement node 0 is the driver's (head) node: env worker 0 and the rollout worker; node 1: env worker 1
+    # placement node 0 is the driver's (head) node: env worker 0 and the inference worker; node 1: env worker 1
     # and both actor ranks
     assert [e["node_id"] for e in placement["env"]] == [head, other]
     assert [r["node_id"] for r in placement["rollout"]] == [head]
     assert [a["node_id"] for a in placement["actor"]] == [other, other]
     records = [r for r in read_metrics(out / "metrics.jsonl") if "train/return" in r]
-    assert [r["learner/world_size"] for r in records] == [2.0, 2.0]
+    assert [r["actor/world_size"] for r in records] == [2.0, 2.0]
     for record in records:
         # observations: env worker 0 streams through shared memory, env worker 1 through the object store
         assert record["transport/shm_batches"] > 0 and record["transport/object_store_batches"] > 0
-        # weights: rank 0 (node 1) to the rollout worker (node 0) through the object store
+        # weights: rank 0 (node 1) to the inference worker (node 0) through the object store
         assert record["sync/object_store_workers"] == 1.0 and record["sync/shm_workers"] == 0.0
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
     shutil.rmtree(out / "checkpoints")
@@ -221,7 +221,7 @@ def test_cli_on_a_two_node_cluster_places_components_and_uses_both_transports(tm
 
 @pytest.mark.slow
 def test_disaggregated_placement_on_two_nodes(tmp_path, two_node_cluster):
-    """Every component on its own slots: env worker on slot 0, rollout worker on 1 (node 0), actor ranks
+    """Every component on its own slots: env worker on slot 0, inference worker on 1 (node 0), actor ranks
     on 2-3 (node 1); an impossible placement for this cluster is one sentence before any worker starts."""
     run = f"d{os.urandom(3).hex()}"
     common = [*TOY, "cluster.num_nodes=2", "actor.cpu_world_size=2", "runner.max_steps=2"]

@@ -1,5 +1,5 @@
 """Checkpoints: atomic under SIGKILL, the policy layout (peft adapter + safetensors) loadable on its own,
-the learner restored from it, and how ``runner.resume_dir`` / ``runner.resume_mode`` pick a checkpoint."""
+the actor restored from it, and how ``runner.resume_dir`` / ``runner.resume_mode`` pick a checkpoint."""
 
 from __future__ import annotations
 
@@ -97,31 +97,31 @@ def oft_cfg(tmp_path_factory):
 
 
 def oft_actors(cfg, seed):
-    """One in-process learner rank (what the runner checkpoints) with a policy of its own random init."""
+    """One in-process actor rank (what the runner checkpoints) with a policy of its own random init."""
     torch.manual_seed(seed)
     return ActorGroup.local(cfg, SPEC, policy=make_policy(cfg.model, SPEC))
 
 
-def take_optimizer_steps(learner, steps=2):
+def take_optimizer_steps(actor, steps=2):
     """Real AdamW steps on every trainable tensor (moments and the schedule move), without a batch."""
     for _ in range(steps):
-        loss = sum((p.float() - 0.1).square().sum() for _, p in learner._trainable)
+        loss = sum((p.float() - 0.1).square().sum() for _, p in actor._trainable)
         loss.backward()
-        learner.optimizer.step()
-        learner.scheduler.step()
-        learner.optimizer.zero_grad(set_to_none=True)
-    learner.version, learner.optimizer_steps = 3, steps
+        actor.optimizer.step()
+        actor.scheduler.step()
+        actor.optimizer.zero_grad(set_to_none=True)
+    actor.version, actor.optimizer_steps = 3, steps
 
 
-def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_learner(oft_cfg, tmp_path):
+def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_actor(oft_cfg, tmp_path):
     import peft
 
-    from embodirl.models.openvla_oft.config import build_config
     from embodirl.models.openvla_oft.lora import peft_parameter_names
     from embodirl.models.openvla_oft.modeling import build_model
+    from embodirl.models.openvla_oft.resolve import build_config
 
     trained_actors = oft_actors(oft_cfg, seed=0)
-    trained = trained_actors.workers[0].learner
+    trained = trained_actors.workers[0].actor
     take_optimizer_steps(trained)
     path = Runner(oft_cfg)._save(3, trained_actors, np.random.default_rng(0))
     folder = path / layout.POLICY
@@ -152,9 +152,9 @@ def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_learner(oft_cfg, tmp
     Runner._load_policy_weights(policy, alone)
     assert_same(policy.trainable_state_dict(), live)
 
-    # a resumed learner: weights, optimizer moments, schedule, counters
+    # a resumed actor: weights, optimizer moments, schedule, counters
     fresh_actors = oft_actors(oft_cfg, seed=1)
-    fresh = fresh_actors.workers[0].learner
+    fresh = fresh_actors.workers[0].actor
     first = min(adapter_names)
     assert not torch.equal(fresh.policy.trainable_state_dict()[first], live[first])
     Runner._load_actor_state(fresh_actors, path)
@@ -178,15 +178,15 @@ def test_state_policy_checkpoint_is_safetensors_and_a_mismatch_is_one_sentence(t
                    image_size=(64, 64), state_dim=4, name="toy_reach")
     torch.manual_seed(0)
     actors = ActorGroup.local(cfg, spec, policy=make_policy(cfg.model, spec))
-    learner = actors.workers[0].learner
-    take_optimizer_steps(learner, steps=1)
+    actor = actors.workers[0].actor
+    take_optimizer_steps(actor, steps=1)
     path = Runner(cfg)._save(1, actors, np.random.default_rng(0))
     assert sorted(p.name for p in (path / layout.POLICY).iterdir()) == ["trainable.safetensors"]
-    assert_same(load_file(str(path / layout.POLICY / "trainable.safetensors")), learner.policy.trainable_state_dict())
+    assert_same(load_file(str(path / layout.POLICY / "trainable.safetensors")), actor.policy.trainable_state_dict())
     torch.manual_seed(1)
     other = make_policy(cfg.model, spec)
     Runner._load_policy_weights(other, path)
-    assert_same(other.trainable_state_dict(), learner.policy.trainable_state_dict())
+    assert_same(other.trainable_state_dict(), actor.policy.trainable_state_dict())
     # a checkpoint of another model: one sentence naming the key, the file and the model that wrote it
     wider = make_policy(OmegaConf.merge(cfg.model, {"hidden_sizes": [32, 32]}), spec)
     with pytest.raises(ConfigError) as err:

@@ -83,7 +83,7 @@ def test_in_process_and_ray_evaluation_write_the_same_report(tmp_path):
 @pytest.mark.slow
 def test_top_k_is_honoured_by_both_evaluation_paths(tmp_path):
     """The tiny VLA's token sampling at temperature 1: ``rollout.top_k=1`` keeps only the most likely action
-    bin, so both paths draw the same actions although their generators differ (a Ray rollout worker seeds
+    bin, so both paths draw the same actions although their generators differ (a Ray inference worker seeds
     its own); without it they draw different ones. (Greedy decoding is OFT's argmax over the whole
     vocabulary, which an untrained model's top action bin need not be.)"""
     runs = {}

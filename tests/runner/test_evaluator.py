@@ -26,7 +26,7 @@ def test_repeated_sweeps_reuse_the_simulators_and_match(tmp_path):
         assert list(groups.eval_env.workers) == workers                           # built once
         assert [env for worker in workers for env in worker.envs] == envs
         n = 2 * len(groups.spec.task_descriptions)
-    assert groups.eval_env is None and groups.rollout is None                 # closed with the groups
+    assert groups.eval_env is None and groups.inference is None                 # closed with the groups
     assert first["overall"]["n_episodes"] == second["overall"]["n_episodes"] == n
     assert strip(first) == strip(second)              # greedy, the same seeds and starts: the same episodes
     for info, folder in ((first, tmp_path / "a"), (second, tmp_path / "b")):

@@ -52,6 +52,9 @@ def test_resume_reproduces_uninterrupted_metrics(tmp_path):
     common = [*BASE, "runner.save_interval=2", "runner.val_check_interval=0"]
     cli(["train", *common, "runner.max_steps=4", "runner.experiment_name=full"], tmp_path)
     cli(["train", *common, "runner.max_steps=2", "runner.experiment_name=part"], tmp_path)
+    # as a checkpoint written before the learner ranks were called actor ranks: its actor state under learner/
+    step_2 = tmp_path / "outputs" / "part" / "checkpoints" / "step_2"
+    (step_2 / "actor").rename(step_2 / "learner")
     cli(["train", *common, "runner.max_steps=4", "runner.experiment_name=part"], tmp_path)   # resumes at step 2
     full = read_metrics(tmp_path / "outputs" / "full" / "metrics.jsonl")
     part = read_metrics(tmp_path / "outputs" / "part" / "metrics.jsonl")

@@ -1,5 +1,5 @@
 """``embodirl train`` / ``embodirl eval`` with the tiny OpenVLA-OFT on real LIBERO and ManiSkill through
-the CLI (subprocess): Ray env and rollout workers with the shared-memory channel, GRPO updates,
+the CLI (subprocess): Ray env and inference workers with the shared-memory channel, GRPO updates,
 weight sync, evaluation with video, training video, checkpoint, then evaluation of that checkpoint.
 Every run must leave no process of its session and no shared memory of its run behind."""
 
@@ -112,7 +112,7 @@ def train_and_eval(tmp_path, name: str, options: list[str], *, n_episodes: int, 
         assert all(record[key] >= 0.0 for key in TIME_KEYS), record
         assert record["time/step"] >= record["time/collect"] + record["time/update"]
     # step 2 acted with the weights the sync after update 1 published
-    assert [r["learner/version"] for r in train] == [1.0, 2.0]
+    assert [r["actor/version"] for r in train] == [1.0, 2.0]
     assert [r["rollout/weight_version"] for r in train] == [0.0, 1.0]
     assert [r["step"] for r in records if "eval/success_rate" in r] == [2]
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
@@ -129,12 +129,12 @@ def train_and_eval(tmp_path, name: str, options: list[str], *, n_episodes: int, 
 
 @pytest.mark.slow
 def test_libero_grpo_with_tiny_openvla_through_ray_then_eval(tmp_path):
-    # the learner as two gloo FSDP2 ranks (Ray actors)
+    # the actor as two gloo FSDP2 ranks (Ray actors)
     train_and_eval(tmp_path, "libero", ["env=libero_10", "env.train.task_ids=[0]", "env.eval.task_ids=[0,1]",
                                         "runner.eval_episodes_per_task=1", "actor.cpu_world_size=2"],
                    n_episodes=2, n_tasks=2)
     records = [r for r in read_metrics(tmp_path / "outputs" / "libero" / "metrics.jsonl") if "train/return" in r]
-    assert [r["learner/world_size"] for r in records] == [2.0, 2.0]
+    assert [r["actor/world_size"] for r in records] == [2.0, 2.0]
 
 
 @pytest.mark.slow
@@ -191,11 +191,11 @@ def test_ray_path_resumes_with_the_learners_weights(tmp_path):
     assert "resumed from" in output
     records = read_metrics(tmp_path / "outputs" / "toy_ray" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
-    # the resumed run's rollout workers start from the checkpoint's weights at its version
-    assert [r["learner/version"] for r in records] == [1.0, 2.0, 3.0]
+    # the resumed run's inference workers start from the checkpoint's weights at its version
+    assert [r["actor/version"] for r in records] == [1.0, 2.0, 3.0]
     assert [r["rollout/weight_version"] for r in records] == [0.0, 1.0, 2.0]
     assert all(key in r for r in records for key in TIME_KEYS)
-    # the rollout worker's sampler continues from the checkpoint: step 3 equals an uninterrupted run's
+    # the inference worker's sampler continues from the checkpoint: step 3 equals an uninterrupted run's
     assert (tmp_path / "outputs" / "toy_ray" / "checkpoints" / "step_2" / "runner" / "worker_rng.json").exists()
     cli(["train", *TOY, "cluster.use_ray=true", "runner.experiment_name=toy_ray_straight", "runner.max_steps=3",
          "runner.save_interval=0"], tmp_path, f"c{run}")

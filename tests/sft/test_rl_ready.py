@@ -11,7 +11,7 @@ import pytest
 
 from embodirl.config import compose, validate
 from embodirl.errors import ConfigError
-from embodirl.models.openvla_oft.checkpoint import MARKER, TOKENS_TRAINED
+from embodirl.models.openvla_oft.hf_checkpoint import MARKER, TOKENS_TRAINED
 from tests.models.test_openvla_checkpoint import direct_model, oft_action_head_file, one_sentence, write_public_checkpoint
 
 TINY_LIBERO = ["env=libero_10", "model=openvla_oft_tiny", "env.train.image_size=[64,64]",

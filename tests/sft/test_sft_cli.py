@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from embodirl.demos.lerobot.reader import LeRobotDataset
-from embodirl.models.openvla_oft.checkpoint import MARKER, TOKENS_TRAINED
+from embodirl.models.openvla_oft.hf_checkpoint import MARKER, TOKENS_TRAINED
 from embodirl.runner.metrics_logger import read_metrics
 
 TIMEOUT_S = 600

@@ -9,9 +9,9 @@ import torch
 
 from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
-from embodirl.sft import config as sft_config
+from embodirl.sft import compose as sft_compose
 from embodirl.sft.data import action_mask, batch_indices
-from embodirl.sft.loop import learner_options, unnorm_key
+from embodirl.sft.loop import actor_options, unnorm_key
 
 BASE = ["env=maniskill_pushcube_rgb", "model=openvla_oft_tiny", "data.path=/some/dataset"]
 SPEC = EnvSpec(action_dim=4, max_episode_steps=16, task_descriptions=["push"], camera_names=["base_camera"],
@@ -19,17 +19,17 @@ SPEC = EnvSpec(action_dim=4, max_episode_steps=16, task_descriptions=["push"], c
 
 
 def test_composition_defaults_and_overrides():
-    cfg = sft_config.compose(BASE)
+    cfg = sft_compose.compose(BASE)
     assert cfg.data.path == "/some/dataset"
     assert cfg.runner.max_steps == 200 and cfg.runner.output_dir == f"outputs/sft/{cfg.runner.experiment_name}"
-    assert learner_options(cfg) == {"micro_batch_size": 8, "token_loss": True, "stop_token": True, "l1_head": False}
+    assert actor_options(cfg) == {"micro_batch_size": 8, "token_loss": True, "stop_token": True, "l1_head": False}
     assert unnorm_key(cfg, SPEC) == "PushCube-v1"          # the env's name, as the policy looks it up
-    cfg = sft_config.compose([*BASE, "runner.max_steps=5", "runner.output_dir=/tmp/x", "sft.batch_size=6",
+    cfg = sft_compose.compose([*BASE, "runner.max_steps=5", "runner.output_dir=/tmp/x", "sft.batch_size=6",
                               "sft.micro_batch_size=2", "sft.stop_token=false", "model.unnorm_key=my_demos"])
     assert cfg.runner.max_steps == 5 and cfg.runner.output_dir == "/tmp/x"
-    assert learner_options(cfg) == {"micro_batch_size": 2, "token_loss": True, "stop_token": False, "l1_head": False}
+    assert actor_options(cfg) == {"micro_batch_size": 2, "token_loss": True, "stop_token": False, "l1_head": False}
     assert unnorm_key(cfg, SPEC) == "my_demos"
-    sft_config.check(cfg)
+    sft_compose.check(cfg)
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -43,7 +43,7 @@ def test_composition_defaults_and_overrides():
 ])
 def test_checks_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as exc:
-        sft_config.check(sft_config.compose([*BASE, *overrides]))
+        sft_compose.check(sft_compose.compose([*BASE, *overrides]))
     assert exc.value.key == key
 
 
@@ -65,7 +65,7 @@ def test_stop_token_adds_the_eos_label(compose_cfg):
 
     torch.manual_seed(0)
     cfg = compose_cfg("model=openvla_oft_tiny", "model.action_chunk=2")
-    policy = build_policy(dict(sft_config.main_config(cfg).model) | {"lora": dict(cfg.model.lora)}, SPEC)
+    policy = build_policy(dict(sft_compose.main_config(cfg).model) | {"lora": dict(cfg.model.lora)}, SPEC)
     obs = {"images": torch.randint(0, 255, (2, 1, 3, 56, 56), dtype=torch.uint8), "state": torch.zeros(2, 5),
            "instruction": ["push", "push"]}
     actions = torch.rand(2, 2, 4) * 2 - 1

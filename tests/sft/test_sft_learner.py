@@ -1,4 +1,4 @@
-"""The SFT step of the learner (``Learner.sft_update`` through the actor group): OpenVLA-OFT's token loss on
+"""The SFT step of the actor (``Actor.sft_update`` through the actor group): OpenVLA-OFT's token loss on
 a fixed batch falls and action-token accuracy rises (overfit at CPU size); the L1 head option trains the
 continuous head; the statistics set on the ranks reach the exported checkpoint."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from embodirl.envs.base import EnvSpec
-from embodirl.models.openvla_oft.checkpoint import MARKER, TOKENS_TRAINED
+from embodirl.models.openvla_oft.hf_checkpoint import MARKER, TOKENS_TRAINED
 from embodirl.workers.actor_group import ActorGroup
 
 SPEC = EnvSpec(action_dim=4, max_episode_steps=16, task_descriptions=["push the cube"], camera_names=["base"],
@@ -44,7 +44,7 @@ def test_token_loss_falls_and_accuracy_rises_on_a_fixed_batch(compose_cfg, tmp_p
     assert last["sft/loss"] < 0.25 * first["sft/loss"], (first["sft/loss"], last["sft/loss"])
     assert last["sft/token_accuracy"] >= 0.25, last["sft/token_accuracy"]
     assert last["sft/token_accuracy"] > first["sft/token_accuracy"] + 0.1
-    assert last["learner/version"] == 40.0
+    assert last["actor/version"] == 40.0
     # the exported checkpoint is marked as having trained action tokens and carries the statistics
     stats = {"test": {"action": {"q01": [-1.0] * 4, "q99": [1.0] * 4, "mask": [True] * 4},
                       "proprio": {"q01": [-2.0] * 5, "q99": [2.0] * 5, "mask": [True] * 5}}}
@@ -56,16 +56,16 @@ def test_token_loss_falls_and_accuracy_rises_on_a_fixed_batch(compose_cfg, tmp_p
     actors.close()
 
 
-def _gradients_at_step(learner) -> dict:
-    """A dict that the learner's optimizer fills, at each step, with the gradients it is about to apply."""
-    names = {id(p): n for n, p in learner.policy.named_parameters()}
+def _gradients_at_step(actor) -> dict:
+    """A dict that the actor's optimizer fills, at each step, with the gradients it is about to apply."""
+    names = {id(p): n for n, p in actor.policy.named_parameters()}
     grads: dict = {}
 
     def capture(optimizer, args, kwargs):
         grads.update({names[id(p)]: p.grad.detach().clone() for group in optimizer.param_groups
                       for p in group["params"] if p.grad is not None})
 
-    learner.optimizer.register_step_pre_hook(capture)
+    actor.optimizer.register_step_pre_hook(capture)
     return grads
 
 
@@ -79,7 +79,7 @@ def test_micro_batches_give_the_full_batch_gradient(compose_cfg):
         torch.manual_seed(0)
         # no clipping: it would rescale both gradients to one norm and hide a wrong normaliser
         actors = ActorGroup.local(_cfg(compose_cfg, "actor.optim.clip_grad=null"), SPEC)
-        grads = _gradients_at_step(actors.workers[0].learner)
+        grads = _gradients_at_step(actors.workers[0].actor)
         metrics = actors.sft_train(_batch(), {"micro_batch_size": micro})
         results.append((metrics, grads))
         actors.close()

@@ -1,4 +1,4 @@
-"""Final-observation values of time-limit truncations through a real env-worker actor and rollout-worker
+"""Final-observation values of time-limit truncations through a real env-worker actor and inference-worker
 actor (shared-memory stream, two pipeline stages, auto-reset: a value request beside each stage's next
 decision) equal those of the same collection in one process."""
 
@@ -10,7 +10,7 @@ from embodirl import data as D
 from embodirl.plain import to_plain
 from embodirl.workers import process_env
 from embodirl.workers.env_worker import EnvWorker
-from embodirl.workers.rollout_worker import EVAL, RolloutWorker, sampling_from_config
+from embodirl.workers.inference_worker import EVAL, InferenceWorker, sampling_from_config
 from embodirl.workers.transport import unpack_trajectory
 
 STAGES, ENVS, DECISIONS = 2, 2, 4   # 6-step episodes of 4 + 2 steps: truncated at decisions 1 and 3
@@ -24,7 +24,7 @@ def test_stream_carries_final_value_requests(ray_local, compose_cfg):
     rollout_kwargs = dict(backend=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout), init_seed=0)
 
     local_env = EnvWorker(to_plain(cfg.env.train), **env_kwargs)
-    local_rollout = RolloutWorker(to_plain(cfg.model), local_env.spec(), **rollout_kwargs)
+    local_rollout = InferenceWorker(to_plain(cfg.model), local_env.spec(), **rollout_kwargs)
     local_env.connect_local(local_rollout, mode=EVAL)
     want = local_env.collect(seed=5)
     local_env.close()
@@ -36,7 +36,7 @@ def test_stream_carries_final_value_requests(ray_local, compose_cfg):
     rollout = None
     try:
         spec = ray_local.get(env.spec.remote())
-        rollout = ray_local.remote(RolloutWorker).options(num_cpus=0).remote(
+        rollout = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
             to_plain(cfg.model), spec, process_vars=variables, **rollout_kwargs)
         ray_local.get(env.connect_remote.remote(rollout, same_node=True, mode=EVAL))
         got = unpack_trajectory(ray_local.get(env.collect.remote(seed=5, packed=True)))

@@ -26,7 +26,7 @@ def test_layout_follows_the_config(compose_cfg):
     layout = layout_from_config(cfg)
     assert (layout.num_env_workers, layout.num_stages, layout.envs_per_stage) == (3, 2, 2)
     assert layout.num_decisions == 6 and layout.num_slots == 12
-    assert [layout.rollout_worker_of(k) for k in range(3)] == [0, 1, 0]
+    assert [layout.inference_worker_of(k) for k in range(3)] == [0, 1, 0]
     evaluation = layout_from_config(cfg, "env.eval")
     assert (evaluation.num_env_workers, evaluation.num_stages, evaluation.envs_per_stage) == (3, 1, 2)
     with pytest.raises(ConfigError, match="env.train.num_envs"):
@@ -76,7 +76,7 @@ def test_evaluation_only_groups_load_weights_and_count_executed_steps(compose_cf
         before = groups.evaluate(starts, seed=3)
         assert before.batch_size == torch.Size([2, 3])
         assert (before[D.EXECUTED] & before[D.VALID][..., None]).sum(dim=(1, 2)).tolist() == [10, 10]
-        policy = groups.rollout.workers[0].backend.policy
+        policy = groups.inference.workers[0].backend.policy
         weights = {k: v + 1.0 for k, v in policy.trainable_state_dict().items()}
         assert groups.load_weights(weights, version=5) == 5
         after = groups.evaluate(starts, seed=3)

@@ -1,5 +1,5 @@
 """Worker groups as real Ray actors on the toy simulator: shared-memory transport, placement groups,
-weight versions, and recovery from SIGKILLed env and rollout workers."""
+weight versions, and recovery from SIGKILLed env and inference workers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from embodirl import data as D
 from embodirl.channel import segments
 from embodirl.workers.groups import WorkerGroups
-from embodirl.workers.rollout_worker import RolloutWorker
+from embodirl.workers.inference_worker import InferenceWorker
 
 KILL_WAIT_S = 120.0
 
@@ -44,15 +44,15 @@ def test_collect_through_actors_over_shared_memory(ray_local, compose_cfg):
         # after the call that opened each stream, no Ray message per decision
         infos = ray_local.get([w.transport_info.remote() for w in groups.env.workers])
         assert all(i["stream"] and i["shm_batches"] > 0 and i["ray_batches"] == 0 for i in infos)
-        counts = ray_local.get(groups.rollout.workers[0].counts.remote())
+        counts = ray_local.get(groups.inference.workers[0].counts.remote())
         assert counts["decisions"] == sum(i["shm_batches"] for i in infos)
         assert counts["streamed"] == counts["decisions"] - len(infos)
         rings = [i["segment"] for i in infos]
         assert all(r in _run_entries() for r in rings)
         # weight sync: the next rollout's decisions carry the published version
-        state = groups.rollout.workers.call(0, RolloutWorker.trainable_state_dict)
+        state = groups.inference.workers.call(0, InferenceWorker.trainable_state_dict)
         assert groups.publish({k: v * 0.5 for k, v in state.items()}) == 1
-        assert groups.rollout.weight_versions() == [1]
+        assert groups.inference.weight_versions() == [1]
         assert (groups.collect()[D.WEIGHT_VERSION] == 1).all()
     assert not [r for r in rings if r in _run_entries()]
 
@@ -103,15 +103,15 @@ def test_env_worker_killed_mid_rollout_is_replaced(ray_local, compose_cfg):
 
 
 @pytest.mark.slow
-def test_rollout_worker_killed_mid_rollout_restarts_with_published_weights(ray_local, compose_cfg):
+def test_inference_worker_killed_mid_rollout_restarts_with_published_weights(ray_local, compose_cfg):
     cfg = _toy(compose_cfg, "env_workers.num_workers=2", "env.train.max_episode_steps=1000")
     with WorkerGroups.from_config(cfg, remote=True) as groups:
-        state = groups.rollout.workers.call(0, RolloutWorker.trainable_state_dict)
+        state = groups.inference.workers.call(0, InferenceWorker.trainable_state_dict)
         groups.publish({k: v + 0.01 for k, v in state.items()})
         groups.publish({k: v + 0.02 for k, v in state.items()})
-        victim = groups.rollout.infos[0]["pid"]
+        victim = groups.inference.infos[0]["pid"]
         killed: list = []
-        # the rollout worker's response rings appear once it serves the env workers' streams
+        # the inference worker's response rings appear once it serves the env workers' streams
         killer = threading.Thread(target=_kill_when_rolling, args=(victim, segments.process_prefix(victim), killed))
         killer.start()
         traj = groups.collect()
@@ -119,10 +119,10 @@ def test_rollout_worker_killed_mid_rollout_restarts_with_published_weights(ray_l
         assert killed == [victim]
         assert traj.batch_size[0] == 8 and traj[D.VALID][:, 0].all()
         assert (traj[D.WEIGHT_VERSION] == 2).all()
-        assert [e["event"] for e in groups.events] == ["rollout_worker_restarted"]
-        assert groups.rollout.infos[0]["pid"] != victim
-        assert groups.rollout.weight_versions() == [2]
-        restarted = ray_local.get(groups.rollout.workers[0].trainable_state_dict.remote())
+        assert [e["event"] for e in groups.events] == ["inference_worker_restarted"]
+        assert groups.inference.infos[0]["pid"] != victim
+        assert groups.inference.weight_versions() == [2]
+        restarted = ray_local.get(groups.inference.workers[0].trainable_state_dict.remote())
         for name, tensor in restarted.items():
             torch.testing.assert_close(tensor, state[name] + 0.02)
         # the next rollout streams from the new worker

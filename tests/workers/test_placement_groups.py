@@ -55,7 +55,7 @@ def test_cpu_machines_get_one_core_bundles():
     assert plan.bundles == {0: [{"CPU": 1.0}, {"CPU": 1.0}]}
     env0, env1 = plan.slots["env"]
     assert (env0.device, env1.device) == (0, 1)
-    assert env0.num_cpus == pytest.approx(1 / 3)       # shares core 0 with the rollout worker and actor rank
+    assert env0.num_cpus == pytest.approx(1 / 3)       # shares core 0 with the inference worker and actor rank
     assert env1.num_cpus == 1.0                         # alone on core 1
     assert all(s.num_gpus == 0.0 for s in plan.slots["env"])
     assert worker_options(plan, None, "rollout", 0) == {"num_cpus": pytest.approx(1 / 3), "num_gpus": 0.0}

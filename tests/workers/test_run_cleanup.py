@@ -1,4 +1,4 @@
-"""A whole run (driver + Ray env and rollout workers with shared-memory rings) killed mid-rollout with
+"""A whole run (driver + Ray env and inference workers with shared-memory rings) killed mid-rollout with
 SIGKILL or Ctrl-C leaves no entry of its run in /dev/shm."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Real rollouts on ManiSkill and LIBERO with the tiny OpenVLA-OFT preset through Ray actors: env
-workers (two pipeline stages) + a rollout worker, observations over shared memory."""
+workers (two pipeline stages) + an inference worker, observations over shared memory."""
 
 from __future__ import annotations
 

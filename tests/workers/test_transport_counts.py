@@ -1,6 +1,6 @@
-"""Per-collection counts of how observation batches reached the rollout worker (issue 11: shared
+"""Per-collection counts of how observation batches reached the inference worker (issue 11: shared
 memory inside a node, Ray's object store otherwise), through a real env-worker actor and
-rollout-worker actor on the toy simulator."""
+inference-worker actor on the toy simulator."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from embodirl.plain import to_plain
 from embodirl.workers import process_env
 from embodirl.workers.env_worker import EnvWorker
-from embodirl.workers.rollout_worker import RolloutWorker, sampling_from_config
+from embodirl.workers.inference_worker import InferenceWorker, sampling_from_config
 
 STAGES, ENVS, DECISIONS = 2, 2, 3
 
@@ -25,7 +25,7 @@ def test_last_stats_count_the_batches_of_each_collection_by_path(ray_local, comp
     rollout = None
     try:
         spec = ray_local.get(env.spec.remote())
-        rollout = ray_local.remote(RolloutWorker).options(num_cpus=0).remote(
+        rollout = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
             to_plain(cfg.model), spec, backend=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout),
             process_vars=variables, seed=0)
         env_node, rollout_node = (ray_local.get(a.info.remote())["node_id"] for a in (env, rollout))

@@ -11,7 +11,7 @@ from embodirl import data as D
 from embodirl.envs.registry import make_env
 from embodirl.models.base import SamplingParams
 from embodirl.models.registry import make_policy
-from embodirl.workers.rollout_worker import RolloutWorker
+from embodirl.workers.inference_worker import InferenceWorker
 from embodirl.workers.weight_sync import WeightPublisher, WeightReceiver, WeightVersionError
 
 
@@ -41,7 +41,7 @@ def test_publisher_keeps_its_own_copy():
     tensors = _tensors()
     pub = WeightPublisher()
     pub.publish(tensors)
-    tensors["lora.A"].add_(5.0)                                     # the learner keeps training in place
+    tensors["lora.A"].add_(5.0)                                     # the actor keeps training in place
     assert set(pub.publish(tensors).tensors) == {"lora.A"}
 
 
@@ -67,10 +67,10 @@ def worker_setup(compose_cfg):
     return cfg, env.spec, obs
 
 
-def test_rollout_worker_tags_decisions_and_restarts_from_published_weights(worker_setup):
+def test_inference_worker_tags_decisions_and_restarts_from_published_weights(worker_setup):
     cfg, spec, obs = worker_setup
     sampling = {"train": SamplingParams(greedy=True), "eval": SamplingParams(greedy=True)}
-    worker = RolloutWorker(cfg.model, spec, sampling=sampling)
+    worker = InferenceWorker(cfg.model, spec, sampling=sampling)
     assert worker.infer(obs).weight_version == 0
     pub = WeightPublisher(worker.trainable_state_dict())
     trained = {k: v + 0.1 * torch.randn_like(v) for k, v in worker.trainable_state_dict().items()}
@@ -79,13 +79,13 @@ def test_rollout_worker_tags_decisions_and_restarts_from_published_weights(worke
     out = worker.infer(obs, return_value=True)
     assert out.weight_version == 1
     # a worker restarted from the publisher's full update acts exactly like the live one
-    restarted = RolloutWorker(cfg.model, spec, sampling=sampling, weights=pub.full_update())
+    restarted = InferenceWorker(cfg.model, spec, sampling=sampling, weights=pub.full_update())
     again = restarted.infer(obs, return_value=True)
     assert again.weight_version == 1
     for key in (D.ACTION_CHUNK, D.ACTION_SAMPLE, D.VALUE):
         np.testing.assert_allclose(again.fields[key], out.fields[key], rtol=1e-6, atol=1e-6)
     # ...while a fresh worker (other random init) does not
-    fresh = RolloutWorker(cfg.model, spec, sampling=sampling)
+    fresh = InferenceWorker(cfg.model, spec, sampling=sampling)
     assert not np.allclose(fresh.infer(obs).fields[D.ACTION_CHUNK], out.fields[D.ACTION_CHUNK])
 
 
@@ -104,7 +104,7 @@ def test_reset_starts_over_at_a_given_version_and_deltas_build_on_it():
     pub = WeightPublisher(_tensors(0))
     pub.publish(_tensors(1))                                        # v1 (e.g. a run's first update)
     restored = _tensors(2)
-    full = pub.reset(restored, version=7)                           # a run resumed at learner version 7
+    full = pub.reset(restored, version=7)                           # a run resumed at actor version 7
     assert full.full and full.version == 7 and set(full.tensors) == set(restored)
     loaded = {}
     rx = WeightReceiver(loaded.update)
@@ -120,7 +120,7 @@ def test_reset_starts_over_at_a_given_version_and_deltas_build_on_it():
 
 
 def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(compose_cfg):
-    """rollout.merge_lora: a rollout worker folds the adapter into its copy's weights at every update. With trained
+    """rollout.merge_lora: an inference worker folds the adapter into its copy's weights at every update. With trained
     (non-zero) adapters it acts as the unmerged copy (float32: greedy tokens equal but for near-ties, log-probs
     within float rounding), and after other weights and then the first ones again, its weights are bit-identical to
     the first merge: every merge starts from the original weights, so no rounding accumulates."""
@@ -130,7 +130,7 @@ def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(
     env = make_env(cfg.env.eval, num_envs=4, seed=0)
     obs, _ = env.reset(seed=0)
     env.close()
-    workers = {merge: RolloutWorker(cfg.model, env.spec, init_seed=1, merge_lora=merge,
+    workers = {merge: InferenceWorker(cfg.model, env.spec, init_seed=1, merge_lora=merge,
                                     sampling={"train": SamplingParams(), "eval": SamplingParams(greedy=True)})
                for merge in (False, True)}
 

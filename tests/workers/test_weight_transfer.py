@@ -1,6 +1,6 @@
 """Weight publication from the actor group's rank 0: the packed buffer round-trips every dtype (bf16
 included) exactly, through shared memory on rank 0's node and through Ray's object store elsewhere, and
-a real rollout worker applies it."""
+a real inference worker applies it."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from embodirl.errors import ConfigError
 from embodirl.models.openvla_oft.autoconfig import check_run, configure
-from embodirl.models.openvla_oft.config import build_config
 from embodirl.models.openvla_oft.policy import OpenVLAOFTPolicy, build_policy
+from embodirl.models.openvla_oft.resolve import build_config
 from embodirl.models.openvla_oft.schema import OpenVLAOFTConfig
 from embodirl.models.openvla_oft.weights import HUB_ID
 from embodirl.models.registry import register_policy

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from embodirl.models.openvla_oft.config import OFTConfig
 from embodirl.models.openvla_oft.lora import ADAPTER_NAME
 from embodirl.models.openvla_oft.names import QKV_PARTS, linear_module_map
+from embodirl.models.openvla_oft.resolve import OFTConfig
 from embodirl.models.openvla_oft.weights import CheckpointError, CheckpointFileMissing
 
 ADAPTER_DIR = "lora_adapter"

@@ -23,8 +23,8 @@ from __future__ import annotations
 from torch import nn
 
 from embodirl.errors import ConfigError
-from embodirl.models.openvla_oft.config import LoraSettings
 from embodirl.models.openvla_oft.modeling import OpenVLAOFT
+from embodirl.models.openvla_oft.resolve import LoraSettings
 
 #: OpenVLA-OFT's LoRA init (openvla-oft ``finetune.py``): A ~ N(0, 1/r), B = 0
 LORA_INIT = "gaussian"

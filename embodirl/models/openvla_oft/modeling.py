@@ -33,13 +33,13 @@ from torch import nn
 
 from embodirl.models.action_tokenizer import ActionTokenizer
 from embodirl.models.base import default_dtype
-from embodirl.models.openvla_oft.config import OFTConfig
 from embodirl.models.openvla_oft.projector import (
     FusedMLPProjector,
     L1RegressionActionHead,
     ProprioProjector,
     ValueHead,
 )
+from embodirl.models.openvla_oft.resolve import OFTConfig
 from embodirl.models.openvla_oft.vision import FusedVisionBackbone
 from embodirl.models.processor import LLAMA_BOS_ID, LLAMA_STOP_ID
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embodirl.models.openvla_oft.config import OFTConfig
+from embodirl.models.openvla_oft.resolve import OFTConfig
 
 PUBLIC_DINO = "vision_backbone.featurizer."
 PUBLIC_SIGLIP = "vision_backbone.fused_featurizer."

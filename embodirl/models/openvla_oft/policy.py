@@ -1,6 +1,6 @@
 """OpenVLA-OFT as an embodirl :class:`~embodirl.models.base.Policy`: observations in, action chunks out.
 
-``act`` (rollout worker, no autograd) and ``evaluate`` (learner, autograd) share one parallel-decoding
+``act`` (inference worker, no autograd) and ``evaluate`` (actor, autograd) share one parallel-decoding
 pass (:mod:`.modeling`): the whole ``[H, A]`` chunk's ``L = H * A`` token distributions come from one
 forward, so recomputing log-probs for given tokens is exactly the sampling-time computation. Action
 slots carry no token content, hence the tokens being scored do not enter the forward at all.
@@ -9,7 +9,7 @@ Observation dict: ``images`` uint8 ``[B, V_env, 3, h, w]`` (the first ``num_imag
 are used: agentview, then wrist), ``state`` float32 ``[B, S]`` (raw proprio, normalised here with the
 checkpoint's statistics), and either ``instruction`` (list of B strings) or ``task_id`` int64 ``[B]``
 indexing the env's task table (``env_spec.task_descriptions``) - a trajectory batch carries only the
-latter, so the learner's ``evaluate`` works from it.
+latter, so the actor's ``evaluate`` works from it.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from embodirl import data as D
 from embodirl.errors import ConfigError
 from embodirl.models.base import Policy, SamplingParams
 from embodirl.models.normalization import BoundsNormalizer, resolve_unnorm_key
-from embodirl.models.openvla_oft import checkpoint as ckpt
+from embodirl.models.openvla_oft import hf_checkpoint
 from embodirl.models.openvla_oft.adapters import load_live_adapter
 from embodirl.models.openvla_oft.autoconfig import configure
-from embodirl.models.openvla_oft.config import OFTConfig, build_config
 from embodirl.models.openvla_oft.lora import ADAPTER_NAME, apply_lora, peft_parameter_names
 from embodirl.models.openvla_oft.modeling import OpenVLAOFT, build_model
+from embodirl.models.openvla_oft.resolve import OFTConfig, build_config
 from embodirl.models.openvla_oft.sampling import log_prob_and_entropy, sample
 from embodirl.models.openvla_oft.weights import canonical_parameters
 from embodirl.models.processor import (
@@ -59,7 +59,7 @@ class OpenVLAOFTPolicy(Policy):
     action_field = D.ACTION_TOKENS
 
     def __init__(self, cfg: OFTConfig, core: OpenVLAOFT, *, model_cfg: Mapping,
-                 loaded: ckpt.LoadedCheckpoint | None = None, task_descriptions: list[str] | None = None):
+                 loaded: hf_checkpoint.LoadedCheckpoint | None = None, task_descriptions: list[str] | None = None):
         super().__init__()
         self.task_descriptions = list(task_descriptions or [])
         self.cfg = cfg
@@ -82,14 +82,14 @@ class OpenVLAOFTPolicy(Policy):
         self._unmerged: list[torch.Tensor] | None = None   # the adapted weights before merge_adapters_
 
     # --- construction helpers ------------------------------------------------------------------
-    def _apply_deferred(self, loaded: ckpt.LoadedCheckpoint) -> None:
+    def _apply_deferred(self, loaded: hf_checkpoint.LoadedCheckpoint) -> None:
         if loaded.live_adapter is not None:
             load_live_adapter(self.core, self.cfg, loaded.live_adapter)
         if loaded.trained_proprio is not None:
             active = canonical_parameters(self.core, "active")
             with torch.no_grad():
                 for key, tensor in loaded.trained_proprio.items():
-                    active[f"{ckpt.PROPRIO}.{key}"].copy_(tensor)
+                    active[f"{hf_checkpoint.PROPRIO}.{key}"].copy_(tensor)
 
     def _normalizers(self):
         """``(unnorm_key, action normaliser, proprio normaliser or None)`` on the policy's device."""
@@ -197,7 +197,7 @@ class OpenVLAOFTPolicy(Policy):
         if tuple(tokens.shape) != (B, L):
             raise ValueError(f"action tokens have shape {tuple(tokens.shape)}, expected {(B, L)}")
         if tokens.device.type == "cpu" and not bool(self.action_tokenizer.is_action_id(tokens).all()):
-            # checked where the learner's batch is (the CPU): a check on the device would wait for it
+            # checked where the actor's batch is (the CPU): a check on the device would wait for it
             raise ValueError("action tokens contain ids outside the action vocabulary")
         out = self.core(**self.prepare_inputs(obs))
         index = self.action_tokenizer.ids_to_index(tokens.to(self.device))            # (B, L)
@@ -323,11 +323,11 @@ class OpenVLAOFTPolicy(Policy):
                                  "model.lora / model size")
         self._load_trainable_file(folder, {n for n, p in self.named_parameters() if p.requires_grad} - adapter)
 
-    def save_pretrained(self, directory, *, step: int = 0, max_shard_bytes: int = ckpt.DEFAULT_MAX_SHARD_BYTES,
+    def save_pretrained(self, directory, *, step: int = 0, max_shard_bytes: int = hf_checkpoint.DEFAULT_MAX_SHARD_BYTES,
                         marker: Mapping | None = None):
         """Write the public OpenVLA-OFT layout plus the value head (see :mod:`.checkpoint`); ``marker``: entries
         for ``config.json["embodirl"]``."""
-        return ckpt.save(self.core, self.cfg, directory, step=step, model_cfg=self.model_cfg,
+        return hf_checkpoint.save(self.core, self.cfg, directory, step=step, model_cfg=self.model_cfg,
                          statistics=self.statistics, tokenizer=self.prompts.tokenizer,
                          image_config=self.images.to_config(), source=self._loaded,
                          max_shard_bytes=max_shard_bytes, marker=marker)
@@ -349,6 +349,6 @@ def build_policy(model_cfg: Mapping, env_spec=None, *, device: torch.device | st
                  "L1 regression head" if cfg.use_l1_regression else "action tokens",
                  "proprio token" if cfg.use_proprio else "no proprio token", cfg.num_images_in_input)
     core = build_model(cfg, device, init_weights=cfg.path is None)
-    loaded = ckpt.load_base(core, cfg, model_cfg.get("base_path")) if cfg.path is not None else None
+    loaded = hf_checkpoint.load_base(core, cfg, model_cfg.get("base_path")) if cfg.path is not None else None
     tasks = list(env_spec.task_descriptions) if env_spec is not None else None
     return OpenVLAOFTPolicy(cfg, core, model_cfg=model_cfg, loaded=loaded, task_descriptions=tasks)

@@ -4,9 +4,9 @@ All functions take logits over the action ids only (``[..., num_bins]``, index `
 ``first_id + k``), so no sample can ever be a non-action token.
 
 Log-probs and entropies are those of the *tempered, untruncated* distribution
-``softmax(logits / temperature)``: top-k / top-p only narrow what the sampler draws from. The learner
+``softmax(logits / temperature)``: top-k / top-p only narrow what the sampler draws from. The actor
 recomputes exactly these quantities (it knows the temperature, not the truncation), so behaviour
-log-probs from :func:`sample` equal the learner's recomputation for the same weights (RLinf and verl
+log-probs from :func:`sample` equal the actor's recomputation for the same weights (RLinf and verl
 score rollouts the same way).
 """
 

@@ -1,7 +1,7 @@
 """The typed keys of ``model=openvla_oft`` (and its tiny preset): types and ranges, declared next to the policy and
 registered with it (``@register_policy("openvla_oft", config=OpenVLAOFTConfig)``); the values live in
-``config/model/_openvla_oft_base.yaml``. :func:`~embodirl.models.openvla_oft.config.build_config` resolves them against
-the env and a checkpoint into the network's :class:`~embodirl.models.openvla_oft.config.OFTConfig`."""
+``config/model/_openvla_oft_base.yaml``. :func:`~embodirl.models.openvla_oft.resolve.build_config` resolves them against
+the env and a checkpoint into the network's :class:`~embodirl.models.openvla_oft.resolve.OFTConfig`."""
 
 from dataclasses import dataclass
 from typing import Any

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from embodirl.models.openvla_oft.config import DINO_REGISTER_TOKENS, OFTConfig
+from embodirl.models.openvla_oft.resolve import DINO_REGISTER_TOKENS, OFTConfig
 from embodirl.models.processor import CHANNELS_PER_IMAGE, RGB_CHANNELS
 
 

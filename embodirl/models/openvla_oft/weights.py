@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from embodirl.errors import ConfigError
-from embodirl.models.openvla_oft.config import OFTConfig
 from embodirl.models.openvla_oft.lora import ADAPTER_NAME
 from embodirl.models.openvla_oft.names import OURS_ONLY, parameter_rules, public_alias
+from embodirl.models.openvla_oft.resolve import OFTConfig
 
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

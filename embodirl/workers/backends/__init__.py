@@ -2,7 +2,7 @@
 
 ``huggingface`` is built in. A later engine (vLLM: GPU only) registers itself with :func:`register_backend` in its
 own module and adds that module to the built-in table of ``BACKENDS`` (:mod:`embodirl.registry`); env workers,
-rollout workers and the runner stay unchanged (see :mod:`embodirl.workers.backends.base`).
+inference workers and the runner stay unchanged (see :mod:`embodirl.workers.backends.base`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The rollout backend interface: what a rollout worker needs from an inference engine.
+"""The rollout backend interface: what an inference worker needs from an inference engine.
 
-A backend owns one inference copy of the policy and answers batched decisions. The rollout worker
+A backend owns one inference copy of the policy and answers batched decisions. The inference worker
 (transport, weight versions, offload scheduling) and the env workers never see which engine runs:
 ``rollout.backend: huggingface`` is the plain PyTorch/transformers model (this package); a vLLM
 backend (GPU only) joins by registering another class that implements the same five methods and
@@ -41,7 +41,7 @@ class RolloutBackend(abc.ABC):
 
     @abc.abstractmethod
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load (a subset of) the trainable tensors, by name, as the learner published them."""
+        """Load (a subset of) the trainable tensors, by name, as the actor published them."""
 
     @abc.abstractmethod
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

@@ -55,8 +55,8 @@ from embodirl.models.openvla_oft.adapters import (
     public_adapter,
     read_adapter,
 )
-from embodirl.models.openvla_oft.config import OFTConfig
 from embodirl.models.openvla_oft.lora import LORA_INIT
+from embodirl.models.openvla_oft.resolve import OFTConfig
 from embodirl.models.openvla_oft.weights import (
     COMPONENT_PATTERN,
     DEFAULT_MAX_SHARD_BYTES,

@@ -1,4 +1,4 @@
-"""Numerics that must hold through the learner: k3 at extreme log-ratios, optimizer steps with nothing
+"""Numerics that must hold through the actor: k3 at extreme log-ratios, optimizer steps with nothing
 to learn from, and rollout temperature 0 (greedy) through the policies' act/sampling path."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from embodirl import data as D
+from embodirl.actor.actor import Actor
 from embodirl.algorithms import kl
-from embodirl.learner.learner import Learner
 from embodirl.models.base import SamplingParams
 from embodirl.models.state_policy import StateMLPPolicy
 
-from .helpers import TASKS, TinyTokenPolicy, grpo, learner_cfg, ppo, token_batch
+from .helpers import TASKS, TinyTokenPolicy, actor_cfg, grpo, ppo, token_batch
 
 
 def test_low_var_kl_gradient_is_finite_at_log_ratio_minus_100():
@@ -32,11 +32,11 @@ def test_kl_loss_at_extreme_log_ratio_still_updates_the_policy():
     before = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
     batch = token_batch(policy=policy)
     batch.set(D.LOGPROB_REF, batch.get(D.LOGPROB_BEHAVIOR) + 100.0)
-    learner = Learner(policy, learner_cfg(ppo(kl_beta=0.1, use_kl_loss=True, kl_penalty="low_var_kl",
+    actor = Actor(policy, actor_cfg(ppo(kl_beta=0.1, use_kl_loss=True, kl_penalty="low_var_kl",
                                               update_epochs=1)), task_table=TASKS)
-    metrics = learner.step(batch)
+    metrics = actor.step(batch)
     assert math.isfinite(float(metrics["actor/grad_norm"]))
-    assert learner.optimizer_steps == 1
+    assert actor.optimizer_steps == 1
     assert any(not torch.equal(p, before[n]) for n, p in policy.named_parameters() if p.requires_grad)
 
 
@@ -44,26 +44,26 @@ def test_optimizer_step_without_valid_decisions_is_skipped():
     """After a real step (Adam has momentum, weight decay is on), a step whose every group is filtered
     leaves the weights and the optimizer untouched."""
     policy = TinyTokenPolicy()
-    cfg = learner_cfg(grpo(**{"filter_groups.enable": True, "filter_groups.min_success": 0.0,
+    cfg = actor_cfg(grpo(**{"filter_groups.enable": True, "filter_groups.min_success": 0.0,
                                 "filter_groups.max_success": 1.0}),
                       {"optim.weight_decay": 0.1})
-    learner = Learner(policy, cfg, task_table=TASKS)
+    actor = Actor(policy, cfg, task_table=TASKS)
     mixed = token_batch(policy=policy)
     success = torch.zeros_like(mixed.get(D.SUCCESS))
     success[::2] = mixed.get(D.VALID)[::2]               # half of every group succeeds: informative
     mixed.set(D.SUCCESS, success)
-    learner.step(mixed)
-    assert learner.optimizer_steps == 1
+    actor.step(mixed)
+    assert actor.optimizer_steps == 1
     weights = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
     uninformative = token_batch(policy=policy, seed=1)
     uninformative.set(D.SUCCESS, uninformative.get(D.VALID).clone())   # every group all-success: all dropped
-    metrics = learner.step(uninformative)
+    metrics = actor.step(uninformative)
     assert float(metrics["filter/kept_fraction"]) == 0.0
     for n, p in policy.named_parameters():
         if p.requires_grad:
             assert torch.equal(p, weights[n]), n
-    assert learner.optimizer_steps == 1
-    assert float(metrics["learner/skipped_empty_steps"]) == 1.0
+    assert actor.optimizer_steps == 1
+    assert float(metrics["actor/skipped_empty_steps"]) == 1.0
 
 
 def test_state_policy_temperature_zero_is_greedy():
@@ -73,16 +73,16 @@ def test_state_policy_temperature_zero_is_greedy():
     cold = spec_policy.act(obs, SamplingParams(temperature=0.0))
     for key in (D.ACTION_CHUNK, D.ACTION_SAMPLE, D.LOGPROB_BEHAVIOR):
         torch.testing.assert_close(cold[key], greedy[key], rtol=0, atol=0)
-    # the learner scores greedy decisions at temperature 1: ratio 1 before any update
-    learner = Learner(spec_policy, learner_cfg(ppo()), task_table=["t"], temperature=0.0)
-    again = spec_policy.evaluate(obs, cold[D.ACTION_SAMPLE], temperature=learner.temperature)
+    # the actor scores greedy decisions at temperature 1: ratio 1 before any update
+    actor = Actor(spec_policy, actor_cfg(ppo()), task_table=["t"], temperature=0.0)
+    again = spec_policy.evaluate(obs, cold[D.ACTION_SAMPLE], temperature=actor.temperature)
     torch.testing.assert_close(again["logprob"], cold[D.LOGPROB_BEHAVIOR])
 
 
 @pytest.mark.parametrize("top_k", [None, 5])
 def test_openvla_oft_temperature_zero_is_greedy(top_k):
     from embodirl.envs.base import EnvSpec
-    from embodirl.models.openvla_oft.config import load_preset
+    from embodirl.models.openvla_oft.resolve import load_preset
     from embodirl.models.registry import make_policy
 
     spec = EnvSpec(action_dim=7, max_episode_steps=100, task_descriptions=["t"], camera_names=["agentview"],

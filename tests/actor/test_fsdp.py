@@ -1,4 +1,4 @@
-"""Two FSDP2 learner processes (gloo, CPU) give the same update as one plain process.
+"""Two FSDP2 actor processes (gloo, CPU) give the same update as one plain process.
 
 One ``torch.multiprocessing.spawn`` of 2 ranks runs several scenarios in the same process group:
 each rank takes its half of the rows of a prepared batch, computes reference log-probs (collective),
@@ -13,29 +13,29 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from embodirl.learner.learner import Learner, prepare_batch
+from embodirl.actor.actor import Actor, prepare_batch
 
-from .helpers import OFT_TASKS, TASKS, TinyTokenPolicy, grpo, learner_cfg, oft_batch, oft_policy, ppo, token_batch
+from .helpers import OFT_TASKS, TASKS, TinyTokenPolicy, actor_cfg, grpo, oft_batch, oft_policy, ppo, token_batch
 
 WORLD = 2
 
 
 def scenarios():
-    """name -> (policy kind, learner cfg)."""
+    """name -> (policy kind, actor cfg)."""
     fp32 = {"micro_batch_size": 2, "optim.lr": 3e-3}
     return {
         # transformer-like blocks as FSDP units, PPO with value loss, KL loss (reference forward),
         # gradient checkpointing and CPU offload (neither may change the numbers)
-        "token_ppo_kl": ("token", learner_cfg(ppo(kl_beta=0.1, entropy_bonus=0.01),
+        "token_ppo_kl": ("token", actor_cfg(ppo(kl_beta=0.1, entropy_bonus=0.01),
                                               {**fp32, "fsdp.gradient_checkpointing": True,
                                                "fsdp.cpu_offload": True})),
-        "token_grpo_seqmean": ("token", learner_cfg(grpo(loss_agg_func="seq-mean-token-mean", update_epochs=2),
+        "token_grpo_seqmean": ("token", actor_cfg(grpo(loss_agg_func="seq-mean-token-mean", update_epochs=2),
                                                     fp32)),
         # bf16 compute with fp32 master weights and fp32 reduction
-        "token_ppo_bf16": ("token", learner_cfg(ppo(), {**fp32, "fsdp.param_dtype": "bfloat16"})),
+        "token_ppo_bf16": ("token", actor_cfg(ppo(), {**fp32, "fsdp.param_dtype": "bfloat16"})),
         # the real tiny OpenVLA-OFT: transformers blocks (DINOv2, SigLIP, Llama) as units, peft LoRA
         # with fully trained value head and proprio projector, KL to the adapter-disabled model
-        "oft_ppo_kl": ("oft", learner_cfg(ppo(kl_beta=0.1, update_epochs=1),
+        "oft_ppo_kl": ("oft", actor_cfg(ppo(kl_beta=0.1, update_epochs=1),
                                           {"global_batch_size": 4, "micro_batch_size": 1, "optim.lr": 1e-3})),
     }
 
@@ -56,16 +56,16 @@ def task_table(kind: str):
     return TASKS if kind == "token" else OFT_TASKS
 
 
-def run_update(learner: Learner, batch):
-    if learner.cfg.kl_active:
-        batch = learner.compute_ref_logprob(batch)
-    metrics = learner.update(batch)
-    version, state = learner.publish_weights()
+def run_update(actor: Actor, batch):
+    if actor.cfg.kl_active:
+        batch = actor.compute_ref_logprob(batch)
+    metrics = actor.update(batch)
+    version, state = actor.publish_weights()
     return metrics, version, state
 
 
 def _rank_main(rank: int, port: int, out_dir: str):
-    from embodirl.learner import fsdp
+    from embodirl.actor import fsdp
 
     torch.set_num_threads(1)
     fsdp.init_process_group(rank=rank, world_size=WORLD, master_addr="127.0.0.1", master_port=port,
@@ -75,18 +75,18 @@ def _rank_main(rank: int, port: int, out_dir: str):
             batch = prepared_batch(kind, cfg)
             rows = batch.batch_size[0] // WORLD
             shard = batch[rank * rows:(rank + 1) * rows]
-            learner = Learner(make_policy(kind), cfg, task_table=task_table(kind), device="cpu")
-            assert learner.use_fsdp
-            metrics, version, state = run_update(learner, shard)
-            full = learner.publish_weights(full=True)[1]
+            actor = Actor(make_policy(kind), cfg, task_table=task_table(kind), device="cpu")
+            assert actor.use_fsdp
+            metrics, version, state = run_update(actor, shard)
+            full = actor.publish_weights(full=True)[1]
             result = {"metrics": metrics, "version": version, "state": state, "full": full}
             if name == "token_grpo_seqmean":  # checkpoint round trip of sharded weights and optimizer
-                saved = learner.state_dict()
-                restored = Learner(make_policy(kind), cfg, task_table=task_table(kind), device="cpu")
+                saved = actor.state_dict()
+                restored = Actor(make_policy(kind), cfg, task_table=task_table(kind), device="cpu")
                 restored.load_state_dict(saved)
-                for resumed in (learner, restored):
+                for resumed in (actor, restored):
                     run_update(resumed, shard)
-                result["resumed"] = [x.publish_weights(full=True)[1] for x in (learner, restored)]
+                result["resumed"] = [x.publish_weights(full=True)[1] for x in (actor, restored)]
             if rank == 0:
                 torch.save(result, os.path.join(out_dir, f"{name}.pt"))
     finally:
@@ -110,7 +110,7 @@ def two_rank_results(tmp_path_factory):
 @pytest.mark.parametrize("name", ["token_ppo_kl", "token_grpo_seqmean", "oft_ppo_kl"])
 def test_two_fsdp_ranks_match_one_process(two_rank_results, name):
     kind, cfg = scenarios()[name]
-    single = Learner(make_policy(kind), cfg, task_table=task_table(kind), device="cpu")
+    single = Actor(make_policy(kind), cfg, task_table=task_table(kind), device="cpu")
     assert not single.use_fsdp
     metrics, version, state = run_update(single, prepared_batch(kind, cfg))
     got = two_rank_results[name]
@@ -118,7 +118,7 @@ def test_two_fsdp_ranks_match_one_process(two_rank_results, name):
     assert set(got["state"]) == set(state) and state  # the same changed tensors, by name
     for key, value in state.items():
         torch.testing.assert_close(got["state"][key], value, rtol=1e-4, atol=1e-6, msg=key)
-    for key in ("actor/pg_loss", "actor/grad_norm", "actor/clip_fraction", "actor/entropy", "learner/decisions"):
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/clip_fraction", "actor/entropy", "actor/decisions"):
         torch.testing.assert_close(got["metrics"][key], metrics[key], rtol=1e-4, atol=1e-6, msg=key)
     if name != "token_grpo_seqmean":
         for key in ("critic/value_loss", "actor/kl"):
@@ -134,7 +134,7 @@ def test_bf16_mixed_precision_update(two_rank_results):
     kind, cfg = scenarios()["token_ppo_bf16"]
     fp32_cfg = {**cfg, "actor": {**cfg["actor"], "fsdp": {**cfg["actor"]["fsdp"], "param_dtype": None}}}
     initial = dict(make_policy(kind).named_parameters())
-    _, _, state = run_update(Learner(make_policy(kind), fp32_cfg, task_table=TASKS, device="cpu"),
+    _, _, state = run_update(Actor(make_policy(kind), fp32_cfg, task_table=TASKS, device="cpu"),
                              prepared_batch(kind, fp32_cfg))
     got = two_rank_results["token_ppo_bf16"]["full"]
     for key, value in state.items():
@@ -146,7 +146,7 @@ def test_bf16_mixed_precision_update(two_rank_results):
 
 @pytest.mark.slow
 def test_sharded_learner_state_round_trip(two_rank_results):
-    """state_dict() gathers the sharded weights and optimizer moments; a fresh sharded learner that
+    """state_dict() gathers the sharded weights and optimizer moments; a fresh sharded actor that
     loads them continues exactly like the original."""
     original, restored = two_rank_results["token_grpo_seqmean"]["resumed"]
     assert original.keys() == restored.keys()

@@ -1,23 +1,23 @@
-"""The learner: turns prepared trajectory batches into policy updates, and publishes the new weights.
+"""The actor: turns prepared trajectory batches into policy updates, and publishes the new weights.
 
 One training step, as the runner drives it::
 
-    batch = learner.compute_ref_logprob(batch)          # only when a KL term is on (reference forward)
+    batch = actor.compute_ref_logprob(batch)          # only when a KL term is on (reference forward)
     batch, m = prepare_batch(batch, cfg.algorithm,       # driver side, on the WHOLE rollout batch:
-                             kl_coef=learner.kl_coef)     #   KL reward penalty, group filter, advantages
-    metrics = learner.update(shard)                       # every rank, its shard of rows
-    version, tensors = learner.publish_weights()          # every rank (FSDP gathers); rank 0 sends
+                             kl_coef=actor.kl_coef)     #   KL reward penalty, group filter, advantages
+    metrics = actor.update(shard)                       # every rank, its shard of rows
+    version, tensors = actor.publish_weights()          # every rank (FSDP gathers); rank 0 sends
 
-:meth:`Learner.step` does all of it in one process (with the replay buffer) for the plain in-process
+:meth:`Actor.step` does all of it in one process (with the replay buffer) for the plain in-process
 path and tests.
 
-Inside :meth:`Learner.update`, for ``update_epochs`` epochs the rows are shuffled and cut into
+Inside :meth:`Actor.update`, for ``update_epochs`` epochs the rows are shuffled and cut into
 optimizer steps of ``global_batch_size / world_size`` rows per rank, each run as micro-batches of
 ``micro_batch_size`` rows with gradient accumulation (the update stops early after an optimizer step
 whose approximate KL to the behaviour policy exceeds ``algorithm.early_stop_kl``). Only valid decisions go through the policy
 (their outputs are scattered back to ``[n, T, ...]``); the loss normalisers are counted on the whole
 optimizer step over all ranks before any forward pass, so the summed gradient equals the full-batch
-gradient (:mod:`embodirl.algorithms.aggregation`). The learner works with or without
+gradient (:mod:`embodirl.algorithms.aggregation`). The actor works with or without
 torch.distributed: with more than one rank the policy is sharded with FSDP2 (:mod:`.fsdp`).
 """
 
@@ -32,16 +32,16 @@ import torch
 from tensordict import TensorDict
 
 from embodirl import data as D
+from embodirl.actor import fsdp
+from embodirl.actor.optim import build_optimizer, clip_grad_norm, lr_schedule, refresh_lr, trainable_named_parameters
+from embodirl.actor.replay_buffer import ReplayBuffer, row_versions
+from embodirl.actor.settings import ActorSettings, plain
 from embodirl.algorithms import kl as kl_mod
 from embodirl.algorithms import losses
 from embodirl.algorithms.advantages import compute_advantages
 from embodirl.algorithms.filtering import drop_filtered
 from embodirl.dtypes import parse_dtype
 from embodirl.errors import ConfigError, NonFiniteUpdate
-from embodirl.learner import fsdp
-from embodirl.learner.config import LearnerConfig, plain
-from embodirl.learner.optim import build_optimizer, clip_grad_norm, lr_schedule, refresh_lr, trainable_named_parameters
-from embodirl.learner.replay_buffer import ReplayBuffer, row_versions
 from embodirl.models.base import Policy, scoring_temperature
 from embodirl.progress import Ticker
 
@@ -60,14 +60,14 @@ def _take(value, rows: torch.Tensor):
 
 def prepare_batch(batch: TensorDict, algorithm: Mapping, *, kl_coef: float = 0.0
                   ) -> tuple[TensorDict, dict[str, torch.Tensor]]:
-    """Driver-side preparation of a whole rollout batch (before it is cut into learner shards):
+    """Driver-side preparation of a whole rollout batch (before it is cut into actor shards):
     the KL reward penalty (``use_kl_loss: false``; needs ``logprob_ref``), group filtering
     (``filter_groups.enable``) and advantages/returns (:func:`compute_advantages`)."""
     algorithm = plain(algorithm)
     metrics: dict[str, torch.Tensor] = {}
     if kl_coef > 0 and not bool(algorithm["use_kl_loss"]):
         if D.LOGPROB_REF not in batch.keys():
-            raise ValueError("the KL reward penalty needs 'logprob_ref': call Learner.compute_ref_logprob first")
+            raise ValueError("the KL reward penalty needs 'logprob_ref': call Actor.compute_ref_logprob first")
         reward, mean_kl = kl_mod.apply_kl_reward_penalty(
             batch.get(D.REWARD), batch.get(D.LOGPROB_BEHAVIOR), batch.get(D.LOGPROB_REF), batch.get(D.VALID),
             coef=kl_coef, kind=str(algorithm["kl_penalty"]),
@@ -83,7 +83,7 @@ def prepare_batch(batch: TensorDict, algorithm: Mapping, *, kl_coef: float = 0.0
     return compute_advantages(batch, algorithm), metrics
 
 
-class Learner:
+class Actor:
     """Trainable policy + optimizer on this rank (see module docstring).
 
     ``cfg`` holds the ``algorithm`` and ``actor`` nodes (DictConfig or dict). ``task_table`` maps
@@ -94,7 +94,7 @@ class Learner:
 
     def __init__(self, policy: Policy, cfg: Mapping, *, task_table: Sequence[str], temperature: float = 1.0,
                  device: torch.device | str | None = None):
-        self.cfg = LearnerConfig.from_config(cfg)
+        self.cfg = ActorSettings.from_config(cfg)
         self.world_size, self.rank = fsdp.world_size(), fsdp.rank()
         self.cfg.check(self.world_size)
         self.device = torch.device(device) if device is not None else fsdp.default_device()
@@ -117,9 +117,9 @@ class Learner:
         self.use_fsdp = self.cfg.fsdp_enabled is True or (
             self.cfg.fsdp_enabled == "auto" and (self.world_size > 1 or (low_precision and fsdp.is_distributed())))
         if self.world_size > 1 and not self.use_fsdp:
-            raise ConfigError("actor.fsdp.enabled", f"{self.world_size} learner ranks need FSDP2; set it to auto or true")
+            raise ConfigError("actor.fsdp.enabled", f"{self.world_size} actor ranks need FSDP2; set it to auto or true")
         if self.use_fsdp and not fsdp.is_distributed():
-            raise ConfigError("actor.fsdp.enabled", "FSDP2 needs the actor group's process group; run the learner "
+            raise ConfigError("actor.fsdp.enabled", "FSDP2 needs the actor group's process group; run the actor "
                                                     "through the actor group or set actor.fsdp.enabled=auto")
         if self.cfg.gradient_checkpointing:
             units = fsdp.shard_units(policy)
@@ -131,7 +131,7 @@ class Learner:
                              reduce_dtype=parse_dtype(self.cfg.reduce_dtype), cpu_offload=self.cfg.cpu_offload)
         else:
             if self.cfg.param_dtype is not None or self.cfg.cpu_offload:
-                log.info("single-process learner without FSDP: actor.fsdp.param_dtype/cpu_offload do not apply")
+                log.info("single-process actor without FSDP: actor.fsdp.param_dtype/cpu_offload do not apply")
             # fp32 master weights here too: the trainable modules (peft LoRA layers, the value head)
             # cast their inputs to their own dtype, the frozen base keeps computing in its dtype
             fsdp.upcast_trainable_(policy)
@@ -192,7 +192,7 @@ class Learner:
             # batch was scored with the statistics it was collected with; published with the changed weights
             self._changed.update(observe(prepared))
         metrics.update(self.replay.stats())
-        metrics["learner/world_size"] = torch.tensor(float(self.world_size))
+        metrics["actor/world_size"] = torch.tensor(float(self.world_size))
         return metrics
 
     def update(self, batch: TensorDict) -> dict[str, torch.Tensor]:
@@ -203,7 +203,7 @@ class Learner:
         N = batch.batch_size[0]
         sizes = fsdp.all_gather_ints(N, self.device)
         if len(set(sizes)) > 1:
-            raise ValueError(f"learner ranks received different numbers of trajectories {sizes}; shard the batch evenly")
+            raise ValueError(f"actor ranks received different numbers of trajectories {sizes}; shard the batch evenly")
         rows_per_step = self.cfg.global_batch_size // self.world_size
         action_dim = self.policy.action_dim
         L = batch.get(self.policy.action_field).shape[-1]
@@ -268,15 +268,15 @@ class Learner:
                    (step_metrics[0] if step_metrics else ())}
         epochs_done = (len(step_metrics) + skipped) / steps_per_epoch
         metrics.update(self._batch_metrics(batch, L, epochs_done))
-        metrics["learner/optimizer_steps"] = torch.tensor(float(len(step_metrics)))
-        metrics["learner/early_stopped"] = torch.tensor(float(stopped))
-        metrics["learner/skipped_empty_steps"] = torch.tensor(float(skipped))
-        # max |ratio - 1| over the first optimizer step's tokens: the rollout's and the learner's forwards disagree by
+        metrics["actor/optimizer_steps"] = torch.tensor(float(len(step_metrics)))
+        metrics["actor/early_stopped"] = torch.tensor(float(stopped))
+        metrics["actor/skipped_empty_steps"] = torch.tensor(float(skipped))
+        # max |ratio - 1| over the first optimizer step's tokens: the rollout's and the actor's forwards disagree by
         # this much (numerics only, when the rows are on-policy; see algorithm.recompute_old_logprob)
         metrics["actor/first_step_ratio_error"] = fsdp.all_reduce_(first_ratio_error.to(self.host), "max").cpu()
         self.kl_ctrl.update(self._measured_kl(metrics), N * self.world_size)
         metrics["actor/kl_coef"] = torch.tensor(self.kl_coef)
-        metrics["learner/version"] = torch.tensor(float(self.version))
+        metrics["actor/version"] = torch.tensor(float(self.version))
         return metrics
 
     def sft_update(self, batch: Mapping, *, micro_batch_size: int, token_loss: bool = True, stop_token: bool = True,
@@ -315,7 +315,7 @@ class Learner:
         if l1_head:
             metrics["sft/l1_head_loss"] = raw["sft/l1_head_sum"] / raw["sft/tokens"]
         metrics["sft/samples"] = raw["sft/tokens"] / L
-        metrics["learner/version"] = torch.tensor(float(self.version))
+        metrics["actor/version"] = torch.tensor(float(self.version))
         return metrics
 
     def set_lr_scale(self, scale: float) -> None:
@@ -340,7 +340,7 @@ class Learner:
         return {name: fsdp.full_tensor(p).to("cpu", copy=True) for name, p in self._trainable}
 
     def state_dict(self) -> dict:
-        """Resumable learner state with full (un-sharded) CPU tensors: ``trainable`` (by parameter
+        """Resumable actor state with full (un-sharded) CPU tensors: ``trainable`` (by parameter
         name), ``optimizer``, ``scheduler``, ``kl_ctrl``, ``replay`` (the held rollouts) and the
         ``version`` / ``optimizer_steps`` counters. Collective under FSDP, where the optimizer state
         is gathered on rank 0 only (the other ranks' entry is empty): save rank 0's copy."""
@@ -391,7 +391,7 @@ class Learner:
             need.append(D.LOGPROB_REF)
         missing = [k for k in need if k not in batch.keys()]
         if missing:
-            raise ValueError(f"the learner's batch lacks {missing}; prepare it with prepare_batch/compute_ref_logprob")
+            raise ValueError(f"the actor's batch lacks {missing}; prepare it with prepare_batch/compute_ref_logprob")
 
     def _obs(self, micro: TensorDict, idx_n: torch.Tensor, idx_t: torch.Tensor) -> dict:
         """Observation dict of the selected decisions ``B`` (see :mod:`embodirl.models.base`)."""
@@ -453,7 +453,7 @@ class Learner:
         return list(order.split(rows_per_step))
 
     def _old_logprob(self, batch: TensorDict, first_epoch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Behaviour log-probs for on-policy rows - or, with ``algorithm.recompute_old_logprob``, this learner's
+        """Behaviour log-probs for on-policy rows - or, with ``algorithm.recompute_old_logprob``, this actor's
         own log-probs of them, computed in the micro-batches of the first epoch (``first_epoch``: its optimizer
         steps' rows), so that the first optimizer step's ratio is 1 up to the difference between a forward with and
         without autograd; for replayed (stale) rows the current "proximal" log-probs plus truncated importance
@@ -513,7 +513,7 @@ class Learner:
         decisions = fsdp.all_reduce_(valid.sum().float().to(self.host)).cpu()
         # rows with a valid decision (padding rows that even out the ranks' shards have none)
         rows = fsdp.all_reduce_(valid.any(-1).sum().float().to(self.host)).cpu()
-        metrics = {"learner/decisions": decisions * epochs, "learner/trajectories": rows}
+        metrics = {"actor/decisions": decisions * epochs, "actor/trajectories": rows}
         if self.cfg.uses_critic:
             sums = fsdp.all_reduce_(losses.explained_variance_sums(
                 batch.get(D.VALUE), batch.get(D.RETURNS), valid).to(self.host)).cpu()

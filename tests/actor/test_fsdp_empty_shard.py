@@ -1,4 +1,4 @@
-"""Two FSDP2 learner ranks (gloo, CPU) where shards hold no valid decision: a rank whose shard is all
+"""Two FSDP2 actor ranks (gloo, CPU) where shards hold no valid decision: a rank whose shard is all
 padding still takes part in the step (which matches one process on the whole batch), and a step with no
 valid decision on any rank is skipped by every rank alike (no hang, weights and optimizer untouched)."""
 
@@ -11,13 +11,13 @@ import torch
 import torch.multiprocessing as mp
 
 from embodirl import data as D
-from embodirl.learner.learner import Learner, prepare_batch
+from embodirl.actor.actor import Actor, prepare_batch
 
-from .helpers import TASKS, TinyTokenPolicy, grpo, learner_cfg, token_batch
+from .helpers import TASKS, TinyTokenPolicy, actor_cfg, grpo, token_batch
 from .test_fsdp import free_port
 
 WORLD = 2
-CFG = learner_cfg(grpo(), {"micro_batch_size": 2, "optim.lr": 3e-3, "optim.weight_decay": 0.1})
+CFG = actor_cfg(grpo(), {"micro_batch_size": 2, "optim.lr": 3e-3, "optim.weight_decay": 0.1})
 
 
 def batches():
@@ -31,19 +31,19 @@ def batches():
 
 
 def _rank_main(rank: int, port: int, out_dir: str):
-    from embodirl.learner import fsdp
+    from embodirl.actor import fsdp
 
     torch.set_num_threads(1)
     fsdp.init_process_group(rank=rank, world_size=WORLD, master_addr="127.0.0.1", master_port=port,
                             device=torch.device("cpu"))
     try:
         for name, batch in batches().items():
-            learner = Learner(TinyTokenPolicy(seed=0), CFG, task_table=TASKS, device="cpu")
-            metrics = learner.update(batch[rank * 4:(rank + 1) * 4])
-            full = learner.publish_weights(full=True)[1]
+            actor = Actor(TinyTokenPolicy(seed=0), CFG, task_table=TASKS, device="cpu")
+            metrics = actor.update(batch[rank * 4:(rank + 1) * 4])
+            full = actor.publish_weights(full=True)[1]
             if rank == 0:
-                torch.save({"full": full, "steps": learner.optimizer_steps,
-                            "skipped": float(metrics["learner/skipped_empty_steps"])},
+                torch.save({"full": full, "steps": actor.optimizer_steps,
+                            "skipped": float(metrics["actor/skipped_empty_steps"])},
                            os.path.join(out_dir, f"{name}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -58,7 +58,7 @@ def results(tmp_path_factory):
 
 def test_a_rank_with_only_padding_takes_part_in_the_step(results):
     got = results["one_rank_empty"]
-    single = Learner(TinyTokenPolicy(seed=0), CFG, task_table=TASKS, device="cpu")
+    single = Actor(TinyTokenPolicy(seed=0), CFG, task_table=TASKS, device="cpu")
     single.update(batches()["one_rank_empty"])
     want = single.publish_weights(full=True)[1]
     assert got["steps"] == 1 and got["skipped"] == 0.0

@@ -1,9 +1,9 @@
-"""The learner's optimizer: AdamW with separate learning rates for the policy and the value head,
+"""The actor's optimizer: AdamW with separate learning rates for the policy and the value head,
 linear warm-up, and global-norm gradient clipping that works on FSDP2 (DTensor) gradients.
 
 Reads ``actor.optim.{lr, value_lr, weight_decay, betas, eps, warmup_steps, clip_grad, lr_schedule,
 lr_decay_steps, min_lr_ratio}``. Warm-up counts optimizer steps; the decay counts training steps
-(learner updates), so that early stopping on ``algorithm.early_stop_kl`` does not stretch it.
+(actor updates), so that early stopping on ``algorithm.early_stop_kl`` does not stretch it.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def lr_schedule(optimizer: torch.optim.Optimizer, optim: Mapping, training_step:
                 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over the first ``warmup_steps`` optimizer
     steps, times the ``lr_schedule`` decay over ``lr_decay_steps`` training steps (read through
-    ``training_step()``, the learner's update count, which the learner's own state restores). The
-    settings are those :class:`~embodirl.learner.config.LearnerConfig` checked."""
+    ``training_step()``, the actor's update count, which the actor's own state restores). The
+    settings are those :class:`~embodirl.actor.settings.ActorSettings` checked."""
     warmup_steps = int(optim.get("warmup_steps", 0))
     kind = str(optim.get("lr_schedule", "constant"))
     min_ratio = float(optim.get("min_lr_ratio", 0.0))

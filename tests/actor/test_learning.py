@@ -11,13 +11,13 @@ import torch
 from omegaconf import OmegaConf
 
 from embodirl import data as D
+from embodirl.actor.actor import Actor
 from embodirl.envs.registry import make_env
-from embodirl.learner.learner import Learner
 from embodirl.models.base import SamplingParams
 from embodirl.models.state_policy import StateMLPPolicy
 from embodirl.paths import config_dir
 
-from .helpers import grpo, learner_cfg, ppo
+from .helpers import actor_cfg, grpo, ppo
 
 N, G, H = 16, 4, 4
 
@@ -78,11 +78,11 @@ def test_update_raises_log_prob_of_better_actions(alg):
         batch = collect(env, policy, seed=1)
     finally:
         env.close()
-    cfg = learner_cfg(alg, {"global_batch_size": N, "micro_batch_size": 4, "optim.lr": 3e-3})
-    learner = Learner(policy, cfg, task_table=env.spec.task_descriptions)
-    prepared, _ = learner.prepare(batch)
+    cfg = actor_cfg(alg, {"global_batch_size": N, "micro_batch_size": 4, "optim.lr": 3e-3})
+    actor = Actor(policy, cfg, task_table=env.spec.task_descriptions)
+    prepared, _ = actor.prepare(batch)
     before = decision_logprob(policy, prepared)
-    learner.update(prepared)
+    actor.update(prepared)
     change = decision_logprob(policy, prepared) - before  # (N, T)
 
     valid, advantage = prepared.get(D.VALID), prepared.get(D.ADVANTAGE)

@@ -1,4 +1,4 @@
-"""Learner test fixtures: a small token policy with LoRA-style adapters (a real nn.Module), random
+"""Actor test fixtures: a small token policy with LoRA-style adapters (a real nn.Module), random
 prepared trajectories for it, and the composed default config."""
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def _default_cfg() -> dict:
     return OmegaConf.to_container(cfg, resolve=False)
 
 
-def learner_cfg(algorithm: dict | None = None, actor: dict | None = None) -> dict:
+def actor_cfg(algorithm: dict | None = None, actor: dict | None = None) -> dict:
     """The composed defaults of ``algorithm`` and ``actor`` with overrides (nested keys with dots)."""
     base = _default_cfg()
     cfg = {"algorithm": copy.deepcopy(base["algorithm"]), "actor": copy.deepcopy(base["actor"])}

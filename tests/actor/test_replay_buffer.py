@@ -1,5 +1,5 @@
 """Replay buffer: on-policy hand-off, reuse of the last K rollouts within the staleness bound, the
-memory bound, and the learner's stale-data path through it."""
+memory bound, and the actor's stale-data path through it."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from embodirl import data as D
-from embodirl.learner.learner import Learner
-from embodirl.learner.replay_buffer import ReplayBuffer, batch_nbytes, row_versions
+from embodirl.actor.actor import Actor
+from embodirl.actor.replay_buffer import ReplayBuffer, batch_nbytes, row_versions
 
-from .helpers import TASKS, TinyTokenPolicy, grpo, learner_cfg, token_batch
+from .helpers import TASKS, TinyTokenPolicy, actor_cfg, grpo, token_batch
 
 
 def versioned(seed: int, version: int, N: int = 8):
@@ -67,31 +67,31 @@ def test_memory_bound_evicts_oldest_and_is_reported():
 
 def test_learner_reuses_rollouts_with_importance_weights():
     policy = TinyTokenPolicy()
-    cfg = learner_cfg(grpo(), {"replay_buffer.reuse_last_k": 1, "replay_buffer.max_staleness": 1,
+    cfg = actor_cfg(grpo(), {"replay_buffer.reuse_last_k": 1, "replay_buffer.max_staleness": 1,
                                "global_batch_size": 8, "micro_batch_size": 4})
-    learner = Learner(policy, cfg, task_table=TASKS)
-    first = learner.step(token_batch(policy=policy, seed=1))  # no weight_version: stamped 0
-    assert first["learner/trajectories"].item() == 8
+    actor = Actor(policy, cfg, task_table=TASKS)
+    first = actor.step(token_batch(policy=policy, seed=1))  # no weight_version: stamped 0
+    assert first["actor/trajectories"].item() == 8
     second_batch = token_batch(policy=policy, seed=2)
-    second_batch.set(D.WEIGHT_VERSION, torch.full((8, 4), learner.version, dtype=torch.int64))
-    second = learner.step(second_batch)
+    second_batch.set(D.WEIGHT_VERSION, torch.full((8, 4), actor.version, dtype=torch.int64))
+    second = actor.step(second_batch)
     # the first rollout (version 0, now 1 version old) is reused next to the new one
-    assert second["learner/trajectories"].item() == 16
+    assert second["actor/trajectories"].item() == 16
     assert second["replay/rollouts"].item() == 2
-    assert learner.version == 2
+    assert actor.version == 2
 
 
 def test_held_rollouts_survive_a_checkpoint(tmp_path):
-    """A learner restored from its saved state (weights_only file) trains on the same reused rows."""
-    cfg = learner_cfg(grpo(), {"replay_buffer.reuse_last_k": 1, "replay_buffer.max_staleness": 1,
+    """A actor restored from its saved state (weights_only file) trains on the same reused rows."""
+    cfg = actor_cfg(grpo(), {"replay_buffer.reuse_last_k": 1, "replay_buffer.max_staleness": 1,
                                "global_batch_size": 8, "micro_batch_size": 8})
-    learner = Learner(TinyTokenPolicy(), cfg, task_table=TASKS)
-    learner.step(token_batch(seed=1))
-    torch.save(learner.state_dict(), tmp_path / "state.pt")
-    restored = Learner(TinyTokenPolicy(), cfg, task_table=TASKS)   # same frozen base, fresh trainable state
+    actor = Actor(TinyTokenPolicy(), cfg, task_table=TASKS)
+    actor.step(token_batch(seed=1))
+    torch.save(actor.state_dict(), tmp_path / "state.pt")
+    restored = Actor(TinyTokenPolicy(), cfg, task_table=TASKS)   # same frozen base, fresh trainable state
     restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
-    assert len(restored.replay) == 1 and restored.replay.nbytes == learner.replay.nbytes
-    metrics = [x.step(token_batch(seed=2)) for x in (learner, restored)]
-    assert metrics[1]["learner/trajectories"].item() == 16    # the held rollout is reused after the restore
-    a, b = (x.publish_weights(full=True)[1] for x in (learner, restored))
+    assert len(restored.replay) == 1 and restored.replay.nbytes == actor.replay.nbytes
+    metrics = [x.step(token_batch(seed=2)) for x in (actor, restored)]
+    assert metrics[1]["actor/trajectories"].item() == 16    # the held rollout is reused after the restore
+    a, b = (x.publish_weights(full=True)[1] for x in (actor, restored))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

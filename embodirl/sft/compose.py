@@ -1,7 +1,7 @@
 """``embodirl sft``'s configuration: ``config.yaml`` composed with the command line's group and key overrides,
 plus ``config/sft.yaml`` (its ``sft`` / ``data`` sections, set with ``sft.<key>=`` / ``data.<key>=``, and its
 ``runner`` values for the keys the command line leaves alone), then checked in one sentence per problem
-before any simulator or learner starts (:func:`check`)."""
+before any simulator or actor starts (:func:`check`)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def check(cfg: DictConfig) -> None:
                                          "(e.g. model.lora.modules_to_save=[value_head,proprio_projector,action_head])")
     ranks = data_parallel_size(cfg, placement_from_config(cfg.cluster))
     if ranks != 1:
-        raise ConfigError("actor.cpu_world_size", f"gives {ranks} learner ranks, but embodirl sft runs one learner "
+        raise ConfigError("actor.cpu_world_size", f"gives {ranks} actor ranks, but embodirl sft runs one actor "
                                                   "rank in this process for now; set it to 1 (one GPU)")
     micro = s.micro_batch_size or s.batch_size
     if micro > s.batch_size:

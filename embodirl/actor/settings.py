@@ -1,9 +1,9 @@
-"""The learner's view of the configuration: the ``algorithm`` and ``actor`` nodes, read once.
+"""The actor's view of the configuration: the ``algorithm`` and ``actor`` nodes, read once.
 
 Defaults live in ``config/config.yaml`` only, types, ranges and choices in :mod:`embodirl.schema`; this module
 reads the two sections through the schema (a missing, mistyped or out-of-range key is a
-:class:`~embodirl.errors.ConfigError` naming it) and runs the actor's rules again with the learner's
-world size (:func:`embodirl.schema.sections.learner_rules`).
+:class:`~embodirl.errors.ConfigError` naming it) and runs the actor's rules again with the actor's
+world size (:func:`embodirl.schema.sections.actor_rules`).
 
 Batch units: ``actor.global_batch_size`` is the number of trajectories (rows of N) per optimizer
 step, summed over all data-parallel ranks; ``actor.micro_batch_size`` is the number of trajectories
@@ -22,12 +22,12 @@ from embodirl.config_fields import check_fields
 from embodirl.errors import ConfigError
 from embodirl.plain import to_plain as plain
 from embodirl.schema import typed
-from embodirl.schema.sections import Actor, Algorithm, learner_rules
+from embodirl.schema.sections import Actor, Algorithm, actor_rules
 
 
 @dataclass(frozen=True)
-class LearnerConfig:
-    """Everything the learner reads, parsed from ``cfg.algorithm`` and ``cfg.actor``."""
+class ActorSettings:
+    """Everything the actor reads, parsed from ``cfg.algorithm`` and ``cfg.actor``."""
 
     algorithm: dict
     loss: LossParams
@@ -51,7 +51,7 @@ class LearnerConfig:
         return uses_critic(self.algorithm["adv_type"])
 
     @classmethod
-    def from_config(cls, cfg: Mapping) -> LearnerConfig:
+    def from_config(cls, cfg: Mapping) -> ActorSettings:
         cfg = plain(cfg)
         for section in ("algorithm", "actor"):
             if section not in cfg:
@@ -79,8 +79,8 @@ class LearnerConfig:
         return out
 
     def check(self, world_size: int = 1) -> None:
-        """The actor's rules with this learner's world size (one sentence each)."""
-        learner_rules({"global_batch_size": self.global_batch_size, "optim": self.optim,
+        """The actor's rules with this actor's world size (one sentence each)."""
+        actor_rules({"global_batch_size": self.global_batch_size, "optim": self.optim,
                        "fsdp": {"full_finetune": self.full_finetune}}, self.algorithm, world_size)
 
     @property

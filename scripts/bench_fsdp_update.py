@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Benchmark of the learner: decisions/s and peak memory of one update, one process vs FSDP2 ranks.
+"""Benchmark of the actor: decisions/s and peak memory of one update, one process vs FSDP2 ranks.
 
 The same prepared trajectory batch (actions sampled from the policy itself, random rewards) is
 trained on by
 
-* 1 process  - the plain learner (no torch.distributed);
+* 1 process  - the plain actor (no torch.distributed);
 * 2 FSDP2 processes - two gloo ranks on this machine, each with half of the rows.
 
 Each rank gets ``--threads-per-rank`` torch threads (default 1, like one accelerator per rank; on a
@@ -12,17 +12,17 @@ shared machine multi-threaded CPU kernels measure mostly contention). ``--thread
 the machine's cores between the ranks instead (same total compute for every setting).
 
 Each setting runs in fresh processes: one warm-up update, then ``--repeats`` timed updates; the
-settings alternate for ``--rounds`` rounds and each keeps its fastest round. Learner
+settings alternate for ``--rounds`` rounds and each keeps its fastest round. Actor
 decisions/s = valid decisions x update epochs (summed over ranks) / seconds per update. Memory: the
 peak resident set size of each rank over its lifetime (model build included), and on GPU torch's peak
 allocation. Ratios are of numbers measured side by side in one run.
 
 Usage::
 
-    python scripts/bench_learner.py                       # tiny OpenVLA-OFT preset, CPU, worlds 1 and 2
-    python scripts/bench_learner.py --algorithm grpo --trajectories 16 --decisions 8
+    python scripts/bench_actor.py                       # tiny OpenVLA-OFT preset, CPU, worlds 1 and 2
+    python scripts/bench_actor.py --algorithm grpo --trajectories 16 --decisions 8
     # on a GPU machine: one FSDP2 update of the full-size preset, random weights, bf16 compute
-    python scripts/bench_learner.py --preset full --device cuda --worlds 1 --force-fsdp \\
+    python scripts/bench_actor.py --preset full --device cuda --worlds 1 --force-fsdp \\
         --param-dtype bfloat16 --trajectories 2 --decisions 4 --micro-batch 1 --repeats 1
 """
 
@@ -89,7 +89,7 @@ def build_policy(cfg: dict, device: str):
 
 def make_batch(cfg: dict, args, device: str) -> D.TensorDict:
     """N x T decisions whose actions, log-probs and values come from the policy; random rewards."""
-    from embodirl.learner.learner import prepare_batch
+    from embodirl.actor.actor import prepare_batch
     from embodirl.models.base import SamplingParams
 
     policy = build_policy(cfg, device)
@@ -117,8 +117,8 @@ def make_batch(cfg: dict, args, device: str) -> D.TensorDict:
 
 
 def rank_main(rank: int, world: int, port: int, args, batch_path: str, out_path: str):
-    from embodirl.learner import fsdp
-    from embodirl.learner.learner import Learner
+    from embodirl.actor import fsdp
+    from embodirl.actor.actor import Actor
 
     torch.set_num_threads(args.threads_per_rank or max(1, (os.cpu_count() or 1) // world))
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
@@ -131,7 +131,7 @@ def rank_main(rank: int, world: int, port: int, args, batch_path: str, out_path:
     policy = build_policy(cfg, "cpu" if args.device == "cpu" else str(device))
     n_params = sum(p.numel() for p in policy.parameters())
     n_trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    learner = Learner(policy, cfg, task_table=TASKS, device=device)
+    actor = Actor(policy, cfg, task_table=TASKS, device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, metrics = [], {}
@@ -139,18 +139,18 @@ def rank_main(rank: int, world: int, port: int, args, batch_path: str, out_path:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        metrics = learner.update(shard)
+        metrics = actor.update(shard)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i > 0 or not args.warmup:
             times.append(time.perf_counter() - start)
-    learner.publish_weights()
+    actor.publish_weights()
     result = {
         "rank": rank, "world": world, "seconds": sum(times) / len(times),
-        "decisions": float(metrics["learner/decisions"]), "peak_rss_mib": resource.getrusage(
+        "decisions": float(metrics["actor/decisions"]), "peak_rss_mib": resource.getrusage(
             resource.RUSAGE_SELF).ru_maxrss / 1024, "params": n_params, "trainable": n_trainable,
         "torch_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-        "grad_norm": float(metrics["actor/grad_norm"]), "fsdp": learner.use_fsdp,
+        "grad_norm": float(metrics["actor/grad_norm"]), "fsdp": actor.use_fsdp,
     }
     with open(f"{out_path}.{rank}", "w") as handle:
         json.dump(result, handle)
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed updates after the warm-up")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of all settings (best kept)")
-    parser.add_argument("--worlds", default="1,2", help="learner process counts to compare")
+    parser.add_argument("--worlds", default="1,2", help="actor process counts to compare")
     parser.add_argument("--threads-per-rank", type=int, default=1,
                         help="torch threads per rank (0: this machine's cores divided by the ranks)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -194,7 +194,7 @@ def main() -> None:
         parser.error("--trajectories must split evenly over the largest world size")
 
     cfg = compose_cfg(args)
-    with tempfile.TemporaryDirectory(prefix="bench_learner_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench_fsdp_update_") as tmp:
         batch_path = os.path.join(tmp, "batch.pt")
         torch.save(make_batch(cfg, args, "cuda" if args.device == "cuda" else "cpu"), batch_path)
         # settings alternate round by round so that load changes on a shared machine hit all of them;
@@ -207,7 +207,7 @@ def main() -> None:
                     results[w] = ranks
 
     first = results[worlds[0]][0]
-    print(f"learner benchmark: {args.preset} OpenVLA-OFT ({first['params'] / 1e6:.1f}M parameters, "
+    print(f"actor benchmark: {args.preset} OpenVLA-OFT ({first['params'] / 1e6:.1f}M parameters, "
           f"{first['trainable'] / 1e3:.1f}k trainable), {args.algorithm}, N={args.trajectories} trajectories x "
           f"T={args.decisions} decisions, {args.epochs} epoch(s), micro-batch {args.micro_batch}, "
           f"{args.device} ({os.cpu_count()} cores, {args.threads_per_rank or 'cores/ranks'} thread(s) per rank), "
@@ -219,7 +219,7 @@ def main() -> None:
     for w in worlds:
         ranks = results[w]
         seconds = max(r["seconds"] for r in ranks)
-        decisions = ranks[0]["decisions"]  # learner/decisions is already global
+        decisions = ranks[0]["decisions"]  # actor/decisions is already global
         rss = max(r["peak_rss_mib"] for r in ranks)
         torch_peak = ranks[0]["torch_peak_mib"]
         summary[w] = (decisions / seconds, rss)

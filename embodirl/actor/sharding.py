@@ -1,4 +1,4 @@
-"""Splitting a prepared batch ``[N, T]`` over the learner's data-parallel ranks.
+"""Splitting a prepared batch ``[N, T]`` over the actor's data-parallel ranks.
 
 Each rank gets a contiguous run of whole groups (rows that share a ``group_id``: a GRPO group never
 straddles two ranks), and every rank the same number of rows: shards that come out shorter (group

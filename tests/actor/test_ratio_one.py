@@ -1,12 +1,12 @@
-"""Importance ratio 1 at the first minibatch, the first check a researcher runs: a rollout worker with its own copy
-of the tiny OpenVLA-OFT in bfloat16 collects a batch on the toy task, an FSDP2 learner rank (gloo, one rank, bf16
+"""Importance ratio 1 at the first minibatch, the first check a researcher runs: an inference worker with its own copy
+of the tiny OpenVLA-OFT in bfloat16 collects a batch on the toy task, an FSDP2 actor rank (gloo, one rank, bf16
 compute with float32 master weights) updates on it, and the first optimizer step's max |ratio - 1| is measured.
 
-The rollout copy holds its adapters in the dtype the learner computes them in (FSDP2's param_dtype), so the two
+The rollout copy holds its adapters in the dtype the actor computes them in (FSDP2's param_dtype), so the two
 forwards agree up to bfloat16 rounding in differently shaped batches (the rollout decides for 8 envs at a time,
-the learner scores 2 trajectories of 6 decisions); with ``algorithm.recompute_old_logprob`` the learner scores
+the actor scores 2 trajectories of 6 decisions); with ``algorithm.recompute_old_logprob`` the actor scores
 the batch itself in the first epoch's micro-batches and the ratio is 1 exactly. Before, the rollout copy ran its
-adapters in float32 (peft upcasts them) while the learner computed in bfloat16: 6.0e-3 here. Two training steps
+adapters in float32 (peft upcasts them) while the actor computed in bfloat16: 6.0e-3 here. Two training steps
 run, and the second is measured: the first starts from LoRA's B = 0, where the adapters add nothing in any dtype."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ OVERRIDES = ["env=toy_reach", "model=openvla_oft_tiny", "model.dtype=bfloat16", 
 
 
 def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:
+    from embodirl.actor import fsdp
+    from embodirl.actor.actor import Actor, prepare_batch
     from embodirl.config import compose
-    from embodirl.learner import fsdp
-    from embodirl.learner.learner import Learner, prepare_batch
     from embodirl.plain import to_plain
     from embodirl.workers.actor_worker import build_policy
     from embodirl.workers.groups import WorkerGroups
@@ -42,18 +42,18 @@ def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:
             cfg = compose([*overrides, f"algorithm.recompute_old_logprob={str(recompute).lower()}"])
             with WorkerGroups.from_config(cfg, remote=False) as groups:
                 spec = groups.env.spec
-                policy = groups.rollout.workers[0].backend.policy
+                policy = groups.inference.workers[0].backend.policy
                 dtypes = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad})
-                learner = Learner(build_policy(to_plain(cfg.model), spec, int(cfg.runner.seed)),
+                actor = Actor(build_policy(to_plain(cfg.model), spec, int(cfg.runner.seed)),
                                   {"algorithm": cfg.algorithm, "actor": cfg.actor}, task_table=spec.task_descriptions)
                 # two steps: the second starts from trained adapters (the first from LoRA's B = 0, which adds nothing)
                 for _ in range(2):
-                    version, tensors = learner.publish_weights(full=True)
+                    version, tensors = actor.publish_weights(full=True)
                     groups.load_weights(tensors, version)
                     prepared, _ = prepare_batch(groups.collect(), to_plain(cfg.algorithm))
-                    metrics = learner.update(prepared)
+                    metrics = actor.update(prepared)
                 results[str(recompute)] = {"error": float(metrics["actor/first_step_ratio_error"]),
-                                           "fsdp": learner.use_fsdp, "rollout_trainable_dtypes": dtypes}
+                                           "fsdp": actor.use_fsdp, "rollout_trainable_dtypes": dtypes}
     finally:
         fsdp.dist.destroy_process_group()
     with open(out, "w") as f:
@@ -61,7 +61,7 @@ def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_first_minibatch_ratio_is_one_between_a_rollout_worker_and_an_fsdp2_learner(tmp_path):
+def test_first_minibatch_ratio_is_one_between_an_inference_worker_and_an_fsdp2_actor(tmp_path):
     from embodirl.workers.actor_worker import free_port
 
     out = str(tmp_path / "ratio.json")

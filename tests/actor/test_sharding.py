@@ -1,4 +1,4 @@
-"""Splitting a prepared batch over learner ranks: whole groups, equal row counts, padding that adds
+"""Splitting a prepared batch over actor ranks: whole groups, equal row counts, padding that adds
 nothing, and results put back in batch order."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from embodirl import data as D
-from embodirl.learner import sharding
+from embodirl.actor import sharding
 
 
 def _batch(group_ids: list[int], T: int = 3) -> TensorDict:

@@ -1,12 +1,12 @@
-"""Which trajectories the learner trains on: on-policy hand-off, or reuse of the last K rollouts.
+"""Which trajectories the actor trains on: on-policy hand-off, or reuse of the last K rollouts.
 
 ``actor.replay_buffer``:
 
 * ``reuse_last_k: 0`` (default) - on-policy: each rollout is trained on once, right after it was
   collected, and dropped.
 * ``reuse_last_k: K > 0`` - the newest rollout is trained on together with up to K earlier ones whose
-  rows are at most ``max_staleness`` weight versions old (``staleness = learner version -
-  weight_version`` of the row's decisions). Older rows are dropped. The learner corrects for the
+  rows are at most ``max_staleness`` weight versions old (``staleness = actor version -
+  weight_version`` of the row's decisions). Older rows are dropped. The actor corrects for the
   policy change with importance weights from the stored behaviour log-probs (decoupled PPO, Hilton et
   al. 2022: the ratio is clipped against the current "proximal" policy, and the loss is weighted by
   ``pi_prox / pi_behaviour``, truncated).

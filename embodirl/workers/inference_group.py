@@ -1,8 +1,8 @@
-"""The rollout worker group: R :class:`~embodirl.workers.rollout_worker.RolloutWorker` s in a
+"""The inference worker group: R :class:`~embodirl.workers.inference_worker.InferenceWorker` s in a
 :class:`~embodirl.workers.worker_set.WorkerSet` (in this process or on Ray), their weights and restarts.
 
 Weights reach the workers one way: a :class:`~embodirl.workers.weight_transfer.WeightHandle` they read with
-``receive_weights`` - the learner ranks' publication, or, where the driver holds the weights (evaluation of a
+``receive_weights`` - the actor ranks' publication, or, where the driver holds the weights (evaluation of a
 checkpoint, tests), the same packed publication posted from the driver's own outbox."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import logging
 from collections.abc import Mapping
 
 from embodirl.plain import to_plain
+from embodirl.workers.inference_worker import InferenceWorker
 from embodirl.workers.layout import placement_options
-from embodirl.workers.rollout_worker import RolloutWorker
 from embodirl.workers.weight_sync import WeightPublisher
 from embodirl.workers.worker_set import WorkerSet
 
 log = logging.getLogger(__name__)
 
 
-class RolloutWorkerGroup:
-    """R rollout workers. In this process a worker given the driver's ``policy`` acts with that very
-    object (no copy, no weight transfer: the learner's updates are its weights) on its device, and samples
+class InferenceGroup:
+    """R inference workers. In this process a worker given the driver's ``policy`` acts with that very
+    object (no copy, no weight transfer: the actor's updates are its weights) on its device, and samples
     with the driver's generators; a Ray worker gets a copy and seeds its own (``seed + r + R*restarts``)."""
 
     def __init__(self, model_cfg: Mapping, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
@@ -36,7 +36,7 @@ class RolloutWorkerGroup:
         self._policy = policy            # an existing policy object instead of building one
         self.seed = seed
         self.init_seed = init_seed       # seeded policy initialisation (the actor ranks use the same)
-        self.trainable_dtype = trainable_dtype   # a built copy computes its trainable tensors as the learner does
+        self.trainable_dtype = trainable_dtype   # a built copy computes its trainable tensors as the actor does
         self.merge_lora = bool(merge_lora)       # ... or with its adapters folded into its weights
         self.publisher: WeightPublisher | None = None
         self._outbox = None              # the driver's own publications (WeightOutbox), made on first use
@@ -46,12 +46,12 @@ class RolloutWorkerGroup:
         self._version = 0                # the last version every worker applied
         self.sync_paths: dict[str, int] = {}   # how the last publication reached the workers
         self.generation = [0] * num_workers   # bumped at every restart of worker r
-        self.workers = WorkerSet(RolloutWorker, remote=remote, options_for=placement_options(placement, "rollout"))
+        self.workers = WorkerSet(InferenceWorker, remote=remote, options_for=placement_options(placement, "rollout"))
         self.shares_policy = policy is not None and not remote
         try:
             for r in range(num_workers):
                 self._start(r)
-            self.infos = self.workers.call_all(RolloutWorker.info)    # remote: also waits until every worker is built
+            self.infos = self.workers.call_all(InferenceWorker.info)    # remote: also waits until every worker is built
         except BaseException:
             self.close()
             raise
@@ -66,11 +66,11 @@ class RolloutWorkerGroup:
     def _driver_publisher(self) -> WeightPublisher:
         if self.publisher is None:
             # what a restarted worker loads when nothing was published yet: worker 0's start weights
-            self.publisher = WeightPublisher(self.workers.call(0, RolloutWorker.trainable_state_dict))
+            self.publisher = WeightPublisher(self.workers.call(0, InferenceWorker.trainable_state_dict))
         return self.publisher
 
     def _post(self, update):
-        """A driver-side update as a publication, packed once like the learner's (the same ``WeightHandle``)."""
+        """A driver-side update as a publication, packed once like the actor's (the same ``WeightHandle``)."""
         from embodirl.workers import process_env
         from embodirl.workers.weight_transfer import WeightOutbox
 
@@ -92,24 +92,24 @@ class RolloutWorkerGroup:
 
     # --- weights -----------------------------------------------------------------------------------
     def publish(self, tensors: Mapping, version: int | None = None) -> int:
-        """Publish changed trainable tensors from the driver (as a learner rank would); every worker holds them on
+        """Publish changed trainable tensors from the driver (as a actor rank would); every worker holds them on
         return."""
         return self.receive_weights(self._post(self._driver_publisher().publish(tensors, version)))
 
     def load_weights(self, tensors: Mapping, version: int) -> int:
-        """Replace every trainable tensor by ``tensors`` at ``version`` (a full update): the learner's
+        """Replace every trainable tensor by ``tensors`` at ``version`` (a full update): the actor's
         start or resumed weights, or a checkpoint's for evaluation."""
         return self.receive_weights(self._post(self._driver_publisher().reset(tensors, version)))
 
     def receive_weights(self, handle) -> int:
         """Every worker applies the actor group's publication ``handle`` (it reads the tensors itself:
-        shared memory on rank 0's node, the object store elsewhere; a worker sharing the learner's module
+        shared memory on rank 0's node, the object store elsewhere; a worker sharing the actor's module
         gets the version only, an int); returns the version."""
-        answers = self.workers.call_all(RolloutWorker.receive_weights, handle)
+        answers = self.workers.call_all(InferenceWorker.receive_weights, handle)
         version = int(handle) if isinstance(handle, int) else handle.version
         versions = [v for v, _ in answers]
         if any(v != version for v in versions):
-            raise RuntimeError(f"rollout workers hold weight versions {versions} after publishing v{version}")
+            raise RuntimeError(f"inference workers hold weight versions {versions} after publishing v{version}")
         self.sync_paths = {}
         for _, path in answers:
             self.sync_paths[path] = self.sync_paths.get(path, 0) + 1
@@ -125,12 +125,12 @@ class RolloutWorkerGroup:
         return self._version
 
     def weight_versions(self) -> list[int]:
-        return self.workers.call_all(RolloutWorker.weight_version)
+        return self.workers.call_all(InferenceWorker.weight_version)
 
     def rng_states(self) -> list[dict] | None:
         """Each Ray worker's generator states (it samples actions in its own process); None when the
         workers sample with the driver's generators (saved with the driver's state)."""
-        return self.workers.call_all(RolloutWorker.rng_state) if self.remote else None
+        return self.workers.call_all(InferenceWorker.rng_state) if self.remote else None
 
     def set_rng_states(self, states: list[dict] | None) -> None:
         """Restore :meth:`rng_states` (a resumed run); skipped with a warning when the number of
@@ -138,34 +138,34 @@ class RolloutWorkerGroup:
         if not self.remote or states is None:
             return
         if len(states) != len(self.workers):
-            log.warning("the checkpoint holds RNG states of %d rollout workers, this run has %d: their action "
+            log.warning("the checkpoint holds RNG states of %d inference workers, this run has %d: their action "
                         "sampling is reseeded", len(states), len(self.workers))
             return
-        self.workers.call_each(RolloutWorker.set_rng_state, states)
+        self.workers.call_each(InferenceWorker.set_rng_state, states)
 
     # --- faults and lifecycle ------------------------------------------------------------------------
     def restart(self, r: int, cause: str = "") -> None:
         """Replace worker ``r`` by a new one holding the last published weights."""
         self.workers.kill(r)
-        log.warning("rollout worker %d died%s; restarting it with weights v%d", r, f" ({cause})" if cause else "",
+        log.warning("inference worker %d died%s; restarting it with weights v%d", r, f" ({cause})" if cause else "",
                     self.version)
         self.generation[r] += 1
         self._start(r)
-        self.infos[r] = self.workers.call(r, RolloutWorker.info)
+        self.infos[r] = self.workers.call(r, InferenceWorker.info)
         handle = self.weight_source() if self.weight_source is not None else None
         if handle is None and self.publisher is not None:
             handle = self._post(self.publisher.full_update())
         if handle is not None:      # else nothing was published: the rebuilt worker's seeded start weights are current
-            self.workers.call(r, RolloutWorker.receive_weights, handle)
+            self.workers.call(r, InferenceWorker.receive_weights, handle)
 
     def forget_channels(self, prefix: str) -> None:
-        self.workers.call_all(RolloutWorker.forget_channels, prefix)
+        self.workers.call_all(InferenceWorker.forget_channels, prefix)
 
     def offload(self) -> None:
-        self.workers.call_all(RolloutWorker.offload)
+        self.workers.call_all(InferenceWorker.offload)
 
     def onload(self) -> None:
-        self.workers.call_all(RolloutWorker.onload)
+        self.workers.call_all(InferenceWorker.onload)
 
     def close(self) -> None:
         self.workers.close()

@@ -1,12 +1,12 @@
-"""The rollout worker: an inference copy of the policy answering env workers' observation batches.
+"""The inference worker: an inference copy of the policy answering env workers' observation batches.
 
 A plain class (driven in-process by tests and CPU runs) that the worker groups wrap with
 ``ray.remote``. Observations arrive three ways:
 
 * on this node, through a shared-memory stream (:mod:`embodirl.workers.stream`): one Ray call opens
-  it (:meth:`RolloutWorker.open_stream`), then a thread of this worker answers every queued batch
+  it (:meth:`InferenceWorker.open_stream`), then a thread of this worker answers every queued batch
   from zero-copy views and writes the answers into a response ring - no Ray message per decision;
-* as the argument of :meth:`RolloutWorker.infer`: a dict of arrays (in-process, or through Ray's
+* as the argument of :meth:`InferenceWorker.infer`: a dict of arrays (in-process, or through Ray's
   object store between nodes) or a :class:`~embodirl.channel.ShmRef` into a ring on this node; the
   answer (action chunk, policy-space actions, log-probs, values: a few KB) is the return value.
 
@@ -52,7 +52,7 @@ def sampling_from_config(rollout_cfg: Mapping, eval_greedy: bool = True) -> dict
     return {TRAIN: train, EVAL: evaluation}
 
 
-class RolloutWorker:
+class InferenceWorker:
     """One inference engine behind the transport (see module docstring).
 
     Args:
@@ -70,9 +70,9 @@ class RolloutWorker:
             where the generators are the driver's.
         init_seed: build the policy with this seeded initialisation (as the actor ranks do) when no
             ``policy`` is given.
-        trainable_dtype: hold the trainable tensors of a policy built here in this dtype (the one the learner
-            ranks compute them in: :func:`embodirl.learner.fsdp.learner_compute_dtype`), so that the rollout's
-            log-probs are the learner's and the importance ratio starts at 1.
+        trainable_dtype: hold the trainable tensors of a policy built here in this dtype (the one the actor
+            ranks compute them in: :func:`embodirl.actor.fsdp.actor_compute_dtype`), so that the rollout's
+            log-probs are the actor's and the importance ratio starts at 1.
         merge_lora: fold the LoRA adapters into this copy's weights at every weight update (``rollout.merge_lora``).
     """
 
@@ -141,13 +141,13 @@ class RolloutWorker:
         with self._lock:
             applied = self.receiver.apply(update)
         if applied:
-            log.debug("rollout worker %d now holds weights v%d", os.getpid(), self.receiver.version)
+            log.debug("inference worker %d now holds weights v%d", os.getpid(), self.receiver.version)
         return self.receiver.version
 
     def receive_weights(self, handle) -> tuple[int, str]:
         """Apply a publication of the actor group (:class:`~embodirl.workers.weight_transfer.WeightHandle`),
         read through shared memory on rank 0's node, Ray's object store elsewhere, or CUDA IPC on rank
-        0's GPU; returns the version now held and the path taken. An int: the version of a learner rank
+        0's GPU; returns the version now held and the path taken. An int: the version of a actor rank
         whose module this worker acts with (in this process), whose weights are already these."""
         from embodirl.workers.weight_transfer import receive
 

@@ -1,6 +1,6 @@
-"""The learner's resumable state on disk: written by every rank at once, read by any number of ranks.
+"""The actor's resumable state on disk: written by every rank at once, read by any number of ranks.
 
-A checkpoint's ``learner/`` folder holds::
+A checkpoint's ``actor/`` folder holds::
 
     tensors/shard-<rank>-model-00001-of-00001.safetensors   trainable parameters and AdamW moments:
                                                             each rank writes its own FSDP2 shards
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from embodirl.learner import fsdp
+from embodirl.actor import fsdp
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,11 @@ def _options(*, strict: bool = True):
     return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, strict=strict)
 
 
-def _tensor_state(learner) -> tuple[dict[str, torch.Tensor], dict]:
+def _tensor_state(actor) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors keyed ``model.<fqn>`` / ``optim.<key>``, the optimizer's non-tensor entries)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(learner.policy, learner.optimizer, options=_options())
+    model_sd, optim_sd = get_state_dict(actor.policy, actor.optimizer, options=_options())
     tensors = {_MODEL + k: v for k, v in model_sd.items()}
     settings = {}
     for key, value in optim_sd.items():
@@ -61,8 +61,8 @@ def _tensor_state(learner) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, settings
 
 
-def save_learner(learner, folder: str | Path) -> None:
-    """Write ``learner``'s state into ``folder`` (collective: every rank calls it with the same folder)."""
+def save_actor(actor, folder: str | Path) -> None:
+    """Write ``actor``'s state into ``folder`` (collective: every rank calls it with the same folder)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -70,26 +70,26 @@ def save_learner(learner, folder: str | Path) -> None:
     rank = fsdp.rank()
     # before the first optimizer step AdamW has no state; torch's state-dict API creates it by a zero-learning-rate
     # step (its _init_optim_state), which would start Adam's step counters at 1 and change the run: put it back
-    fresh = not learner.optimizer.state
-    tensors, settings = _tensor_state(learner)
+    fresh = not actor.optimizer.state
+    tensors, settings = _tensor_state(actor)
     if fresh:
-        learner.optimizer.state.clear()
+        actor.optimizer.state.clear()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder / TENSORS), save_distributed=True))
-    rollouts = learner.replay.state_dict()
+    rollouts = actor.replay.state_dict()
     if rollouts["rollouts"]:
         _save_replay(folder, rank, rollouts)
     if rank == 0:
-        state = {"version": learner.version, "optimizer_steps": learner.optimizer_steps, "world_size": fsdp.world_size(),
-                 "kl_ctrl": learner.kl_ctrl.state_dict(), "scheduler": learner.scheduler.state_dict(),
+        state = {"version": actor.version, "optimizer_steps": actor.optimizer_steps, "world_size": fsdp.world_size(),
+                 "kl_ctrl": actor.kl_ctrl.state_dict(), "scheduler": actor.scheduler.state_dict(),
                  "optimizer_settings": settings, "replay_dropped_rows": rollouts["dropped_rows"],
                  "replay_ranks": bool(rollouts["rollouts"]), "fresh_optimizer": fresh}
         (folder / STATE).write_text(json.dumps(state, indent=1))
 
 
-def load_learner(learner, folder: str | Path) -> None:
-    """Restore what :func:`save_learner` wrote, whatever number of ranks wrote it (collective)."""
+def load_actor(actor, folder: str | Path) -> None:
+    """Restore what :func:`save_actor` wrote, whatever number of ranks wrote it (collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -97,24 +97,24 @@ def load_learner(learner, folder: str | Path) -> None:
 
     folder = Path(folder)
     state = json.loads((folder / STATE).read_text())
-    tensors, _ = _tensor_state(learner)        # the layout to read into (fresh AdamW moments included)
+    tensors, _ = _tensor_state(actor)        # the layout to read into (fresh AdamW moments included)
     saved = _saved_keys(folder / TENSORS)
     # moments of tensors that never received a gradient (GRPO's idle value head) were never created
     missing = [k for k in tensors if k not in saved]
     if any(k.startswith(_MODEL) for k in missing):
-        raise ValueError(f"the checkpoint's learner state lacks trainable tensor(s) {missing[:3]}: it was written "
+        raise ValueError(f"the checkpoint's actor state lacks trainable tensor(s) {missing[:3]}: it was written "
                          "for another model or LoRA configuration")
     for key in missing:
         tensors.pop(key)
     # ... and must not exist after loading either: reading the layout above gave every trainable tensor fresh
     # moments, which torch's unflattening would then look for in the checkpoint (and fill with empty dicts)
-    params = dict(learner.policy.named_parameters())
+    params = dict(actor.policy.named_parameters())
     state_prefix = _OPTIM + "state."
     for key in missing:
         if key.startswith(state_prefix):
             param = params.get(key[len(state_prefix):].rsplit(".", 1)[0])
             if param is not None:
-                learner.optimizer.state.pop(param, None)
+                actor.optimizer.state.pop(param, None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder / TENSORS)),
@@ -124,14 +124,14 @@ def load_learner(learner, folder: str | Path) -> None:
     # the settings of groups whose moments exist; settings are JSON (betas come back as lists)
     for key, value in state["optimizer_settings"].items():
         optim_sd[key] = tuple(value) if key.endswith(".betas") else value
-    set_state_dict(learner.policy, learner.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+    set_state_dict(actor.policy, actor.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=_options(strict=False))
     if state.get("fresh_optimizer"):      # saved before any optimizer step: no AdamW state, as then
-        learner.optimizer.state.clear()
-    learner.scheduler.load_state_dict(state["scheduler"])
-    learner.kl_ctrl.load_state_dict(state["kl_ctrl"])
-    learner.version, learner.optimizer_steps = int(state["version"]), int(state["optimizer_steps"])
-    learner.replay.load_state_dict(_load_replay(folder, state))
+        actor.optimizer.state.clear()
+    actor.scheduler.load_state_dict(state["scheduler"])
+    actor.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    actor.version, actor.optimizer_steps = int(state["version"]), int(state["optimizer_steps"])
+    actor.replay.load_state_dict(_load_replay(folder, state))
 
 
 def _saved_keys(folder: Path) -> set[str]:
@@ -162,7 +162,7 @@ def _load_replay(folder: Path, state: dict) -> dict:
     if not state.get("replay_ranks"):
         return empty
     if int(state["world_size"]) != fsdp.world_size():
-        log.warning("the checkpoint's replay buffer was split over %d learner ranks, this run has %d: training "
+        log.warning("the checkpoint's replay buffer was split over %d actor ranks, this run has %d: training "
                     "resumes with an empty replay buffer", state["world_size"], fsdp.world_size())
         return empty
     from safetensors.torch import load_file

@@ -1,4 +1,4 @@
-"""FSDP2 wrapping of a policy and the few torch.distributed helpers the learner needs.
+"""FSDP2 wrapping of a policy and the few torch.distributed helpers the actor needs.
 
 :func:`wrap_policy` applies ``torch.distributed.fsdp.fully_shard`` to each *unit* of the policy
 (transformer blocks) and then to the root, with a :class:`MixedPrecisionPolicy` (e.g. bf16 compute,
@@ -11,7 +11,7 @@ Gradients are *summed* across ranks (divide factor 1, SUM-only collectives, whic
 the loss aggregation already divides by global counts (:mod:`embodirl.algorithms.aggregation`), so
 the sum of the rank gradients is the full-batch gradient.
 
-Without an initialised process group nothing here is needed: the learner runs the plain module in
+Without an initialised process group nothing here is needed: the actor runs the plain module in
 the calling process. Process groups are started by the caller (the worker group sets the usual
 ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` and calls :func:`init_process_group`): gloo
 on CPU, NCCL on GPU, any number of nodes.
@@ -62,7 +62,7 @@ def default_device() -> torch.device:
 
 def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
                        device: torch.device | None = None, timeout_s: float = 1800.0) -> None:
-    """Join the learner's process group over TCP (gloo on CPU, NCCL on GPU)."""
+    """Join the actor's process group over TCP (gloo on CPU, NCCL on GPU)."""
     import datetime
 
     device = device or default_device()
@@ -73,14 +73,14 @@ def init_process_group(*, rank: int, world_size: int, master_addr: str, master_p
 
 
 def host_device(device: torch.device) -> torch.device:
-    """Where the learner keeps the small tensors its Python control flow reads (loss normalisers, metric
+    """Where the actor keeps the small tensors its Python control flow reads (loss normalisers, metric
     sums, flags): the CPU in a single process, so that reading them never waits for the accelerator; the
     compute ``device`` when a process group reduces them (NCCL reduces device tensors only)."""
     return torch.device(device) if is_distributed() and world_size() > 1 else torch.device("cpu")
 
 
 def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce across the learner ranks (identity in a single process)."""
+    """In-place all-reduce across the actor ranks (identity in a single process)."""
     if is_distributed() and world_size() > 1:
         dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return tensor
@@ -210,10 +210,10 @@ def wrap_policy(policy: nn.Module, *, device: torch.device, param_dtype: torch.d
     return policy
 
 
-def learner_compute_dtype(actor_fsdp: dict, model_dtype: str) -> str | None:
-    """The dtype learner ranks with a process group (the Ray actor group) compute the trainable tensors in:
+def actor_compute_dtype(actor_fsdp: dict, model_dtype: str) -> str | None:
+    """The dtype actor ranks with a process group (the Ray actor group) compute the trainable tensors in:
     FSDP2's ``param_dtype`` (default: the model's dtype) when they shard with FSDP2, as
-    :class:`~embodirl.learner.learner.Learner` decides it; else None (their float32 master weights compute
+    :class:`~embodirl.actor.actor.Actor` decides it; else None (their float32 master weights compute
     themselves). FSDP2 is on with ``actor.fsdp.enabled: true``, and with ``auto`` for several ranks or a
     low-precision model - the rank count changes nothing here, since a float32 model then computes in float32."""
     enabled = actor_fsdp.get("enabled", "auto")
