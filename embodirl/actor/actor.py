@@ -38,8 +38,8 @@ from embodirl.actor.replay_buffer import ReplayBuffer, row_versions
 from embodirl.actor.settings import ActorSettings, plain
 from embodirl.algorithms import kl as kl_mod
 from embodirl.algorithms import losses
-from embodirl.algorithms.advantages import compute_advantages
-from embodirl.algorithms.filtering import drop_filtered
+from embodirl.algorithms.advantages import compute_advantages, estimator_spec
+from embodirl.algorithms.filtering import drop_filtered, group_composition
 from embodirl.dtypes import parse_dtype
 from embodirl.errors import ConfigError, NonFiniteUpdate
 from embodirl.models.base import Policy, scoring_temperature
@@ -62,7 +62,8 @@ def prepare_batch(batch: TensorDict, algorithm: Mapping, *, kl_coef: float = 0.0
                   ) -> tuple[TensorDict, dict[str, torch.Tensor]]:
     """Driver-side preparation of a whole rollout batch (before it is cut into actor shards):
     the KL reward penalty (``use_kl_loss: false``; needs ``logprob_ref``), group filtering
-    (``filter_groups.enable``) and advantages/returns (:func:`compute_advantages`)."""
+    (``filter_groups.enable``) and advantages/returns (:func:`compute_advantages`). For a group-relative
+    estimator it reports the groups' composition (:func:`group_composition`), before any filtering."""
     algorithm = plain(algorithm)
     metrics: dict[str, torch.Tensor] = {}
     if kl_coef > 0 and not bool(algorithm["use_kl_loss"]):
@@ -75,6 +76,9 @@ def prepare_batch(batch: TensorDict, algorithm: Mapping, *, kl_coef: float = 0.0
         batch = batch.copy()
         batch.set(D.REWARD, reward.float())
         metrics["kl/reward_penalty_kl"] = mean_kl
+    group_size = int(algorithm["group_size"])
+    if estimator_spec(str(algorithm["adv_type"])).groups and D.SUCCESS in batch.keys() and group_size > 1:
+        metrics.update(group_composition(batch.get(D.SUCCESS), batch.get(D.VALID), group_size=group_size))
     if bool(algorithm["filter_groups"]["enable"]):
         batch, filter_metrics = drop_filtered(
             batch, group_size=int(algorithm["group_size"]), min_success=float(algorithm["filter_groups"]["min_success"]),

@@ -39,6 +39,15 @@ def group_keep_mask(success: torch.Tensor, valid: torch.Tensor, *, group_size: i
     return keep_group.repeat_interleave(group_size), rate
 
 
+def group_composition(success: torch.Tensor, valid: torch.Tensor, *, group_size: int) -> dict[str, torch.Tensor]:
+    """What the batch's groups can teach a group-relative estimator: the fractions of groups whose trajectories
+    all failed (``groups/all_fail``), split (``groups/mixed``) or all succeeded (``groups/all_success``). Only a
+    mixed group separates success from failure; the others move the policy by the dense reward alone."""
+    _, rate = group_keep_mask(success, valid, group_size=group_size, min_success=0.0, max_success=1.0)
+    return {"groups/all_fail": (rate == 0).float().mean(), "groups/mixed": ((rate > 0) & (rate < 1)).float().mean(),
+            "groups/all_success": (rate == 1).float().mean()}
+
+
 def drop_filtered(batch: TensorDict, *, group_size: int, min_success: float, max_success: float
                   ) -> tuple[TensorDict, dict[str, torch.Tensor]]:
     """Mark the decisions of filtered groups invalid (shallow copy); return metrics

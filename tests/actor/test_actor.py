@@ -262,6 +262,9 @@ def test_group_filtering_masks_uninformative_groups():
     actor = Actor(policy, cfg, task_table=TASKS)
     prepared, metrics = actor.prepare(batch)
     assert metrics["filter/kept_fraction"].item() == 0.5
+    # what the groups could teach, counted before the filter
+    assert {k: metrics[f"groups/{k}"].item() for k in ("all_fail", "mixed", "all_success")} == \
+        {"all_fail": 0.0, "mixed": 0.5, "all_success": 0.5}
     assert not prepared.get(D.VALID)[:4].any()
     assert (prepared.get(D.ADVANTAGE)[:4] == 0).all()
     out = actor.update(prepared)

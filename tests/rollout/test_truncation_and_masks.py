@@ -171,11 +171,11 @@ def test_unexecuted_actions_do_not_reach_the_policy_loss(compose_cfg, logprob_ty
     noisy = _perturb_unexecuted(traj, (D.LOGPROB_BEHAVIOR, D.ACTION_SAMPLE))
     algorithm = {**dict(cfg.algorithm), "adv_type": "reinforce_plus_plus", "logprob_type": logprob_type,
                  "update_epochs": 1}
-    actor = {**dict(cfg.actor), "global_batch_size": 8, "micro_batch_size": 8}
+    actor_cfg = {**dict(cfg.actor), "global_batch_size": 8, "micro_batch_size": 8}
     states = []
     for batch in (traj, noisy):
         actor_policy = _copy(policy)
-        actor = Actor(actor_policy, {"algorithm": algorithm, "actor": actor}, task_table=["t"] * 8)
+        actor = Actor(actor_policy, {"algorithm": algorithm, "actor": actor_cfg}, task_table=["t"] * 8)
         metrics = actor.step(batch)
         assert np.isfinite(float(metrics["actor/grad_norm"]))
         states.append(actor.publish_weights(full=True)[1])

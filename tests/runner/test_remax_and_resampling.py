@@ -114,6 +114,9 @@ def test_resampled_group_filtering_trains_through_the_cli(tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert 8 <= r["train/rollouts_drawn"] <= 32 and 0 <= r["train/rollouts_kept"] <= 8
+        # the composition of the groups trained on: the kept ones are mixed (4 groups of 2)
+        parts = [r[f"groups/{k}"] for k in ("all_fail", "mixed", "all_success")]
+        assert sum(parts) == pytest.approx(1.0) and r["groups/mixed"] == pytest.approx(r["train/rollouts_kept"] / 8)
 
 
 def test_worker_groups_collect_greedy_baselines_in_evaluation_mode(compose_cfg):

@@ -45,13 +45,15 @@ def test_timeout_and_hang_settings_are_checked(override, key):
 
 
 def _simulator_processes(root: int) -> list:
-    """The simulator processes under ``root``: children of its multiprocessing fork server."""
+    """The simulator processes under ``root``: processes forked under its multiprocessing fork server that fork
+    nothing themselves (the server that imported the simulator once and forks the simulators is not one of them:
+    freezing it would stall the replacement of a simulator, not a step)."""
     import psutil
 
     found = []
     for child in psutil.Process(root).children(recursive=True):
         try:
-            if "forkserver" in " ".join(child.parent().cmdline()):
+            if "forkserver" in " ".join(child.parent().cmdline()) and not child.children():
                 found.append(child)
         except psutil.Error:
             continue
@@ -61,7 +63,7 @@ def _simulator_processes(root: int) -> list:
 @pytest.mark.slow
 def test_frozen_simulators_are_replaced_within_seconds(tmp_path):
     """The default job (ManiSkill PushCube, state) on 4 simulator processes; after step 3 two of them are frozen
-    with SIGSTOP. Each is found hung from its own recent step latency (15 s floor; env.step_timeout_s stays 300 s),
+    with SIGSTOP. Each is found hung from its own recent step latency (10 s floor; env.step_timeout_s stays 300 s),
     both in the same wait, killed with SIGKILL and replaced, and their episodes collected again: that step takes
     well under 30 s longer than the others, and no frozen process is left behind."""
     import signal
@@ -93,7 +95,7 @@ def test_frozen_simulators_are_replaced_within_seconds(tmp_path):
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
     assert len(frozen) == 2
-    assert "did not answer 'step' within 15.0 s" in output
+    assert "did not answer 'step' within 10.0 s" in output
     assert not [p for p in frozen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     records = read_metrics(out / "metrics.jsonl")
     steps = {r["step"]: r for r in records}

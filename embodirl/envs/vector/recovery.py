@@ -9,7 +9,7 @@ command clears the count); past it :class:`SubEnvCrashed` propagates.
 A hang is told from a slow step by the sub-env's own recent step latency (:class:`HangLimits`): a step that
 takes :data:`HANG_LATENCY_MULTIPLE` times the slowest of its last :data:`HANG_WINDOW` steps, and at least
 :data:`HANG_FLOOR_S`, is presumed hung - a frozen PushCube simulator (steps of ~50 ms) is declared hung after
-15 s instead of the ``step_timeout`` ceiling (``env.step_timeout_s``, 300 s), which still bounds every command
+10 s instead of the ``step_timeout`` ceiling (``env.step_timeout_s``, 300 s), which still bounds every command
 and alone applies to resets (a LIBERO reset that rebuilds its scene takes seconds, unlike the resets before it)
 and to a sub-env's first steps. The vector env waits for all its sub-envs at once, so several frozen ones are
 found together, and kills them with SIGKILL, which a stopped process cannot ignore.
@@ -34,7 +34,7 @@ SubEnvHandle = LocalSubEnv | ProcessSubEnv
 #: a step slower than this multiple of the sub-env's recent slowest step is presumed hung ...
 HANG_LATENCY_MULTIPLE = 20.0
 #: ... if it has also run this long (a loaded machine slows every step; swapping can stall one for seconds)
-HANG_FLOOR_S = 15.0
+HANG_FLOOR_S = 10.0
 #: steps of a sub-env that make its recent latency
 HANG_WINDOW = 64
 #: the commands whose recent latency predicts the next one's (a reset may rebuild a scene: it gets the ceiling)
