@@ -152,6 +152,33 @@ def decisions_per_second(policy, batch: int, rounds: int, device) -> dict:
     return {"batch": batch, "decisions_per_s": batch / t, "ms_per_call": 1e3 * t}
 
 
+@torch.no_grad()
+def profile_act(policy, batch: int, device) -> dict:
+    """Where one ``policy.act`` call's time goes: input preparation (CPU image work, prompt ids, transfers) vs
+    the network forward vs the rest (sampling, un-normalisation, values), then the profiler's top operations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    obs = observation(batch, LIBERO_LIKE, device)
+    params = SamplingParams(temperature=1.0)
+    prepare = statistics.median(timed(lambda: policy.prepare_inputs(obs), device) for _ in range(3))
+    inputs = policy.prepare_inputs(obs)
+    forward = statistics.median(timed(lambda: policy.core(**inputs), device) for _ in range(3))
+    whole = statistics.median(timed(lambda: policy.act(obs, params, return_value=True), device) for _ in range(3))
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        policy.act(obs, params, return_value=True)
+        sync(device)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=60)
+    launches = sum(e.count for e in prof.key_averages() if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
+    print(f"\nprofile of policy.act at batch {batch}: prepare_inputs {1e3 * prepare:.1f} ms, network forward "
+          f"{1e3 * forward:.1f} ms, whole act {1e3 * whole:.1f} ms, {launches} kernel launches")
+    print(table)
+    return {"batch": batch, "prepare_inputs_ms": 1e3 * prepare, "forward_ms": 1e3 * forward, "act_ms": 1e3 * whole,
+            "kernel_launches": launches, "table": table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="openvla_oft_tiny")
@@ -165,7 +192,12 @@ def main() -> None:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--act-batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="then measure policy.act again with the adapters folded into the weights (rollout.merge_lora)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--profile", action="store_true",
+                        help="finally split policy.act at the largest batch into its CPU-side input preparation and the "
+                             "network forward, and print torch.profiler's heaviest device operations")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,6 +226,18 @@ def main() -> None:
         r = decisions_per_second(policy, batch, max(3, args.rounds // 2), args.device)
         results["act"].append(r)
         print(f"{batch:>5} {r['decisions_per_s']:>12.1f} {r['ms_per_call']:>9.1f}")
+    if args.merge_lora:
+        policy.merge_adapters_()
+        results["act_merged"] = []
+        print("\npolicy.act decisions per second, LoRA merged into the weights (rollout.merge_lora=true)")
+        print(f"{'batch':>5} {'decisions/s':>12} {'ms/call':>9} {'vs unmerged':>12}")
+        for batch, unmerged in zip(args.act_batches, results["act"], strict=True):
+            r = decisions_per_second(policy, batch, max(3, args.rounds // 2), args.device)
+            r["speedup_over_unmerged"] = r["decisions_per_s"] / unmerged["decisions_per_s"]
+            results["act_merged"].append(r)
+            print(f"{batch:>5} {r['decisions_per_s']:>12.1f} {r['ms_per_call']:>9.1f} {r['speedup_over_unmerged']:>11.2f}x")
+    if args.profile:
+        results["profile"] = profile_act(policy, max(args.act_batches), args.device)
     if torch.device(args.device).type == "cuda":
         results["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         print(f"\npeak GPU memory {results['max_memory_gib']:.1f} GiB")

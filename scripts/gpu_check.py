@@ -39,11 +39,12 @@ BF16_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, 
 MODES = {
     "gpu": {"preset": "openvla_oft", "device": "cuda", "dtype": "bfloat16",
             "policy": ["--rounds", "5", "--decode-batches", "1", "8", "--act-batches", "1", "8", "32", "64",
-                       "--attn-implementation", "sdpa"],
+                       "--attn-implementation", "sdpa", "--merge-lora"],
             # the measured setting: N16 x T8, micro-batch 8 (64 decisions per forward)
             "actor": ["--trajectories", "16", "--decisions", "8", "--micro-batch", "8", "--repeats", "2"]},
     "cpu": {"preset": "openvla_oft_tiny", "device": "cpu", "dtype": "bfloat16",
-            "policy": ["--rounds", "2", "--decode-batches", "1", "--act-batches", "1", "4", "--threads", "1"],
+            "policy": ["--rounds", "2", "--decode-batches", "1", "--act-batches", "1", "4", "--threads", "1",
+                       "--merge-lora"],
             "actor": ["--trajectories", "4", "--decisions", "2", "--micro-batch", "2", "--repeats", "1"]},
 }
 TRAIN_STEPS = 3
@@ -194,7 +195,7 @@ def train_step(report: Report, mode: dict, work: Path) -> dict:
         raise RuntimeError(f"the run ended with {len(steps)} steps, {len(evals)} evaluations and "
                            f"{'a' if checkpoint.is_dir() else 'no'} checkpoint at step {TRAIN_STEPS}")
     keys = ("time/step", "time/collect", "time/update", "time/sync_weights", "actor/first_step_ratio_error",
-            "train/success_rate", "actor/decisions")
+            "actor/clip_fraction", "train/success_rate", "actor/decisions")
     return {"steps": [{k: r.get(k) for k in ("step", *keys)} for r in steps],
             "eval": {k: evals[-1].get(k) for k in ("step", "eval/success_rate", "eval/episodes", "time/eval")},
             "checkpoint": str(checkpoint)}
@@ -214,22 +215,29 @@ def targets(data: dict) -> dict:
     steps = {name: step.get("result") or {} for name, step in data["steps"].items()}
     dry, policy, actor = steps.get("dry_run", {}), steps.get("policy", {}), steps.get("actor", {})
     peak = steps.get("environment", {}).get("bf16_peak_tflops")
-    act = {r["batch"]: r["decisions_per_s"] for r in policy.get("act", [])}
+    # the rollout acts with the adapters merged when rollout.merge_lora is on: the act goal is on that number
+    act = {r["batch"]: r["decisions_per_s"] for r in policy.get("act_merged") or policy.get("act", [])}
+    unmerged = {r["batch"]: r["decisions_per_s"] for r in policy.get("act", [])}
     out = {}
     if act:
         batch = max(act)
         achieved = act[batch] * dry.get("act_flops_per_decision", 0) / 1e12
         out["act"] = {"batch": batch, "decisions_per_s": act[batch], "goal_decisions_per_s": ACT_TARGET_DECISIONS_PER_S,
+                      "unmerged_decisions_per_s": unmerged.get(batch), "merged": bool(policy.get("act_merged")),
                       "tflops": achieved, "fraction_of_peak": achieved / peak if peak else None,
                       "goal_fraction_of_peak": ACT_TARGET_FRACTION_OF_BOUND}
     if actor:
         achieved = actor["decisions_per_s"] * dry.get("update_flops_per_decision", 0) / 1e12
         seconds = actor.get("seconds", {})
-        moves = seconds.get("offload()", 0.0) + seconds.get("onload()", 0.0)
+        moves = seconds.get("offload()", 0.0) + seconds.get("onload()", 0.0)     # reused buffers (every later step)
+        first = seconds.get("offload() #1", 0.0) + seconds.get("onload() #1", 0.0)
+        before = seconds.get("plain .to() offload (before)", 0.0) + seconds.get("plain .to() onload (before)", 0.0)
         out["actor"] = {"decisions_per_s": actor["decisions_per_s"], "tflops": achieved,
                           "fraction_of_peak": achieved / peak if peak else None,
                           "goal_fraction_of_peak": LEARNER_TARGET_FRACTION_OF_PEAK,
                           "offload_plus_onload_s": moves, "goal_offload_plus_onload_s": OFFLOAD_ONLOAD_TARGET_S,
+                          "first_offload_plus_onload_s": first, "plain_to_offload_plus_onload_s": before or None,
+                          "speedup_over_plain_to": before / moves if before and moves else None,
                           "train_peak_gib": (actor.get("train_peak_bytes") or 0) / 2**30 or None,
                           "dry_run_peak_gib": dry.get("update_peak_bytes", 0) / 2**30}
     return out

@@ -28,6 +28,7 @@ import torch
 from embodirl.actor import fsdp
 from embodirl.actor.actor import Actor
 from embodirl.workers import process_env
+from embodirl.workers.parking import HostParking
 from embodirl.workers.weight_sync import WeightPublisher
 from embodirl.workers.weight_transfer import WeightOutbox
 
@@ -75,6 +76,7 @@ class ActorWorker:
         self.publisher: WeightPublisher | None = None
         self.outbox: WeightOutbox | None = None
         self.offloaded = False
+        self._parking = HostParking()   # collocated placement: the actor's host buffers, reused every step
 
     # --- start --------------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -215,28 +217,20 @@ class ActorWorker:
 
     # --- collocated placement -----------------------------------------------------------------------
     def offload(self) -> None:
-        """Parameters, gradients and optimizer state to host memory (GPU ranks; a no-op on CPU)."""
+        """Parameters, gradients and optimizer state to reused page-locked host buffers (GPU ranks; a no-op on
+        the CPU)."""
         if self.offloaded or self.actor is None:
             return
-        self._move("cpu")
+        if self.actor.device.type != "cpu":
+            self._parking.offload(self.actor.policy, self.actor.optimizer)
         self.offloaded = True
 
     def onload(self) -> None:
         if not self.offloaded:
             return
-        self._move(self.actor.device)
+        if self.actor.device.type != "cpu":
+            self._parking.onload(self.actor.policy, self.actor.device, self.actor.optimizer)
         self.offloaded = False
-
-    def _move(self, device) -> None:
-        self.actor.policy.to(device)
-        for state in self.actor.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            if str(device) == "cpu":
-                torch.cuda.empty_cache()
 
     def memory(self) -> dict[str, float]:
         """Peak memory of this rank: the process's peak resident set, and peak GPU bytes on CUDA."""

@@ -87,10 +87,31 @@ def _rank_main(rank: int, port: int, out_dir: str):
                 for resumed in (actor, restored):
                     run_update(resumed, shard)
                 result["resumed"] = [x.publish_weights(full=True)[1] for x in (actor, restored)]
+            if name == "token_ppo_bf16":  # collocated placement: parked in host buffers and back, twice
+                result["parked"] = park_twice_and_update(actor, shard, cfg)
             if rank == 0:
                 torch.save(result, os.path.join(out_dir, f"{name}.pt"))
     finally:
         torch.distributed.destroy_process_group()
+
+
+def park_twice_and_update(actor: Actor, shard, cfg) -> dict:
+    """The worker's offload/onload moves (HostParking) on DTensor shards and Adam state, then one more update;
+    the same update without the moves is the reference."""
+    from embodirl.workers.parking import HostParking
+
+    twin = Actor(make_policy("token"), cfg, task_table=TASKS, device="cpu")
+    run_update(twin, shard)
+    parking, layouts = HostParking(), []
+    for _ in range(2):
+        parking.offload(actor.policy, actor.optimizer)
+        locals_ = [p._local_tensor for p in actor.policy.parameters()]
+        layouts.append((parking.host_bytes, len(parking._slots), sum(parking._parked(t) for t in locals_)))
+        parking.onload(actor.policy, "cpu", actor.optimizer)
+    still_parked = sum(parking._parked(p._local_tensor) for p in actor.policy.parameters())
+    return {"layouts": layouts, "still_parked": still_parked, "moved": len(locals_),
+            "after": [x.publish_weights(full=True)[1] for x in (actor, twin)],
+            "updated": [run_update(x, shard)[2] for x in (actor, twin)]}
 
 
 def free_port() -> int:
@@ -104,6 +125,20 @@ def two_rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     mp.spawn(_rank_main, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     return {name: torch.load(out / f"{name}.pt") for name in scenarios()}
+
+
+@pytest.mark.slow
+def test_parking_in_host_buffers_changes_nothing(two_rank_results):
+    """Collocated placement's offload/onload (HostParking): FSDP2 shards and Adam state go into host buffers laid
+    out at the first offload and reused at the second, come back, and the next update is the one without moves."""
+    got = two_rank_results["token_ppo_bf16"]["parked"]
+    (bytes1, slots1, parked1), (bytes2, slots2, parked2) = got["layouts"]
+    assert bytes1 == bytes2 > 0 and slots1 == slots2 > 0       # no new buffers at the second offload
+    assert parked1 == parked2 > 0 and got["still_parked"] == 0
+    for parked, twin in (got["after"], got["updated"]):
+        assert set(parked) == set(twin) and parked
+        for key, value in twin.items():
+            torch.testing.assert_close(parked[key], value, rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from embodirl.models.registry import make_policy
 from embodirl.rollout.inference import act
 from embodirl.workers.backends import register_backend
 from embodirl.workers.backends.base import RolloutBackend
+from embodirl.workers.parking import HostParking
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class HuggingFaceBackend(RolloutBackend):
             self.policy.merge_adapters_()
         self.value_type = getattr(self.policy, "value_type", None)
         self._offloaded = False
+        self._parking = HostParking()   # collocated placement: reused page-locked buffers for this copy
 
     def generate(self, obs: Mapping[str, np.ndarray], sampling: SamplingParams, *,
                  return_value: bool = False) -> dict[str, np.ndarray]:
@@ -67,13 +69,12 @@ class HuggingFaceBackend(RolloutBackend):
     def offload(self) -> None:
         if self.device.type == "cpu" or self._offloaded:
             return
-        self.policy.to("cpu")
-        torch.cuda.empty_cache()
+        self._parking.offload(self.policy)
         self._offloaded = True
         log.debug("rollout weights offloaded to CPU memory")
 
     def onload(self) -> None:
         if not self._offloaded:
             return
-        self.policy.to(self.device)
+        self._parking.onload(self.policy, self.device)
         self._offloaded = False
