@@ -40,7 +40,9 @@ def init_ray(cluster_cfg: Mapping | None = None, *, num_cpus: int | None = None,
         log.info("joining the Ray cluster at %s", address)
         ray.init(address=address, **options)
     else:
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **options)
+        # "local": a new private instance. A bare ray.init() would first join the head recorded in
+        # /tmp/ray/ray_current_cluster by any `ray start` (or ray.cluster_utils.Cluster) on this machine
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **options)
         log.info("started a local Ray instance: %s", _brief(ray.cluster_resources()))
     return ray.cluster_resources()
 

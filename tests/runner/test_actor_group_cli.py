@@ -197,6 +197,8 @@ def test_cli_on_a_two_node_cluster_places_components_and_uses_both_transports(tm
     assert proc.returncode == 0, output[-4000:]
     out = tmp_path / "outputs" / "cluster"
     placement = json.loads((out / "placement.json").read_text())
+    if ray.is_initialized():      # a private Ray another test file's fixture left running in this process
+        ray.shutdown()
     ray.init(address=two_node_cluster.address)
     try:
         head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("node:__internal_head__"))
