@@ -286,8 +286,9 @@ def part_full(args) -> list[str]:
         raise SystemExit("--preset full --device cuda needs a GPU")
     if args.trajectories % GROUP_SIZE:
         raise SystemExit(f"--trajectories must be a multiple of {GROUP_SIZE} (whole groups)")
-    extra = [f"model.dtype={args.param_dtype}", "actor.fsdp.enabled=true", "actor.fsdp.gradient_checkpointing=true",
-             "actor.enable_offload=true"]
+    checkpointing = args.gradient_checkpointing == "on"
+    extra = [f"model.dtype={args.param_dtype}", "actor.fsdp.enabled=true",
+             f"actor.fsdp.gradient_checkpointing={str(checkpointing).lower()}", "actor.enable_offload=true"]
     if cuda:
         extra.append("model.device=cuda")      # random weights created on the GPU, not in host memory
     plain = to_plain(compose_cfg(args.model, args, extra))
@@ -342,13 +343,14 @@ def part_full(args) -> list[str]:
     args.results = {"model": args.model, "parameters": numel, "trainable": trainable, "dtype": args.param_dtype,
                     "device": args.device, "fsdp": worker.actor.use_fsdp, "trajectories": args.trajectories,
                     "decisions_per_trajectory": args.decisions, "micro_batch": args.micro_batch,
-                    "seconds": phases, "decisions": float(metrics["actor/decisions"]),
+                    "gradient_checkpointing": checkpointing, "seconds": phases, "decisions": float(metrics["actor/decisions"]),
                     "decisions_per_s": float(metrics["actor/decisions"]) / last_train,
                     "publication_bytes": handle.nbytes,
                     **({"train_peak_bytes": train_peak, "run_peak_bytes": total_peak, "resident_bytes": resident,
                         "offloaded_bytes": offloaded} if cuda else {})}
     lines = [f"3. full preset: model={args.model} ({numel / 1e9:.2f}B parameters, {trainable / 1e6:.1f}M trainable), "
-             f"{args.param_dtype}, LoRA, gradient checkpointing, offload, 1 rank (FSDP2={worker.actor.use_fsdp}), "
+             f"{args.param_dtype}, LoRA, gradient checkpointing {args.gradient_checkpointing}, offload, "
+             f"1 rank (FSDP2={worker.actor.use_fsdp}), "
              f"{args.device}, GRPO N={args.trajectories} x T={args.decisions}, micro-batch {args.micro_batch}"]
     lines += [f"  {name:<36}{seconds:>9.2f} s" for name, seconds in phases.items()]
     lines.append(f"  decisions/s (last train)          {metrics['actor/decisions'] / last_train:>9.2f}")
@@ -394,6 +396,8 @@ def parse_args(argv=None):
     parser.add_argument("--cli-timeout", type=float, default=300.0, help="part 2: seconds per CLI run")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="full preset")
     parser.add_argument("--model", default="openvla_oft", help="full preset: the model option")
+    parser.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
+                        help="full preset: actor.fsdp.gradient_checkpointing (off: more memory, no recomputed forward)")
     parser.add_argument("--param-dtype", default="bfloat16", help="full preset: model.dtype")
     parser.add_argument("--json", default=None, help="full preset: also write its numbers to this file")
     args = parser.parse_args(argv)

@@ -164,6 +164,16 @@ def profile_act(policy, batch: int, device) -> dict:
     inputs = policy.prepare_inputs(obs)
     forward = statistics.median(timed(lambda: policy.core(**inputs), device) for _ in range(3))
     whole = statistics.median(timed(lambda: policy.act(obs, params, return_value=True), device) for _ in range(3))
+    # side by side, same process: the image resize on the CPU and the levels moved after it (before the change)
+    images = policy.images
+    on_device = images.uint8_levels
+    images.uint8_levels = lambda frames, target=None: on_device(frames).to(target)
+    try:
+        prepare_before = statistics.median(timed(lambda: policy.prepare_inputs(obs), device) for _ in range(3))
+        whole_before = statistics.median(timed(lambda: policy.act(obs, params, return_value=True), device)
+                                         for _ in range(3))
+    finally:
+        del images.uint8_levels   # the method again
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -173,10 +183,13 @@ def profile_act(policy, batch: int, device) -> dict:
     table = prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=60)
     launches = sum(e.count for e in prof.key_averages() if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
     print(f"\nprofile of policy.act at batch {batch}: prepare_inputs {1e3 * prepare:.1f} ms, network forward "
-          f"{1e3 * forward:.1f} ms, whole act {1e3 * whole:.1f} ms, {launches} kernel launches")
+          f"{1e3 * forward:.1f} ms, whole act {1e3 * whole:.1f} ms, {launches} kernel launches; with the resize "
+          f"on the CPU (before): prepare_inputs {1e3 * prepare_before:.1f} ms, whole act {1e3 * whole_before:.1f} ms "
+          f"({whole_before / whole:.2f}x)")
     print(table)
     return {"batch": batch, "prepare_inputs_ms": 1e3 * prepare, "forward_ms": 1e3 * forward, "act_ms": 1e3 * whole,
-            "kernel_launches": launches, "table": table}
+            "kernel_launches": launches, "cpu_resize_prepare_inputs_ms": 1e3 * prepare_before,
+            "cpu_resize_act_ms": 1e3 * whole_before, "table": table}
 
 
 def main() -> None:

@@ -71,6 +71,20 @@ def test_resize_is_batched_and_quantised():
     assert torch.equal(alone, ours[1, 3:])
 
 
+def test_only_the_codec_runs_on_the_cpu():
+    """Resize, crop and normalisation run on the processor's device (a GPU policy keeps them off its CPU): built
+    on the meta device, every step after the JPEG codec gets meta tensors, and a CPU tensor mixed into them would
+    raise. The levels moved before the resize are the same images."""
+    images = smooth_images(2, 2, 64, 64)
+    proc = ImageProcessor(image_size=56, center_crop=True, device="meta")
+    pixels = proc(images)
+    assert pixels.is_meta and pixels.shape == (2, 12, 56, 56)
+    levels = proc.uint8_levels(images, "meta")
+    assert levels.is_meta and levels.dtype == torch.uint8 and levels.shape == (4, 3, 56, 56)
+    cpu = ImageProcessor(image_size=56, center_crop=True)
+    assert torch.equal(cpu.uint8_levels(images), cpu.uint8_levels(images, "cpu"))
+
+
 def test_center_crop_matches_tf_crop_and_resize_loop():
     rng = np.random.default_rng(0)
     img = rng.random((20, 20, 3))

@@ -129,8 +129,8 @@ class OpenVLAOFTPolicy(Policy):
     # --- inputs ----------------------------------------------------------------------------------
     def prepare_inputs(self, obs: Mapping) -> dict[str, torch.Tensor | None]:
         """Observation dict -> the network's keyword inputs (pixels, prompt ids/mask, normalised proprio),
-        on the policy's device. The CPU work (JPEG and resize of the images, prompt ids, instructions from
-        task ids) is done first, where the observation is; then each input moves to the device once."""
+        on the policy's device. Only what needs the CPU runs there (the JPEG codec, prompt ids, instructions from
+        task ids); the uint8 images then move once, and resize, crop and normalisation run on the device."""
         device = self.device
         images = obs.get(D.IMAGES)
         if images is None:
@@ -140,8 +140,8 @@ class OpenVLAOFTPolicy(Policy):
             raise ValueError(f"obs['{D.IMAGES}'] has shape {tuple(images.shape)}; expected [B, V>="
                              f"{self.cfg.num_images_in_input}, 3, h, w]")
         B = images.shape[0]
-        levels = self.images.uint8_levels(images[:, : self.cfg.num_images_in_input])   # (B*V, 3, S, S) uint8
-        pixel_values = self.images.normalize(levels.to(device, non_blocking=True), B)  # (B, V*6, S, S)
+        levels = self.images.uint8_levels(images[:, : self.cfg.num_images_in_input], device)  # (B*V, 3, S, S)
+        pixel_values = self.images.normalize(levels, B)                                # (B, V*6, S, S)
         instructions = obs.get(INSTRUCTION)
         if instructions is None and obs.get(D.TASK_ID) is not None and self.task_descriptions:
             task_ids = torch.as_tensor(np.asarray(obs[D.TASK_ID]) if not torch.is_tensor(obs[D.TASK_ID])
