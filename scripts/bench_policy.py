@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--merge-lora", action="store_true",
                         help="then measure policy.act again with the adapters folded into the weights (rollout.merge_lora)")
+    parser.add_argument("--compile", action="store_true",
+                        help="last, compile the transformer blocks (rollout.compile) and measure policy.act again")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--profile", action="store_true",
                         help="finally split policy.act at the largest batch into its CPU-side input preparation and the "
@@ -251,6 +253,23 @@ def main() -> None:
             print(f"{batch:>5} {r['decisions_per_s']:>12.1f} {r['ms_per_call']:>9.1f} {r['speedup_over_unmerged']:>11.2f}x")
     if args.profile:
         results["profile"] = profile_act(policy, max(args.act_batches), args.device)
+    if args.compile:
+        start = time.perf_counter()
+        regions = policy.compile_blocks_()   # as rollout.compile does
+        results["act_compiled"] = []
+        print(f"\npolicy.act decisions per second, {regions} transformer blocks compiled (torch.compile, one graph per "
+              f"block class), after the rows above in the same process")
+        print(f"{'batch':>5} {'decisions/s':>12} {'ms/call':>9} {'vs above':>9} {'warm-up s':>10}")
+        before = results.get("act_merged") or results["act"]
+        for batch, earlier in zip(args.act_batches, before, strict=True):
+            warm = time.perf_counter()
+            policy.act(observation(batch, LIBERO_LIKE), SamplingParams(temperature=1.0), return_value=True)
+            warm = time.perf_counter() - warm
+            r = decisions_per_second(policy, batch, max(3, args.rounds // 2), args.device)
+            r.update(speedup=r["decisions_per_s"] / earlier["decisions_per_s"], warm_up_s=warm)
+            results["act_compiled"].append(r)
+            print(f"{batch:>5} {r['decisions_per_s']:>12.1f} {r['ms_per_call']:>9.1f} {r['speedup']:>8.2f}x {warm:>10.1f}")
+        results["compile_s"] = time.perf_counter() - start
     if torch.device(args.device).type == "cuda":
         results["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         print(f"\npeak GPU memory {results['max_memory_gib']:.1f} GiB")

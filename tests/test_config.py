@@ -115,6 +115,7 @@ def test_options_hide_shared_bases():
     (["rollout.merge_lora=true"], "rollout.merge_lora", "has no LoRA adapter to merge"),
     (["env=toy_reach", "model=openvla_oft_tiny", "rollout.merge_lora=true", "cluster.use_ray=false"],
      "rollout.merge_lora", "the rollout acts with the actor's module"),
+    (["rollout.compile=true", "cluster.use_ray=false"], "rollout.compile", "the rollout acts with the actor's module"),
     (["runner.guard.enabled=true", "runner.val_check_interval=0"], "runner.guard.success_drop", "never evaluates"),
     (["runner.guard.enabled=true", "runner.guard.max_kl=0.1"], "runner.guard.max_kl", "algorithm.kl_beta > 0"),
     (["runner.guard.lr_factor=0"], "runner.guard.lr_factor", "in (0, 1]"),

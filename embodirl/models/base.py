@@ -94,6 +94,17 @@ class Policy(nn.Module, abc.ABC):
         """Recompute with autograd for given policy-space ``actions`` ``[B, L]``: ``logprob`` float32
         ``[B, L]``, ``entropy`` ``[B, L]``, and ``value`` when asked."""
 
+    def compile_blocks_(self) -> int:
+        """Compile this policy's networks in place with ``torch.compile`` for an inference copy
+        (``rollout.compile``); returns how many modules were compiled. The default compiles each child module
+        that holds parameters; a policy of repeated blocks compiles the blocks instead (one graph per block
+        class, so the first call compiles each class once). Compiled modules read their parameters at every
+        call: weight updates and merges in place after this stay in effect."""
+        children = [m for m in self.children() if next(m.parameters(), None) is not None]
+        for child in children:
+            child.compile()
+        return len(children)
+
     # --- weights that change during RL ---------------------------------------------------------
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors the actor changes (LoRA adapter, value head, ...), detached on CPU; this is

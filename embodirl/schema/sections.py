@@ -236,6 +236,7 @@ class Rollout:
     top_p: float | None = num(0, 1, lo_open=True, null=True)
     enable_offload: bool = required()
     merge_lora: bool = required()
+    compile: bool = required()
     channel: Channel = section(Channel)
 
     @staticmethod
@@ -250,6 +251,11 @@ class Rollout:
                 _fail("rollout.merge_lora", "folds the adapter into an inference worker's own copy of the policy, and "
                                             "without Ray the rollout acts with the actor's module: set "
                                             "cluster.use_ray=true, or rollout.merge_lora=false")
+
+        if cfg.rollout.compile and not ctx.use_ray:
+            _fail("rollout.compile", "compiles an inference worker's own copy of the policy, and without Ray the "
+                                     "rollout acts with the actor's module: set cluster.use_ray=true, or "
+                                     "rollout.compile=false")
 
         H, steps = int(cfg.model.action_chunk), int(cfg.env.train.max_episode_steps)
         explicit = cfg.rollout.max_decisions

@@ -149,7 +149,8 @@ class WorkerGroups:
             sampling=sampling_from_config(to_plain(rollout_cfg), cfg.runner.eval_greedy), remote=self.remote,
             placement=self.placement, process_vars=self.process_vars, policy=policy, seed=int(cfg.runner.seed),
             init_seed=int(cfg.runner.seed), weight_source=self._full_weights if self.remote else None,
-            trainable_dtype=trainable_dtype(cfg, self.train), merge_lora=bool(rollout_cfg.get("merge_lora", False)))
+            trainable_dtype=trainable_dtype(cfg, self.train), merge_lora=bool(rollout_cfg.merge_lora),
+            compile_blocks=bool(rollout_cfg.compile))
         for group in (self.env, self.eval_env):
             if group is not None:
                 group.attach(self.inference)

@@ -27,7 +27,7 @@ class InferenceGroup:
     def __init__(self, model_cfg: Mapping, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
                  remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
                  seed: int | None = None, init_seed: int | None = None, weight_source=None,
-                 trainable_dtype: str | None = None, merge_lora: bool = False):
+                 trainable_dtype: str | None = None, merge_lora: bool = False, compile_blocks: bool = False):
         self.model_cfg = to_plain(model_cfg)
         self.env_spec = env_spec
         self.backend = backend
@@ -38,6 +38,7 @@ class InferenceGroup:
         self.init_seed = init_seed       # seeded policy initialisation (the actor ranks use the same)
         self.trainable_dtype = trainable_dtype   # a built copy computes its trainable tensors as the actor does
         self.merge_lora = bool(merge_lora)       # ... or with its adapters folded into its weights
+        self.compile_blocks = bool(compile_blocks)   # a built copy compiles its networks (rollout.compile)
         self.publisher: WeightPublisher | None = None
         self._outbox = None              # the driver's own publications (WeightOutbox), made on first use
         #: where a restarted worker's weights come from when an actor group publishes: a callable
@@ -85,7 +86,8 @@ class InferenceGroup:
             param = next(self._policy.parameters(), None)
             kwargs["device"] = str(param.device) if param is not None else "cpu"
         else:
-            kwargs.update(trainable_dtype=self.trainable_dtype, merge_lora=self.merge_lora)
+            kwargs.update(trainable_dtype=self.trainable_dtype, merge_lora=self.merge_lora,
+                          compile_blocks=self.compile_blocks)
             if self.seed is not None and self.remote:
                 kwargs["seed"] = self.seed + r + len(self.generation) * self.generation[r]
         self.workers.start(r, self.model_cfg, self.env_spec, **kwargs)

@@ -74,13 +74,14 @@ class InferenceWorker:
             ranks compute them in: :func:`embodirl.actor.fsdp.actor_compute_dtype`), so that the rollout's
             log-probs are the actor's and the importance ratio starts at 1.
         merge_lora: fold the LoRA adapters into this copy's weights at every weight update (``rollout.merge_lora``).
+        compile_blocks: compile this copy's networks with ``torch.compile`` (``rollout.compile``).
     """
 
     def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, backend: str = "huggingface",
                  sampling: Mapping[str, SamplingParams] | None = None, weights: WeightUpdate | None = None,
                  device: str | None = None, process_vars: Mapping[str, str] | None = None, policy=None,
                  seed: int | None = None, init_seed: int | None = None, trainable_dtype: str | None = None,
-                 merge_lora: bool = False):
+                 merge_lora: bool = False, compile_blocks: bool = False):
         process_env.adopt(process_vars)
         if policy is None and init_seed is not None:
             # the actor ranks build the same seeded initialisation: a random frozen base needs no transfer
@@ -99,6 +100,8 @@ class InferenceWorker:
         kwargs = {"device": device}
         if merge_lora:
             kwargs["merge_lora"] = True
+        if compile_blocks:
+            kwargs["compile_blocks"] = True
         if policy is not None:
             kwargs["policy"] = policy
         self.backend = make_backend(backend, model_cfg, env_spec, **kwargs)

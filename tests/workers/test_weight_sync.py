@@ -157,3 +157,38 @@ def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(
     for name, param in merged.named_parameters():
         if name in weights:
             assert torch.equal(param, weights[name]), name
+
+
+@pytest.mark.slow
+def test_a_compiled_copy_acts_as_the_plain_one_across_weight_updates(compose_cfg):
+    """rollout.compile (with rollout.merge_lora, as a GPU run pairs them): the inference worker's copy has its
+    transformer blocks compiled, acts as the plain copy, and keeps doing so after a weight update: the compiled
+    graphs read the weights the update merged in place rather than the ones they were compiled with."""
+    from embodirl.workers.weight_sync import WeightUpdate
+
+    cfg = compose_cfg("env=toy_reach", "model=openvla_oft_tiny", "model.lora.target_modules=[all-linear,lm_head]")
+    env = make_env(cfg.env.eval, num_envs=4, seed=0)
+    obs, _ = env.reset(seed=0)
+    env.close()
+    workers = {compiled: InferenceWorker(cfg.model, env.spec, init_seed=1, merge_lora=True, compile_blocks=compiled,
+                                         sampling={"train": SamplingParams(), "eval": SamplingParams(greedy=True)})
+               for compiled in (False, True)}
+    blocks = list(workers[True].backend.policy.core.language_model.model.layers)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    assert all(b._compiled_call_impl is None for b in workers[False].backend.policy.core.language_model.model.layers)
+    g = torch.Generator().manual_seed(3)
+    logprobs = []
+    for version in (1, 2):
+        tensors = {k: v + 0.05 * torch.randn(v.shape, generator=g)
+                   for k, v in workers[False].trainable_state_dict().items()}
+        outputs = {}
+        for compiled, worker in workers.items():
+            worker.update_weights(WeightUpdate(version=version, base_version=None, tensors=tensors, full=True))
+            outputs[compiled] = worker.infer(obs, mode="eval").fields
+        # the compiled graphs fuse the elementwise work and round differently (float32, ~1e-6): greedy tokens
+        # whose top two logits are that close may flip; stale weights would change nearly every token
+        same = np.asarray(outputs[True][D.ACTION_TOKENS]) == np.asarray(outputs[False][D.ACTION_TOKENS])
+        assert same.mean() >= 0.97, f"version {version}: {int((~same).sum())} of {same.size} greedy tokens differ"
+        np.testing.assert_allclose(outputs[True][D.LOGPROB_BEHAVIOR], outputs[False][D.LOGPROB_BEHAVIOR], atol=1e-4)
+        logprobs.append(np.asarray(outputs[True][D.LOGPROB_BEHAVIOR]))
+    assert np.abs(logprobs[1] - logprobs[0]).max() > 1e-2   # the update reached the compiled copy

@@ -277,6 +277,18 @@ class OpenVLAOFTPolicy(Policy):
                 layer.merged_adapters = []
                 layer.merge()
 
+    def compile_blocks_(self) -> int:
+        """Compile each transformer block of the language model and of both vision towers in place (regional
+        compilation: the blocks of a class share one graph). What this buys is the fusion of the elementwise work
+        around the matrix products (RMSNorm's float32 upcasts, rotary embeddings, SiLU, LayerScale): on an H200,
+        merged ``act`` at batch 64 ran 1.26x faster, after a 16 s first call."""
+        core = self.core
+        blocks = [*core.language_model.model.layers, *core.vision.dino.encoder.layer,
+                  *core.vision.siglip.encoder.layers]
+        for block in blocks:
+            block.compile()
+        return len(blocks)
+
     @contextlib.contextmanager
     def reference_mode(self):
         """Adapters off: the policy as loaded (LoRA layers bypassed, original heads)."""

@@ -37,7 +37,7 @@ class HuggingFaceBackend(RolloutBackend):
     built from ``model_cfg``."""
 
     def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, device: str | None = None, policy=None,
-                 merge_lora: bool = False):
+                 merge_lora: bool = False, compile_blocks: bool = False):
         super().__init__(model_cfg, env_spec, device=device)
         self.device = torch.device(device) if device else default_device()
         self.policy = policy if policy is not None else make_policy(self.model_cfg, env_spec)
@@ -47,6 +47,9 @@ class HuggingFaceBackend(RolloutBackend):
         self.merge_lora = bool(merge_lora)
         if self.merge_lora:
             self.policy.merge_adapters_()
+        if compile_blocks:   # rollout.compile: after the merge, so that the graphs see the merged layers
+            log.info("rollout.compile: %d modules of the policy compile at their first call",
+                     self.policy.compile_blocks_())
         self.value_type = getattr(self.policy, "value_type", None)
         self._offloaded = False
         self._parking = HostParking()   # collocated placement: reused page-locked buffers for this copy
