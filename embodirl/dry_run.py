@@ -25,6 +25,7 @@ depends on them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import weakref
 from collections.abc import Mapping
@@ -240,6 +241,7 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     (``actor.micro_batch_size``'s unit; each of ``rollout.max_decisions`` or the episode's decisions), and
     one full publication. ``act_batch``: default one env worker's share of ``env.train.num_envs``."""
     from embodirl.actor.actor import Actor, prepare_batch
+    from embodirl.algorithms.section import algorithm_of
     from embodirl.models.base import SamplingParams
     from embodirl.models.registry import make_policy
     from embodirl.plain import to_plain
@@ -265,11 +267,11 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     seconds["act"] = time.perf_counter() - t0
 
     T = decisions_per_episode(cfg)
-    algorithm = to_plain(cfg.algorithm)
-    algorithm.update(group_size=1, filter_groups={**algorithm["filter_groups"], "enable": False}, update_epochs=1,
-                     early_stop_kl=None, adv_type="gae" if policy.value_type is not None else "grpo")
-    if algorithm["adv_type"] == "grpo":
-        algorithm["group_size"] = DRY_RUN_TRAJECTORIES
+    base = algorithm_of(cfg.algorithm)
+    adv_type = "gae" if policy.value_type is not None else "grpo"
+    algorithm = dataclasses.replace(base, adv_type=adv_type, update_epochs=1, early_stop_kl=None,
+                                    group_size=DRY_RUN_TRAJECTORIES if adv_type == "grpo" else 1,
+                                    filter_groups=dataclasses.replace(base.filter_groups, enable=False))
     actor = to_plain(cfg.actor)
     actor.update(micro_batch_size=1, global_batch_size=1, replay_buffer={**actor["replay_buffer"], "reuse_last_k": 0})
     actor = Actor(policy, {"algorithm": algorithm, "actor": actor}, task_table=spec.task_descriptions,

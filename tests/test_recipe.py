@@ -103,7 +103,7 @@ def test_recipe_values(recipe):
     assert cfg.env.eval.max_episode_steps == 520                                          # OFT's protocol
     # GRPO: no critic, no reference forward
     actor = ActorSettings.from_config({"algorithm": cfg.algorithm, "actor": cfg.actor})
-    assert not actor.uses_critic and not actor.kl_active
+    assert not actor.algorithm.uses_critic and not actor.algorithm.kl_active
 
 
 def test_recipe_sets_exactly_its_keys_outside_model():

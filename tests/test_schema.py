@@ -142,8 +142,22 @@ def test_dataclasses_that_read_the_config_agree_with_it():
                     continue
                 if repr(f.default) not in values[f.name]:
                     disagreements.append(f"{name}.{cls.__name__}.{f.name} = {f.default!r}, config: {values[f.name]}")
-    assert {"AdvantageParams", "LossParams", "ActorSettings"} <= set(checked), checked
     assert not disagreements, disagreements
+
+
+def test_the_algorithms_and_the_actor_read_the_schema_objects_themselves():
+    """No second dataclass re-declares the algorithm or actor sections' fields (LossParams and AdvantageParams did,
+    with defaults of their own): the actor's settings are the schema's typed sections, converted once."""
+    from embodirl.actor.settings import ActorSettings
+    from embodirl.algorithms import advantages, losses
+    from embodirl.algorithms.section import Algorithm
+    from embodirl.schema.sections import Actor
+
+    assert not hasattr(losses, "LossParams") and not hasattr(advantages, "AdvantageParams")
+    assert {f.name: f.type for f in dataclasses.fields(ActorSettings)} == {"algorithm": "Algorithm", "actor": "Actor"}
+    settings = ActorSettings.from_config(compose([]))
+    assert isinstance(settings.algorithm, Algorithm) and isinstance(settings.actor, Actor)
+    assert settings.algorithm.gamma == compose([]).algorithm.gamma
 
 
 @pytest.mark.parametrize("model", available_options("model"))
@@ -155,16 +169,16 @@ def test_every_option_is_typed_by_the_schema(model):
 
 
 def test_every_key_that_has_a_choice_list_reads_it_from_its_registry():
-    from embodirl.algorithms.advantages import ADVANTAGE_ESTIMATORS, register_advantage
+    from embodirl.algorithms.estimators import ESTIMATORS, register_advantage
 
     @register_advantage("test_only_estimator")
-    def _estimator(inp, params):
+    def _estimator(inp, algorithm):
         raise NotImplementedError
 
     try:
         schema.check_types(compose(["algorithm.adv_type=test_only_estimator"]))
     finally:
-        del ADVANTAGE_ESTIMATORS["test_only_estimator"]
+        del ESTIMATORS._entries["test_only_estimator"]
     with pytest.raises(ConfigError, match="'test_only_estimator' is not one of"):
         schema.check_types(compose(["algorithm.adv_type=test_only_estimator"]))
 

@@ -35,11 +35,12 @@ from embodirl import data as D
 from embodirl.actor import fsdp
 from embodirl.actor.optim import build_optimizer, clip_grad_norm, lr_schedule, refresh_lr, trainable_named_parameters
 from embodirl.actor.replay_buffer import ReplayBuffer, row_versions
-from embodirl.actor.settings import ActorSettings, plain
+from embodirl.actor.settings import ActorSettings
 from embodirl.algorithms import kl as kl_mod
 from embodirl.algorithms import losses
-from embodirl.algorithms.advantages import compute_advantages, estimator_spec
+from embodirl.algorithms.advantages import compute_advantages
 from embodirl.algorithms.filtering import drop_filtered, group_composition
+from embodirl.algorithms.section import Algorithm, algorithm_of
 from embodirl.dtypes import parse_dtype
 from embodirl.errors import ConfigError, NonFiniteUpdate
 from embodirl.models.base import Policy, scoring_temperature
@@ -58,31 +59,30 @@ def _take(value, rows: torch.Tensor):
     return torch.as_tensor(value)[rows]
 
 
-def prepare_batch(batch: TensorDict, algorithm: Mapping, *, kl_coef: float = 0.0
+def prepare_batch(batch: TensorDict, algorithm: Algorithm, *, kl_coef: float = 0.0
                   ) -> tuple[TensorDict, dict[str, torch.Tensor]]:
     """Driver-side preparation of a whole rollout batch (before it is cut into actor shards):
     the KL reward penalty (``use_kl_loss: false``; needs ``logprob_ref``), group filtering
     (``filter_groups.enable``) and advantages/returns (:func:`compute_advantages`). For a group-relative
     estimator it reports the groups' composition (:func:`group_composition`), before any filtering."""
-    algorithm = plain(algorithm)
+    algorithm = algorithm_of(algorithm)
     metrics: dict[str, torch.Tensor] = {}
-    if kl_coef > 0 and not bool(algorithm["use_kl_loss"]):
+    if kl_coef > 0 and not algorithm.use_kl_loss:
         if D.LOGPROB_REF not in batch.keys():
             raise ValueError("the KL reward penalty needs 'logprob_ref': call Actor.compute_ref_logprob first")
         reward, mean_kl = kl_mod.apply_kl_reward_penalty(
             batch.get(D.REWARD), batch.get(D.LOGPROB_BEHAVIOR), batch.get(D.LOGPROB_REF), batch.get(D.VALID),
-            coef=kl_coef, kind=str(algorithm["kl_penalty"]),
+            coef=kl_coef, kind=algorithm.kl_penalty,
             executed=batch.get(D.EXECUTED) if D.EXECUTED in batch.keys() else None)
         batch = batch.copy()
         batch.set(D.REWARD, reward.float())
         metrics["kl/reward_penalty_kl"] = mean_kl
-    group_size = int(algorithm["group_size"])
-    if estimator_spec(str(algorithm["adv_type"])).groups and D.SUCCESS in batch.keys() and group_size > 1:
+    group_size, kept = algorithm.group_size, algorithm.filter_groups
+    if algorithm.estimator.groups and D.SUCCESS in batch.keys() and group_size > 1:
         metrics.update(group_composition(batch.get(D.SUCCESS), batch.get(D.VALID), group_size=group_size))
-    if bool(algorithm["filter_groups"]["enable"]):
-        batch, filter_metrics = drop_filtered(
-            batch, group_size=int(algorithm["group_size"]), min_success=float(algorithm["filter_groups"]["min_success"]),
-            max_success=float(algorithm["filter_groups"]["max_success"]))
+    if kept.enable:
+        batch, filter_metrics = drop_filtered(batch, group_size=group_size, min_success=kept.min_success,
+                                              max_success=kept.max_success)
         metrics.update(filter_metrics)
     return compute_advantages(batch, algorithm), metrics
 
@@ -106,45 +106,46 @@ class Actor:
         self.task_table = list(task_table)
         # greedy rollouts (rollout.temperature=0) were scored at temperature 1: recompute them there
         self.temperature = scoring_temperature(temperature)
-        if self.cfg.uses_critic and policy.value_type is None:
-            from embodirl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+        alg, act = self.cfg.algorithm, self.cfg.actor
+        if alg.uses_critic and policy.value_type is None:
+            from embodirl.algorithms.estimators import ESTIMATORS, uses_critic
 
-            without = "/".join(n for n, spec in sorted(ADVANTAGE_ESTIMATORS.items()) if not spec.critic)
-            raise ConfigError("algorithm.adv_type", f"{self.cfg.algorithm['adv_type']} needs a value head but "
+            without = "/".join(n for n in ESTIMATORS.available() if not uses_critic(n))
+            raise ConfigError("algorithm.adv_type", f"{alg.adv_type} needs a value head but "
                                                     f"{type(policy).__name__} has none; use {without}")
-        if self.cfg.full_finetune:
+        if act.fsdp.full_finetune:
             policy.requires_grad_(True)
         policy.to(self.device)
         low_precision = fsdp.model_dtype(policy) != torch.float32
         # auto: FSDP2 for several ranks, and for a low-precision model whenever a process group exists
         # (its mixed-precision policy keeps fp32 master weights and computes in the model's dtype)
-        self.use_fsdp = self.cfg.fsdp_enabled is True or (
-            self.cfg.fsdp_enabled == "auto" and (self.world_size > 1 or (low_precision and fsdp.is_distributed())))
+        self.use_fsdp = act.fsdp.enabled is True or (
+            act.fsdp.enabled == "auto" and (self.world_size > 1 or (low_precision and fsdp.is_distributed())))
         if self.world_size > 1 and not self.use_fsdp:
             raise ConfigError("actor.fsdp.enabled", f"{self.world_size} actor ranks need FSDP2; set it to auto or true")
         if self.use_fsdp and not fsdp.is_distributed():
             raise ConfigError("actor.fsdp.enabled", "FSDP2 needs the actor group's process group; run the actor "
                                                     "through the actor group or set actor.fsdp.enabled=auto")
-        if self.cfg.gradient_checkpointing:
+        if act.fsdp.gradient_checkpointing:
             units = fsdp.shard_units(policy)
             if not fsdp.enable_gradient_checkpointing(units):
                 log.warning("gradient checkpointing: %s declares no blocks (_no_split_modules); nothing to "
                             "checkpoint", type(policy).__name__)
         if self.use_fsdp:
-            fsdp.wrap_policy(policy, device=self.device, param_dtype=parse_dtype(self.cfg.param_dtype),
-                             reduce_dtype=parse_dtype(self.cfg.reduce_dtype), cpu_offload=self.cfg.cpu_offload)
+            fsdp.wrap_policy(policy, device=self.device, param_dtype=parse_dtype(act.fsdp.param_dtype),
+                             reduce_dtype=parse_dtype(act.fsdp.reduce_dtype), cpu_offload=act.fsdp.cpu_offload)
         else:
-            if self.cfg.param_dtype is not None or self.cfg.cpu_offload:
+            if act.fsdp.param_dtype is not None or act.fsdp.cpu_offload:
                 log.info("single-process actor without FSDP: actor.fsdp.param_dtype/cpu_offload do not apply")
             # fp32 master weights here too: the trainable modules (peft LoRA layers, the value head)
             # cast their inputs to their own dtype, the frozen base keeps computing in its dtype
             fsdp.upcast_trainable_(policy)
         self.policy = policy
-        self.optimizer = build_optimizer(policy, self.cfg.optim)
+        self.optimizer = build_optimizer(policy, act.optim)
         self.version = 0          # policy version: +1 per update() call (the LR decay's clock)
-        self.scheduler = lr_schedule(self.optimizer, self.cfg.optim, lambda: self.version)
-        self.kl_ctrl = kl_mod.KLController.from_config(self.cfg.algorithm)
-        self.replay = ReplayBuffer.from_config(self.cfg.replay)
+        self.scheduler = lr_schedule(self.optimizer, act.optim, lambda: self.version)
+        self.kl_ctrl = alg.kl_controller()
+        self.replay = ReplayBuffer.from_config(act.replay_buffer)
         self._trainable = trainable_named_parameters(policy)
         self._changed: set[str] = set()
         self.optimizer_steps = 0
@@ -175,7 +176,7 @@ class Actor:
     def prepare(self, batch: TensorDict) -> tuple[TensorDict, dict[str, torch.Tensor]]:
         """Single-process preparation of a whole rollout: reference log-probs when a KL term is on,
         then :func:`prepare_batch`."""
-        if self.cfg.kl_active and D.LOGPROB_REF not in batch.keys():
+        if self.cfg.algorithm.kl_active and D.LOGPROB_REF not in batch.keys():
             batch = self.compute_ref_logprob(batch)
         return prepare_batch(batch, self.cfg.algorithm, kl_coef=self.kl_coef)
 
@@ -208,19 +209,19 @@ class Actor:
         sizes = fsdp.all_gather_ints(N, self.device)
         if len(set(sizes)) > 1:
             raise ValueError(f"actor ranks received different numbers of trajectories {sizes}; shard the batch evenly")
-        rows_per_step = self.cfg.global_batch_size // self.world_size
+        rows_per_step = self.cfg.actor.global_batch_size // self.world_size
         action_dim = self.policy.action_dim
         L = batch.get(self.policy.action_field).shape[-1]
-        value_dims = batch.get(D.VALUE).dim() if self.cfg.uses_critic else 2
-        params = self.cfg.loss
-        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.version)
-        orders = [torch.randperm(N, generator=generator) for _ in range(self.cfg.update_epochs)]
+        value_dims = batch.get(D.VALUE).dim() if self.cfg.algorithm.uses_critic else 2
+        params = self.cfg.algorithm
+        generator = torch.Generator().manual_seed(self.cfg.actor.seed * 1_000_003 + self.version)
+        orders = [torch.randperm(N, generator=generator) for _ in range(self.cfg.algorithm.update_epochs)]
         old_logprob, is_weight = self._old_logprob(batch, first_epoch=self._steps(orders[0], rows_per_step))
         kl_coef = self.kl_coef if params.use_kl_loss else 0.0
 
         self.policy.train()
         refresh_lr(self.scheduler)  # the decay follows the training step
-        early_stop_kl = self.cfg.early_stop_kl
+        early_stop_kl = self.cfg.algorithm.early_stop_kl
         step_metrics: list[dict[str, torch.Tensor]] = []
         steps_per_epoch = math.ceil(N / rows_per_step)
         stopped = False
@@ -247,13 +248,13 @@ class Actor:
                     continue
                 sums: dict[str, torch.Tensor] = {}
                 device_norms = norms.to(self.device)
-                for micro_rows in rows.split(self.cfg.micro_batch_size):
+                for micro_rows in rows.split(self.cfg.actor.micro_batch_size):
                     micro = batch[micro_rows]                                       # (n, T) on the CPU
-                    out = self._forward(micro, return_value=self.cfg.uses_critic, return_entropy=True)
+                    out = self._forward(micro, return_value=self.cfg.algorithm.uses_critic, return_entropy=True)
                     fields = micro.exclude(D.IMAGES).to(self.device)
                     old = old_logprob[micro_rows].to(self.device)
                     loss, micro_metrics = losses.compute_loss(
-                        out, fields, old_logprob=old, params=params, norms=device_norms, action_dim=action_dim,
+                        out, fields, old_logprob=old, algorithm=params, norms=device_norms, action_dim=action_dim,
                         kl_coef=kl_coef, is_weight=None if is_weight is None else is_weight[micro_rows].to(self.device))
                     if not step_metrics and not skipped:   # the update's first optimizer step: on-policy, ratio 1
                         first_ratio_error = torch.maximum(first_ratio_error, losses.max_ratio_error(
@@ -389,9 +390,9 @@ class Actor:
     def _check_batch(self, batch: TensorDict) -> None:
         D.validate(batch)
         need = [D.ADVANTAGE, D.LOGPROB_BEHAVIOR, self.policy.action_field]
-        if self.cfg.uses_critic:
+        if self.cfg.algorithm.uses_critic:
             need += [D.VALUE, D.RETURNS]
-        if self.cfg.loss.use_kl_loss and self.kl_coef > 0:
+        if self.cfg.algorithm.use_kl_loss and self.kl_coef > 0:
             need.append(D.LOGPROB_REF)
         missing = [k for k in need if k not in batch.keys()]
         if missing:
@@ -442,7 +443,7 @@ class Actor:
         ``micro_batches`` (row indices covering every row once; default: ``micro_batch_size`` rows in order)."""
         self.policy.eval()
         N = batch.batch_size[0]
-        micro_batches = micro_batches or list(torch.arange(N).split(self.cfg.micro_batch_size))
+        micro_batches = micro_batches or list(torch.arange(N).split(self.cfg.actor.micro_batch_size))
         out = None
         for rows in micro_batches:
             logprob = self._forward(batch[rows].cpu(), return_value=False, return_entropy=False)[losses.LOGPROB]
@@ -465,12 +466,12 @@ class Actor:
         behaviour = batch.get(D.LOGPROB_BEHAVIOR)
         stale = torch.tensor(float((row_versions(batch, self.version) < self.version).any()), device=self.host)
         if not fsdp.all_reduce_(stale, "max").item():
-            if self.cfg.recompute_old_logprob:
-                micro = [m for rows in first_epoch for m in rows.split(self.cfg.micro_batch_size)]
+            if self.cfg.algorithm.recompute_old_logprob:
+                micro = [m for rows in first_epoch for m in rows.split(self.cfg.actor.micro_batch_size)]
                 return self._logprob_no_grad(batch, micro), None
             return behaviour, None
         prox = self._logprob_no_grad(batch)
-        weight = losses.importance_weight(prox, behaviour, batch.get(D.VALID), logprob_type=self.cfg.loss.logprob_type,
+        weight = losses.importance_weight(prox, behaviour, batch.get(D.VALID), logprob_type=self.cfg.algorithm.logprob_type,
                                           action_dim=self.policy.action_dim, max_weight=REPLAY_MAX_IMPORTANCE_WEIGHT)
         return prox, weight
 
@@ -482,7 +483,7 @@ class Actor:
         keys = sorted(sums)
         stacked = fsdp.all_reduce_(torch.stack([torch.as_tensor(sums[k]).float().to(self.host) for k in keys]))
         metrics = {k: v.detach().cpu() for k, v in zip(keys, stacked.unbind(0))}
-        grad_norm = clip_grad_norm([p for _, p in self._trainable], self.cfg.optim["clip_grad"])
+        grad_norm = clip_grad_norm([p for _, p in self._trainable], self.cfg.actor.optim.clip_grad)
         self._check_finite(metrics, grad_norm)
         self._changed.update(name for name, p in self._trainable if p.grad is not None)
         self.optimizer.step()
@@ -518,13 +519,13 @@ class Actor:
         # rows with a valid decision (padding rows that even out the ranks' shards have none)
         rows = fsdp.all_reduce_(valid.any(-1).sum().float().to(self.host)).cpu()
         metrics = {"actor/decisions": decisions * epochs, "actor/trajectories": rows}
-        if self.cfg.uses_critic:
+        if self.cfg.algorithm.uses_critic:
             sums = fsdp.all_reduce_(losses.explained_variance_sums(
                 batch.get(D.VALUE), batch.get(D.RETURNS), valid).to(self.host)).cpu()
             metrics["critic/explained_variance"] = losses.explained_variance(sums)
         if D.LOGPROB_REF in batch.keys():
             token_kl = kl_mod.kl_divergence(batch.get(D.LOGPROB_BEHAVIOR), batch.get(D.LOGPROB_REF),
-                                            self.cfg.loss.kl_penalty) * valid[:, :, None]
+                                            self.cfg.algorithm.kl_penalty) * valid[:, :, None]
             sums = fsdp.all_reduce_(torch.stack([token_kl.sum(), valid.sum().float() * L]).to(self.host)).cpu()
             metrics["kl/behaviour_ref_kl"] = sums[0] / sums[1].clamp(min=1)
         return metrics
@@ -532,6 +533,6 @@ class Actor:
     def _measured_kl(self, metrics: Mapping[str, torch.Tensor]) -> float:
         """The KL the adaptive controller tracks: of the trained policy (loss mode) or of the behaviour
         policy (reward-penalty mode)."""
-        key = "actor/kl" if self.cfg.loss.use_kl_loss else "kl/behaviour_ref_kl"
+        key = "actor/kl" if self.cfg.algorithm.use_kl_loss else "kl/behaviour_ref_kl"
         value = metrics.get(key)
         return 0.0 if value is None or not math.isfinite(float(value)) else float(value)

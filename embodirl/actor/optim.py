@@ -9,12 +9,12 @@ lr_decay_steps, min_lr_ratio}``. Warm-up counts optimizer steps; the decay count
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from embodirl.schema.sections import LR_SCHEDULES
+from embodirl.schema.sections import LR_SCHEDULES, Optim
 
 #: a parameter belongs to the critic when a component of its dotted name starts with one of these
 #: (``value_head`` in OpenVLA-OFT, also inside peft's ``modules_to_save``; ``critic`` in state_mlp)
@@ -29,7 +29,7 @@ def trainable_named_parameters(policy: nn.Module) -> list[tuple[str, nn.Paramete
     return [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
 
 
-def build_optimizer(policy: nn.Module, optim: Mapping) -> torch.optim.AdamW:
+def build_optimizer(policy: nn.Module, optim: Optim) -> torch.optim.AdamW:
     """AdamW over the trainable parameters: a ``policy`` group at ``lr`` and a ``value`` group at
     ``value_lr`` (empty groups are left out)."""
     named = trainable_named_parameters(policy)
@@ -39,11 +39,11 @@ def build_optimizer(policy: nn.Module, optim: Mapping) -> torch.optim.AdamW:
     value_params = [p for n, p in named if is_value_param(n)]
     groups = []
     if policy_params:
-        groups.append({"params": policy_params, "lr": float(optim["lr"]), "name": "policy"})
+        groups.append({"params": policy_params, "lr": optim.lr, "name": "policy"})
     if value_params:
-        groups.append({"params": value_params, "lr": float(optim["value_lr"]), "name": "value"})
-    betas = tuple(float(b) for b in optim["betas"])
-    return torch.optim.AdamW(groups, betas=betas, eps=float(optim["eps"]), weight_decay=float(optim["weight_decay"]))
+        groups.append({"params": value_params, "lr": optim.value_lr, "name": "value"})
+    betas = tuple(float(b) for b in optim.betas)
+    return torch.optim.AdamW(groups, betas=betas, eps=optim.eps, weight_decay=optim.weight_decay)
 
 
 
@@ -63,21 +63,19 @@ def decay_factor(kind: str, progress: float, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * shape
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, optim: Mapping, training_step: Callable[[], int]
+def lr_schedule(optimizer: torch.optim.Optimizer, optim: Optim, training_step: Callable[[], int]
                 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over the first ``warmup_steps`` optimizer
     steps, times the ``lr_schedule`` decay over ``lr_decay_steps`` training steps (read through
     ``training_step()``, the actor's update count, which the actor's own state restores). The
     settings are those :class:`~embodirl.actor.settings.ActorSettings` checked."""
-    warmup_steps = int(optim.get("warmup_steps", 0))
-    kind = str(optim.get("lr_schedule", "constant"))
-    min_ratio = float(optim.get("min_lr_ratio", 0.0))
+    warmup_steps, kind, min_ratio = optim.warmup_steps, optim.lr_schedule, optim.min_lr_ratio
 
     def factor(step: int) -> float:
         warm = 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
         if kind == "constant":
             return warm
-        return warm * decay_factor(kind, training_step() / int(optim["lr_decay_steps"]), min_ratio)
+        return warm * decay_factor(kind, training_step() / optim.lr_decay_steps, min_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

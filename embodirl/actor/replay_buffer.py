@@ -26,6 +26,7 @@ import torch
 from tensordict import TensorDict
 
 from embodirl import data as D
+from embodirl.schema import sections
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,9 @@ class ReplayBuffer:
         self.dropped_rows = 0
 
     @classmethod
-    def from_config(cls, replay: Mapping) -> ReplayBuffer:
-        return cls(reuse_last_k=int(replay["reuse_last_k"]), max_staleness=int(replay["max_staleness"]),
-                   max_bytes=None if replay["max_bytes"] is None else float(replay["max_bytes"]))
+    def from_config(cls, replay: sections.ReplayBuffer) -> ReplayBuffer:
+        """From the typed ``actor.replay_buffer`` section."""
+        return cls(reuse_last_k=replay.reuse_last_k, max_staleness=replay.max_staleness, max_bytes=replay.max_bytes)
 
     @property
     def nbytes(self) -> int:

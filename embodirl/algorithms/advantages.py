@@ -1,6 +1,6 @@
 """Advantage estimators selected by ``algorithm.adv_type``.
 
-Every estimator is a pure function ``fn(inputs: AdvantageInputs, params: AdvantageParams) ->
+Every estimator is a pure function ``fn(inputs: AdvantageInputs, algorithm: Algorithm) ->
 (advantage, returns)`` registered under its config name. Inputs are per-decision tensors of one
 trajectory batch ``[N, T]`` (one row = one env slot):
 
@@ -44,14 +44,14 @@ statistics), so they run before the batch is cut into actor shards.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from embodirl import data as D
+from embodirl.algorithms.estimators import estimator_spec, register_advantage
+from embodirl.algorithms.section import Algorithm
 
 if TYPE_CHECKING:  # the batch carrier of the data contract; only named in annotations here
     from tensordict import TensorDict
@@ -78,77 +78,6 @@ class AdvantageInputs:
     reward_baseline: torch.Tensor | None = None
     final_value: torch.Tensor | None = None
     executed: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class AdvantageParams:
-    """Hyper-parameters read from the ``algorithm`` config node (no defaults here: config/config.yaml holds them)."""
-
-    gamma: float
-    gae_lambda: float
-    group_size: int
-    norm_adv_by_std_in_grpo: bool
-
-    @classmethod
-    def from_config(cls, algorithm: Mapping) -> AdvantageParams:
-        return cls(gamma=float(algorithm["gamma"]), gae_lambda=float(algorithm["gae_lambda"]),
-                   group_size=int(algorithm["group_size"]),
-                   norm_adv_by_std_in_grpo=bool(algorithm["norm_adv_by_std_in_grpo"]))
-
-
-Estimator = Callable[[AdvantageInputs, AdvantageParams], tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class EstimatorSpec:
-    """An estimator and what a run must provide for it, declared where it is registered (the schema, the worker
-    groups, the actor and the runner read these flags instead of lists of names)."""
-
-    fn: Estimator
-    critic: bool = False            # reads the critic's ``value`` (a value head, PPO-style)
-    groups: bool = False            # compares trajectories of a group sharing an init state (group_size >= 2)
-    greedy_baseline: bool = False   # needs a greedy rollout from each trajectory's start (``extras.reward_baseline``)
-
-
-ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {}
-
-
-def register_advantage(name: str, *, critic: bool = False, groups: bool = False, greedy_baseline: bool = False):
-    """Decorator: ``@register_advantage("name", critic=..., groups=..., greedy_baseline=...)`` on an estimator
-    ``fn(inputs, params) -> (advantage, returns)``; ``algorithm.adv_type=name`` then selects it."""
-    def wrap(fn: Estimator) -> Estimator:
-        ADVANTAGE_ESTIMATORS[name] = EstimatorSpec(fn, critic=critic, groups=groups, greedy_baseline=greedy_baseline)
-        return fn
-
-    return wrap
-
-
-def known_estimator(name: str) -> bool:
-    """``name`` is registered, or is the dotted name of a module that registers it on import (an estimator outside
-    embodirl: ``@register_advantage(__name__, ...)`` in ``my_pkg/my_estimator.py``, ``algorithm.adv_type=
-    my_pkg.my_estimator``)."""
-    if name not in ADVANTAGE_ESTIMATORS and isinstance(name, str) and "." in name:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if not name.startswith(str(exc.name or "")):
-                raise
-    return name in ADVANTAGE_ESTIMATORS
-
-
-def estimator_spec(name: str) -> EstimatorSpec:
-    if not known_estimator(name):
-        raise ValueError(f"unknown adv_type '{name}'; available: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    return ADVANTAGE_ESTIMATORS[name]
-
-
-def get_advantage_estimator(name: str) -> Estimator:
-    return estimator_spec(name).fn
-
-
-def uses_critic(adv_type: str) -> bool:
-    """The estimator reads the critic's values (so rollouts ask the policy for values and the actor trains them)."""
-    return estimator_spec(str(adv_type)).critic
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -249,7 +178,7 @@ def broadcast_rows(per_row: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 # --- estimators ---------------------------------------------------------------------------------------
 @register_advantage("gae", critic=True)
-def gae(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over decisions or actions.
 
     Action level when ``value`` is ``(N, T, H)`` (rewards must then be ``(N, T, H)`` too); advantage
@@ -263,8 +192,8 @@ def gae(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, to
     value = steps.value.float()  # (N, S)
     N, S = value.shape
     next_value = _successor_value(value, steps)  # (N, S)
-    delta = steps.reward + params.gamma * next_value - value  # (N, S)
-    keep = (~steps.cut).to(value.dtype) * (params.gamma * params.gae_lambda)  # (N, S)
+    delta = steps.reward + algorithm.gamma * next_value - value  # (N, S)
+    keep = (~steps.cut).to(value.dtype) * (algorithm.gamma * algorithm.gae_lambda)  # (N, S)
     advantage = torch.zeros_like(value)
     running = torch.zeros_like(value[:, 0])  # (N,)
     for t in reversed(range(S)):
@@ -277,36 +206,36 @@ def gae(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, to
 
 
 @register_advantage("grpo", groups=True)
-def grpo(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+def grpo(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantage (Shao et al. 2024): ``(R - mean_g) / (std_g + eps)`` with the group's
     unbiased std, or ``R - mean_g`` when ``norm_adv_by_std_in_grpo`` is off (Dr. GRPO)."""
-    scores, grouped = _group_scores(inp, params.group_size)
+    scores, grouped = _group_scores(inp, algorithm.group_size)
     centred = grouped - grouped.mean(-1, keepdim=True)  # (N/G, G)
-    if params.norm_adv_by_std_in_grpo:
+    if algorithm.norm_adv_by_std_in_grpo:
         centred = centred / (grouped.std(-1, keepdim=True) + STD_EPS)
     advantage = broadcast_rows(centred.reshape(-1), inp.valid)  # (N, T)
     return advantage, broadcast_rows(scores, inp.valid)
 
 
 @register_advantage("rloo", groups=True)
-def rloo(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+def rloo(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): ``R_i - mean_{j != i} R_j`` within the group."""
-    scores, grouped = _group_scores(inp, params.group_size)
-    G = params.group_size
+    scores, grouped = _group_scores(inp, algorithm.group_size)
+    G = algorithm.group_size
     others_mean = (grouped.sum(-1, keepdim=True) - grouped) / (G - 1)  # (N/G, G)
     advantage = broadcast_rows((grouped - others_mean).reshape(-1), inp.valid)  # (N, T)
     return advantage, broadcast_rows(scores, inp.valid)
 
 
 @register_advantage("reinforce_plus_plus")
-def reinforce_plus_plus(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_plus_plus(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per step (restarting at episode ends, no
     critic, no bootstrap), whitened over all valid steps of the batch."""
     per_action = inp.reward.dim() == 3
     steps = _steps(inp, per_action)
     reward = steps.reward.float()  # (N, S)
     N, S = reward.shape
-    keep = (~steps.cut).to(reward.dtype) * params.gamma  # (N, S)
+    keep = (~steps.cut).to(reward.dtype) * algorithm.gamma  # (N, S)
     returns = torch.zeros_like(reward)
     running = torch.zeros_like(reward[:, 0])  # (N,)
     for t in reversed(range(S)):
@@ -319,7 +248,7 @@ def reinforce_plus_plus(inp: AdvantageInputs, params: AdvantageParams) -> tuple[
 
 
 @register_advantage("remax", greedy_baseline=True)
-def remax(inp: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
+def remax(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2024): ``R - b`` with ``b`` the return of a greedy rollout from the same init
     state (``extras.reward_baseline``)."""
     if inp.reward_baseline is None:
@@ -357,15 +286,14 @@ def inputs_from_batch(batch: TensorDict, reward_type: str) -> AdvantageInputs:
     )
 
 
-def compute_advantages(batch: TensorDict, algorithm: Mapping) -> TensorDict:
+def compute_advantages(batch: TensorDict, algorithm: Algorithm) -> TensorDict:
     """Fill ``advantage`` and ``returns`` of a whole rollout batch (a shallow copy is returned).
 
     Reads ``algorithm.{adv_type, reward_type, gamma, gae_lambda, group_size, norm_adv_by_std_in_grpo,
     normalize_advantages}``."""
-    estimator = get_advantage_estimator(str(algorithm["adv_type"]))
-    inp = inputs_from_batch(batch, str(algorithm["reward_type"]))
-    advantage, returns = estimator(inp, AdvantageParams.from_config(algorithm))
-    if bool(algorithm["normalize_advantages"]):
+    inp = inputs_from_batch(batch, algorithm.reward_type)
+    advantage, returns = estimator_spec(algorithm.adv_type).fn(inp, algorithm)
+    if algorithm.normalize_advantages:
         valid = inp.valid if advantage.dim() == 2 else inp.valid[:, :, None]
         if advantage.dim() == 3 and inp.executed is not None:
             valid = valid & inp.executed  # (N, T, H): unexecuted actions stay out of the statistics

@@ -111,12 +111,6 @@ class KLController:
         self.value = float(initial)
         self.kind, self.target_kl, self.horizon = kind, target_kl, horizon
 
-    @classmethod
-    def from_config(cls, algorithm: Mapping) -> KLController:
-        ctrl = algorithm["kl_ctrl"]
-        return cls(float(algorithm["kl_beta"]), kind=str(ctrl["type"]), target_kl=ctrl["target_kl"],
-                   horizon=ctrl["horizon"])
-
     def update(self, current_kl: float, n_steps: int) -> float:
         """Adapt after a rollout whose measured per-token KL is ``current_kl`` over ``n_steps``
         trajectories; returns the new value."""

@@ -40,12 +40,11 @@ import torch
 
 from embodirl import data as D
 from embodirl.algorithms import aggregation, kl
-from embodirl.algorithms.advantages import uses_critic
+from embodirl.algorithms.section import Algorithm
 
 if TYPE_CHECKING:  # the batch carrier of the data contract; only named in annotations here
     from tensordict import TensorDict
 
-LOGPROB_TYPES = ("token", "action", "chunk")
 #: log-ratios are clamped to this magnitude before exp() so a wild token cannot overflow the loss
 LOG_RATIO_CLAMP = 20.0
 #: order of the entries of :func:`normalisers`' vector (summed across ranks in one all-reduce)
@@ -54,41 +53,6 @@ NORMALISER_KEYS = ("policy_agg", "token_agg", "value_agg", "policy_units", "toke
 # keys of the policy's evaluate() output that compute_loss reads (scattered to [n, T, ...])
 LOGPROB = "logprob"
 ENTROPY = "entropy"
-
-
-@dataclass(frozen=True)
-class LossParams:
-    """Hyper-parameters of the objective, read from the ``algorithm`` config node."""
-
-    logprob_type: str
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float | None
-    value_clip: float | None
-    huber_delta: float | None
-    loss_agg_func: str
-    entropy_bonus: float
-    value_coef: float
-    kl_penalty: str
-    use_kl_loss: bool
-    use_critic: bool
-
-    @classmethod
-    def from_config(cls, algorithm: Mapping) -> LossParams:
-        def opt(key):
-            return None if algorithm[key] is None else float(algorithm[key])
-
-        params = cls(
-            logprob_type=str(algorithm["logprob_type"]), clip_ratio_low=float(algorithm["clip_ratio_low"]),
-            clip_ratio_high=float(algorithm["clip_ratio_high"]), clip_ratio_c=opt("clip_ratio_c"),
-            value_clip=opt("value_clip"), huber_delta=opt("huber_delta"),
-            loss_agg_func=str(algorithm["loss_agg_func"]), entropy_bonus=float(algorithm["entropy_bonus"]),
-            value_coef=float(algorithm["value_coef"]), kl_penalty=str(algorithm["kl_penalty"]),
-            use_kl_loss=bool(algorithm["use_kl_loss"]), use_critic=uses_critic(algorithm["adv_type"]),
-        )
-        if params.logprob_type not in LOGPROB_TYPES:
-            raise ValueError(f"unknown logprob_type '{params.logprob_type}'; available: {', '.join(LOGPROB_TYPES)}")
-        return params
 
 
 # --- unit conversion ----------------------------------------------------------------------------------
@@ -184,7 +148,7 @@ def clipped_value_loss(value: torch.Tensor, old_value: torch.Tensor, returns: to
 
 
 # --- normalisers and the full objective ---------------------------------------------------------------
-def loss_masks(valid: torch.Tensor, params: LossParams, *, L: int, action_dim: int, value_dims: int = 2,
+def loss_masks(valid: torch.Tensor, algorithm: Algorithm, *, L: int, action_dim: int, value_dims: int = 2,
                executed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Masks of the policy units ``(N, T, K)``, tokens ``(N, T, L)`` and values ``(N, T)`` or
     ``(N, T, H)`` (``value_dims`` = 2 or 3) from ``valid`` ``(N, T)``.
@@ -198,24 +162,24 @@ def loss_masks(valid: torch.Tensor, params: LossParams, *, L: int, action_dim: i
     if executed is not None:
         ran = ran & executed
     token_mask = ran.repeat_interleave(action_dim, dim=2)  # (N, T, L), tokens action-major
-    policy_mask = {"token": token_mask, "action": ran, "chunk": valid[:, :, None]}[params.logprob_type]
+    policy_mask = {"token": token_mask, "action": ran, "chunk": valid[:, :, None]}[algorithm.logprob_type]
     value_mask = valid if value_dims == 2 else ran
     return policy_mask, token_mask, value_mask
 
 
-def normalisers(valid: torch.Tensor, params: LossParams, *, L: int, action_dim: int,
+def normalisers(valid: torch.Tensor, algorithm: Algorithm, *, L: int, action_dim: int,
                 value_dims: int = 2, executed: torch.Tensor | None = None) -> torch.Tensor:
     """This piece's share of the global denominators, float32 ``(6,)`` in :data:`NORMALISER_KEYS`
     order: the aggregation denominators of the policy, token (entropy, KL) and value losses, then
     the valid unit counts that metrics average over. Sum over all pieces of the global batch."""
-    masks = loss_masks(valid, params, L=L, action_dim=action_dim, value_dims=value_dims, executed=executed)
-    agg = [aggregation.local_denominator(m, params.loss_agg_func) for m in masks]
+    masks = loss_masks(valid, algorithm, L=L, action_dim=action_dim, value_dims=value_dims, executed=executed)
+    agg = [aggregation.local_denominator(m, algorithm.loss_agg_func) for m in masks]
     units = [m.sum().to(torch.float32) for m in masks]
     return torch.stack(agg + units)
 
 
 def compute_loss(out: Mapping[str, torch.Tensor], batch: TensorDict, *, old_logprob: torch.Tensor,
-                 params: LossParams, norms: torch.Tensor, action_dim: int, kl_coef: float = 0.0,
+                 algorithm: Algorithm, norms: torch.Tensor, action_dim: int, kl_coef: float = 0.0,
                  is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The objective of one micro-batch ``[n, T]`` and its metric contributions.
 
@@ -228,25 +192,25 @@ def compute_loss(out: Mapping[str, torch.Tensor], batch: TensorDict, *, old_logp
 
     Returns the scalar loss and detached metric contributions: each is this micro-batch's share of the
     global value, so summing them over micro-batches and ranks gives the full-batch metric."""
-    agg = params.loss_agg_func
+    agg = algorithm.loss_agg_func
     policy_agg, token_agg, value_agg, policy_units, token_units, value_units = norms.unbind(0)
     logprob = out[LOGPROB].float()  # (n, T, L)
     n, T, L = logprob.shape
     valid = batch.get(D.VALID)  # (n, T)
     executed = batch.get(D.EXECUTED) if D.EXECUTED in batch.keys() else None  # (n, T, H)
     value_dims = out[D.VALUE].dim() if D.VALUE in out else 2
-    policy_mask, token_mask, value_mask = loss_masks(valid, params, L=L, action_dim=action_dim, value_dims=value_dims,
+    policy_mask, token_mask, value_mask = loss_masks(valid, algorithm, L=L, action_dim=action_dim, value_dims=value_dims,
                                                      executed=executed)
 
     # policy loss at the configured ratio level
     zero_tok = torch.zeros_like(logprob)
     old_logprob = torch.where(token_mask, old_logprob.float(), zero_tok)
     logprob = torch.where(token_mask, logprob, zero_tok)
-    advantage = expand_to_units(batch.get(D.ADVANTAGE).float(), params.logprob_type, L, action_dim)  # (n, T, K)
+    advantage = expand_to_units(batch.get(D.ADVANTAGE).float(), algorithm.logprob_type, L, action_dim)  # (n, T, K)
     terms = clipped_policy_loss(
-        to_units(logprob, params.logprob_type, action_dim), to_units(old_logprob, params.logprob_type, action_dim),
-        advantage, policy_mask, clip_ratio_low=params.clip_ratio_low, clip_ratio_high=params.clip_ratio_high,
-        clip_ratio_c=params.clip_ratio_c, is_weight=is_weight)
+        to_units(logprob, algorithm.logprob_type, action_dim), to_units(old_logprob, algorithm.logprob_type, action_dim),
+        advantage, policy_mask, clip_ratio_low=algorithm.clip_ratio_low, clip_ratio_high=algorithm.clip_ratio_high,
+        clip_ratio_c=algorithm.clip_ratio_c, is_weight=is_weight)
     pg_loss = aggregation.aggregate(terms.pg_loss, policy_mask, agg=agg, denominator=policy_agg)
     loss = pg_loss
     approx_kl = (terms.ratio - 1.0) - terms.log_ratio  # (n, T, K) k3 estimate of KL(old || new)
@@ -262,25 +226,25 @@ def compute_loss(out: Mapping[str, torch.Tensor], batch: TensorDict, *, old_logp
     if ENTROPY in out:
         entropy = torch.where(token_mask, out[ENTROPY].float(), zero_tok)  # (n, T, L)
         metrics["actor/entropy"] = aggregation.masked_mean_contribution(entropy, token_mask, token_units)
-        if params.entropy_bonus:
-            loss = loss - params.entropy_bonus * aggregation.aggregate(entropy, token_mask, agg=agg,
+        if algorithm.entropy_bonus:
+            loss = loss - algorithm.entropy_bonus * aggregation.aggregate(entropy, token_mask, agg=agg,
                                                                        denominator=token_agg)
 
-    if params.use_critic:
+    if algorithm.uses_critic:
         if D.VALUE not in out:
             raise ValueError("the critic's value loss needs the policy's value output")
         v_loss_units, v_clipped = clipped_value_loss(
             out[D.VALUE].float(), batch.get(D.VALUE), batch.get(D.RETURNS), value_mask,
-            value_clip=params.value_clip, huber_delta=params.huber_delta)
+            value_clip=algorithm.value_clip, huber_delta=algorithm.huber_delta)
         v_loss = aggregation.aggregate(v_loss_units, value_mask, agg=agg, denominator=value_agg)
-        loss = loss + params.value_coef * v_loss
+        loss = loss + algorithm.value_coef * v_loss
         metrics["critic/value_loss"] = v_loss.detach()
         metrics["critic/value_clip_fraction"] = aggregation.masked_mean_contribution(
             v_clipped.float(), value_mask, value_units)
 
-    if params.use_kl_loss and kl_coef:
+    if algorithm.use_kl_loss and kl_coef:
         ref = torch.where(token_mask, batch.get(D.LOGPROB_REF).float(), zero_tok)
-        kl_tokens = torch.where(token_mask, kl.kl_divergence(logprob, ref, params.kl_penalty), zero_tok)  # (n, T, L)
+        kl_tokens = torch.where(token_mask, kl.kl_divergence(logprob, ref, algorithm.kl_penalty), zero_tok)  # (n, T, L)
         kl_loss = aggregation.aggregate(kl_tokens, token_mask, agg=agg, denominator=token_agg)
         loss = loss + kl_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.detach()

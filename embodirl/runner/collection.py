@@ -20,7 +20,6 @@ re-sampled group filtering.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ import torch
 from embodirl import data as D
 from embodirl.algorithms.advantages import REWARD_BASELINE
 from embodirl.algorithms.filtering import group_keep_mask
+from embodirl.algorithms.section import Algorithm
 from embodirl.rollout.starts import EpisodeStarts
 
 
@@ -67,14 +67,14 @@ class InformativeGroups:
         self.drawn = 0
 
     @classmethod
-    def from_config(cls, algorithm: Mapping, *, num_slots: int, rollout_epoch: int) -> InformativeGroups | None:
+    def from_config(cls, algorithm: Algorithm, *, num_slots: int, rollout_epoch: int) -> InformativeGroups | None:
         """None unless ``algorithm.filter_groups.resample``."""
-        fg = algorithm["filter_groups"]
-        if not (fg.get("enable") and fg.get("resample")):
+        fg = algorithm.filter_groups
+        if not (fg.enable and fg.resample):
             return None
-        return cls(target_rows=num_slots * rollout_epoch, group_size=int(algorithm["group_size"]),
-                   min_success=float(fg["min_success"]), max_success=float(fg["max_success"]),
-                   max_extra_rollouts=int(fg["max_resample_rounds"]), base_rollouts=rollout_epoch)
+        return cls(target_rows=num_slots * rollout_epoch, group_size=algorithm.group_size,
+                   min_success=fg.min_success, max_success=fg.max_success,
+                   max_extra_rollouts=fg.max_resample_rounds, base_rollouts=rollout_epoch)
 
     @property
     def kept_rows(self) -> int:

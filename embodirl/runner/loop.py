@@ -41,8 +41,7 @@ from embodirl import checkpoint_layout as layout
 from embodirl import data as D
 from embodirl import runtime
 from embodirl.actor.actor import prepare_batch
-from embodirl.algorithms.advantages import estimator_spec
-from embodirl.algorithms.kl import KLController
+from embodirl.algorithms.section import algorithm_of
 from embodirl.envs.video import step_folder
 from embodirl.errors import ConfigError, NonFiniteUpdate, RunFailed
 from embodirl.models.registry import make_policy
@@ -120,6 +119,7 @@ class Runner:
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
+        self.algorithm = algorithm_of(cfg.algorithm)   # the typed section the algorithms run on
         self.out = Path(cfg.runner.output_dir)
         self.seed = int(cfg.runner.seed)
         # the clock of the printed curve starts when the `embodirl` command's process did (interpreter start,
@@ -260,7 +260,7 @@ class Runner:
         actors = groups.make_actors()
         starts_rng = np.random.default_rng(self.seed)
         start_step, env_steps = 0, 0.0
-        kl_coef = KLController.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True)).value
+        kl_coef = self.algorithm.kl_controller().value
         source = self._resume_source()
         if source is not None:
             start_step = ckpt.checkpoint_step(source)
@@ -280,7 +280,7 @@ class Runner:
         logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
         logger.log_hparams(OmegaConf.to_container(cfg, resolve=True))
         H = int(cfg.model.action_chunk)
-        kl_active = float(cfg.algorithm.kl_beta) > 0
+        kl_active = self.algorithm.kl_active
         offload = bool(cfg.actor.get("enable_offload", False))
         max_steps = int(r.max_steps)
         progress = None
@@ -315,7 +315,7 @@ class Runner:
                 t1 = time.perf_counter()
                 if kl_active and D.LOGPROB_REF not in batch.keys():
                     batch = actors.with_ref_logprob(batch)
-                prepared, prepare_metrics = prepare_batch(batch, cfg.algorithm, kl_coef=kl_coef)
+                prepared, prepare_metrics = prepare_batch(batch, self.algorithm, kl_coef=kl_coef)
                 timings["time/advantages"] = time.perf_counter() - t1
                 try:
                     update_metrics = actors.train(prepared)
@@ -382,16 +382,16 @@ class Runner:
         video_dir = self.out / "videos" / "train" if interval and step % interval == 0 else None
         batches, stats = [], RolloutStats()
         # algorithm.filter_groups.resample: draw rollouts until the step has a full batch of informative groups
-        keeper = InformativeGroups.from_config(OmegaConf.to_container(cfg.algorithm, resolve=True),
-                                               num_slots=groups.num_slots, rollout_epoch=int(cfg.rollout.rollout_epoch))
-        greedy_baseline = estimator_spec(cfg.algorithm.adv_type).greedy_baseline
+        keeper = InformativeGroups.from_config(self.algorithm, num_slots=groups.num_slots,
+                                               rollout_epoch=int(cfg.rollout.rollout_epoch))
+        greedy_baseline = self.algorithm.estimator.greedy_baseline
         epoch, ticker = 0, Ticker()
         while keeper is not None or epoch < int(cfg.rollout.rollout_epoch):
             if epoch and ticker.due():   # a step of many rollouts (the 7B recipe's 16) says where it is
                 most = cfg.rollout.rollout_epoch if keeper is None else f"at most {keeper.max_rollouts}"
                 log.info("[step %d] collecting rollout %d of %s, %.1f min so far", step, epoch + 1, most,
                          ticker.elapsed / 60)
-            starts = plan_starts(env_cfg, groups.spec, groups.num_slots, int(cfg.algorithm.group_size), starts_rng)
+            starts = plan_starts(env_cfg, groups.spec, groups.num_slots, self.algorithm.group_size, starts_rng)
             seed = self.seed + 1_000_003 * step + 7_919 * epoch
             batch = groups.collect(starts, seed=seed, video_dir=video_dir if epoch == 0 else None, step=step)
             for key in ("env_s", "infer_s", "wait_s", "recollected_rows", "shm_batches", "object_store_batches"):

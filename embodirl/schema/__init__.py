@@ -2,8 +2,9 @@
 
 :class:`Config` is registered in Hydra's ConfigStore as ``embodirl_schema`` and heads ``config/config.yaml``'s
 defaults list, so Hydra composes the YAML options on top of it: the YAML tree holds every value, the schema
-every type, range and choice (:mod:`.sections`; each env adapter's and policy's own config class, registered
-with it next to its code and found by :mod:`.envs` and :mod:`.models`). :func:`check` runs on a
+every type, range and choice (:mod:`.sections`; the ``algorithm`` section in :mod:`embodirl.algorithms.section`, next to
+the code that runs on it; each env adapter's and policy's own config class, registered with it next to its code and
+found by :mod:`.envs` and :mod:`.models`). :func:`check` runs on a
 composed config (also a plain one, as a sweep job hands it over) and raises one
 :class:`~embodirl.errors.ConfigError` sentence naming the first bad key:
 
@@ -23,11 +24,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from embodirl.algorithms.section import Algorithm
 from embodirl.config_fields import check_fields, check_finite, required, section
 from embodirl.errors import ConfigError
 from embodirl.schema.envs import env_rules, env_schema
 from embodirl.schema.models import model_rules, model_schema
-from embodirl.schema.sections import SECTIONS, Actor, Algorithm, Cluster, EnvWorkers, Rollout, Runner
+from embodirl.schema.sections import SECTIONS, Actor, Cluster, EnvWorkers, Rollout, Runner
 
 __all__ = ["SCHEMA_NAME", "SECTIONS", "Config", "add_section", "check", "check_types",
            "error", "register", "typed", "unknown_key"]

@@ -27,7 +27,7 @@ def model_schema(node: Any) -> tuple[type, bool]:
 
 def model_rules(cfg) -> None:
     """Rules between the model, the algorithm and the disk."""
-    from embodirl.algorithms.advantages import uses_critic
+    from embodirl.algorithms.estimators import uses_critic
 
     adv_type, value_type = cfg.algorithm.adv_type, cfg.model.get("value_type")
     critic = uses_critic(adv_type)

@@ -3,8 +3,9 @@
 Each dataclass declares its keys' types and allowed values (:mod:`embodirl.config_fields`); the values
 themselves live in the YAML tree. A section's cross-field rules sit in its ``rules(cfg, ctx)``, next to the
 fields they relate; :func:`embodirl.schema.check` runs them in the order the sections are listed here.
-Choice lists come from the registries that define the names (advantage estimators, loss aggregations, KL
-estimators, learning-rate schedules, rollout backends).
+The ``algorithm`` section is declared in :mod:`embodirl.algorithms.section`, below this layer, so that the
+algorithms run on it; the others' choice lists come from the registries that define the names (learning-rate
+schedules, rollout backends).
 """
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from embodirl.algorithms.section import Algorithm
 from embodirl.config_fields import num, one_of, required, section
 from embodirl.errors import ConfigError
 
@@ -21,41 +23,6 @@ def _fail(key: str, message: str):
 
 
 # --- choice lists, read from the modules that define the names ------------------------------------------
-def _adv_types():
-    from embodirl.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    return sorted(ADVANTAGE_ESTIMATORS)
-
-
-def _known_adv_type(name) -> bool:
-    from embodirl.algorithms.advantages import known_estimator
-    return known_estimator(name)
-
-
-def reward_types():
-    from embodirl.envs.base import REWARD_TYPES
-    return REWARD_TYPES
-
-
-def _logprob_types():
-    from embodirl.algorithms.losses import LOGPROB_TYPES
-    return LOGPROB_TYPES
-
-
-def _aggregations():
-    from embodirl.algorithms.aggregation import AGGREGATIONS
-    return list(AGGREGATIONS)
-
-
-def _kl_estimators():
-    from embodirl.algorithms.kl import KL_ESTIMATORS
-    return list(KL_ESTIMATORS)
-
-
-def _kl_controllers():
-    from embodirl.algorithms.kl import KL_CONTROLLERS
-    return KL_CONTROLLERS
-
-
 #: choices of keys whose code sits above the schema (the actor, the runner): declared here, imported there
 LR_SCHEDULES = ("constant", "linear", "cosine")           # actor.optim.lr_schedule (embodirl/actor/optim.py)
 EVAL_PROTOCOLS = ("parallel", "oft")                      # runner.eval_protocol (embodirl/runner/evaluation.py)
@@ -130,91 +97,6 @@ class Runner:
         if guard.enabled and guard.max_kl is not None and not float(cfg.algorithm.kl_beta) > 0:
             _fail("runner.guard.max_kl", "watches the KL to the reference policy, which a run measures only with "
                                          "algorithm.kl_beta > 0; set it, or max_kl=null")
-
-
-# --- algorithm ---------------------------------------------------------------------------------------------
-@dataclass
-class KLCtrl:
-    type: str = one_of(_kl_controllers)
-    target_kl: float | None = num(0, lo_open=True, null=True)     # verl's algorithm.kl_ctrl.target_kl
-    horizon: float = num(0, lo_open=True)
-
-
-@dataclass
-class FilterGroups:
-    enable: bool = required()
-    min_success: float = num(0, 1)
-    max_success: float = num(0, 1)
-    resample: bool = required()
-    max_resample_rounds: int = num(0)
-
-
-@dataclass
-class Algorithm:
-    adv_type: str = one_of(_adv_types, known=_known_adv_type)
-    group_size: int = num(1)
-    reward_type: str = one_of(reward_types)
-    logprob_type: str = one_of(_logprob_types)
-    gamma: float = num(0, 1)
-    gae_lambda: float = num(0, 1)
-    normalize_advantages: bool = required()
-    norm_adv_by_std_in_grpo: bool = required()
-    clip_ratio_low: float = num(0, 1, lo_open=True, hi_open=True)
-    clip_ratio_high: float = num(0, lo_open=True)
-    clip_ratio_c: float | None = num(1, lo_open=True, null=True)   # dual clip
-    value_clip: float | None = num(0, lo_open=True, null=True)
-    huber_delta: float | None = num(0, lo_open=True, null=True)
-    value_coef: float = num(0)
-    entropy_bonus: float = num(0)
-    loss_agg_func: str = one_of(_aggregations)
-    kl_beta: float = num(0)
-    kl_penalty: str = one_of(_kl_estimators)
-    use_kl_loss: bool = required()
-    kl_ctrl: KLCtrl = section(KLCtrl)
-    filter_groups: FilterGroups = section(FilterGroups)
-    update_epochs: int = num(1)
-    early_stop_kl: float | None = num(0, lo_open=True, null=True)
-    recompute_old_logprob: bool = required()
-
-    @staticmethod
-    def rules(cfg, ctx) -> None:
-        from embodirl.algorithms.advantages import estimator_spec
-
-        alg = cfg.algorithm
-        G, adv_type = int(alg.group_size), alg.adv_type
-        spec = estimator_spec(adv_type)
-        if spec.groups:
-            if G < 2:
-                _fail("algorithm.group_size", f"adv_type={adv_type} compares trajectories within a group: set "
-                                              "group_size >= 2")
-            if not cfg.env.train.get("use_fixed_reset_state_ids", False):
-                _fail("env.train.use_fixed_reset_state_ids", f"adv_type={adv_type} needs groups that share an init "
-                                                              "state: set env.train.use_fixed_reset_state_ids=true")
-        fg = alg.filter_groups
-        if fg.enable:
-            lo, hi = float(fg.min_success), float(fg.max_success)
-            if G < 2:
-                _fail("algorithm.filter_groups.enable", "group filtering keeps groups whose success rate lies strictly "
-                                                       f"between {lo} and {hi}, and a group of 1 trajectory scores 0 or "
-                                                       "1, so every row would be dropped; set algorithm.group_size >= 2 "
-                                                       "or algorithm.filter_groups.enable=false")
-            if not lo < hi:
-                _fail("algorithm.filter_groups.min_success", f"the kept success range ({lo}, {hi}) must satisfy "
-                                                            "0 <= min_success < max_success <= 1")
-        if fg.resample and not fg.enable:
-            _fail("algorithm.filter_groups.resample", "re-sampling collects more rollouts until the step holds its "
-                                                      "batch of kept groups, so it needs algorithm.filter_groups.enable=true")
-        if spec.greedy_baseline:
-            if cfg.env.train.get("auto_reset", False):
-                _fail("env.train.auto_reset", f"adv_type={adv_type} compares each row's episode with a greedy one from "
-                                              "the same start, so a row must hold one episode: set "
-                                              "env.train.auto_reset=false")
-            if ctx.use_ray and not cfg.runner.eval_greedy:
-                _fail("runner.eval_greedy", f"adv_type={adv_type} runs its baseline rollouts with the inference workers' "
-                                            "evaluation sampling, which must be greedy: set runner.eval_greedy=true")
-        if alg.reward_type != cfg.env.train.get("reward_type", alg.reward_type):
-            _fail("env.train.reward_type", f"'{cfg.env.train.reward_type}' differs from algorithm.reward_type "
-                                           f"'{alg.reward_type}'; set both to the same value")
 
 
 # --- rollout and env workers -------------------------------------------------------------------------------
@@ -357,17 +239,17 @@ class Actor:
 
 
 def actor_rules(actor, algorithm, world_size: int) -> None:
-    """The actor rules that need only ``actor``, ``algorithm`` and the actor's world size (the actor runs
-    them itself, :meth:`embodirl.actor.settings.ActorSettings.check`)."""
-    global_bs = int(actor["global_batch_size"])
+    """The actor rules that need only ``actor``, ``algorithm`` (typed sections or DictConfigs) and the actor's world
+    size (the actor runs them itself, :meth:`embodirl.actor.settings.ActorSettings.check`)."""
+    global_bs = int(actor.global_batch_size)
     if global_bs % world_size:
         _fail("actor.global_batch_size", f"{global_bs} trajectories do not split evenly over {world_size} actor "
                                          "ranks")
-    optim = actor["optim"]
-    if optim["lr_schedule"] != "constant" and optim["lr_decay_steps"] is None:
-        _fail("actor.optim.lr_decay_steps", f"the {optim['lr_schedule']} schedule needs a positive number of training "
+    optim = actor.optim
+    if optim.lr_schedule != "constant" and optim.lr_decay_steps is None:
+        _fail("actor.optim.lr_decay_steps", f"the {optim.lr_schedule} schedule needs a positive number of training "
                                             "steps (default runner.max_steps), got None")
-    if actor["fsdp"]["full_finetune"] and float(algorithm["kl_beta"]) > 0:
+    if actor.fsdp.full_finetune and float(algorithm.kl_beta) > 0:
         _fail("actor.fsdp.full_finetune", "the KL reference is the adapter-disabled base model, which full "
                                           "fine-tuning changes; set algorithm.kl_beta=0")
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from embodirl.algorithms.advantages import uses_critic
+from embodirl.algorithms.estimators import uses_critic
 from embodirl.channel import segments
 from embodirl.placement import use_ray
 from embodirl.plain import to_plain

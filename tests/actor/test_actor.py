@@ -52,14 +52,14 @@ def test_update_equals_manual_full_batch_step(alg):
     out = reference.evaluate(obs, prepared.get(D.ACTION_TOKENS)[n_idx, t_idx], return_value=use_critic)
     N, T, L = prepared.get(D.LOGPROB_BEHAVIOR).shape
     full = {k: v.new_zeros((N, T, *v.shape[1:])).index_put((n_idx, t_idx), v) for k, v in out.items()}
-    params = actor.cfg.loss
+    params = actor.cfg.algorithm
     norms = losses.normalisers(valid, params, L=L, action_dim=3)
     with reference.reference_mode(), torch.no_grad():
         ref_out = reference.evaluate(obs, prepared.get(D.ACTION_TOKENS)[n_idx, t_idx], return_value=False,
                                      return_entropy=False)
     prepared.set(D.LOGPROB_REF, prepared.get(D.LOGPROB_BEHAVIOR).clone().index_put(
         (n_idx, t_idx), ref_out["logprob"]))
-    loss, _ = losses.compute_loss(full, prepared, old_logprob=prepared.get(D.LOGPROB_BEHAVIOR), params=params,
+    loss, _ = losses.compute_loss(full, prepared, old_logprob=prepared.get(D.LOGPROB_BEHAVIOR), algorithm=params,
                                   norms=norms, action_dim=3, kl_coef=alg.get("kl_beta", 0.0))
     loss.backward()
     trainable = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]

@@ -57,7 +57,7 @@ def task_table(kind: str):
 
 
 def run_update(actor: Actor, batch):
-    if actor.cfg.kl_active:
+    if actor.cfg.algorithm.kl_active:
         batch = actor.compute_ref_logprob(batch)
     metrics = actor.update(batch)
     version, state = actor.publish_weights()

@@ -9,12 +9,14 @@ import torch
 
 from embodirl import data as D
 from embodirl.algorithms import advantages as A
+from embodirl.algorithms.section import Algorithm
+from embodirl.errors import ConfigError
+from tests.algorithms.helpers import algorithm
 
 
-def params(**values) -> A.AdvantageParams:
-    """Advantage parameters for these tests: undiscounted, lambda 1, ungrouped, unless given."""
-    return A.AdvantageParams(**{"gamma": 1.0, "gae_lambda": 1.0, "group_size": 1, "norm_adv_by_std_in_grpo": True,
-                                **values})
+def params(**values) -> Algorithm:
+    """The algorithm section for these tests: undiscounted, lambda 1, ungrouped, unless given."""
+    return algorithm(**{"gamma": 1.0, "gae_lambda": 1.0, "group_size": 1, "norm_adv_by_std_in_grpo": True, **values})
 
 
 def random_episodes(N: int, T: int, *, H: int | None = None, seed: int = 0, auto_reset: bool = False):
@@ -255,7 +257,7 @@ def algo_cfg(**over):
     cfg = {"adv_type": "gae", "reward_type": "chunk_level", "gamma": 0.9, "gae_lambda": 0.8, "group_size": 4,
            "norm_adv_by_std_in_grpo": True, "normalize_advantages": False}
     cfg.update(over)
-    return cfg
+    return algorithm(**cfg)
 
 
 def test_compute_advantages_fills_fields_and_uses_bootstrap_extra():
@@ -286,5 +288,5 @@ def test_reward_type_checks():
     # a chunk-level estimator sums per-action rewards over the chunk
     out = A.compute_advantages(per_action.exclude(D.VALUE), algo_cfg(adv_type="grpo", reward_type="chunk_level"))
     assert out.get(D.ADVANTAGE).shape == (8, 6)
-    with pytest.raises(ValueError, match="unknown adv_type"):
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'nope'"):
         A.compute_advantages(chunk, algo_cfg(adv_type="nope"))

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from embodirl import data as D
 from embodirl.algorithms import aggregation, filtering, kl, losses
+from tests.algorithms.helpers import algorithm
 
 N, T, H, A_DIM = 6, 4, 2, 3
 L = H * A_DIM
@@ -39,9 +40,11 @@ def rand_inputs(seed=0, action_level_adv=False, action_level_value=False, p_vali
 
 def params_for(agg="token-mean", logprob_type="token", clip_c=3.0, value_clip=0.2, huber=None, use_critic=True,
                use_kl_loss=True, kl_penalty="low_var_kl", entropy_bonus=0.01):
-    return losses.LossParams(logprob_type=logprob_type, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_c,
-                             value_clip=value_clip, huber_delta=huber, loss_agg_func=agg, entropy_bonus=entropy_bonus,
-                             value_coef=0.5, kl_penalty=kl_penalty, use_kl_loss=use_kl_loss, use_critic=use_critic)
+    """The algorithm section the losses read (a critic comes with adv_type=gae, none with grpo)."""
+    return algorithm(logprob_type=logprob_type, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_c,
+                     value_clip=value_clip, huber_delta=huber, loss_agg_func=agg, entropy_bonus=entropy_bonus,
+                     value_coef=0.5, kl_penalty=kl_penalty, use_kl_loss=use_kl_loss,
+                     adv_type="gae" if use_critic else "grpo")
 
 
 def batch_of(x, rows=slice(None)):
@@ -60,7 +63,7 @@ def run_loss(x, params, kl_coef=0.1, rows=slice(None), norms=None, is_weight=Non
     out = {"logprob": (x["logprob"] if logprob is None else logprob)[rows],
            "entropy": (x["entropy"] if entropy is None else entropy)[rows],
            D.VALUE: (x["value"] if value is None else value)[rows]}
-    return losses.compute_loss(out, batch, old_logprob=x["old"][rows], params=params, norms=norms,
+    return losses.compute_loss(out, batch, old_logprob=x["old"][rows], algorithm=params, norms=norms,
                                action_dim=A_DIM, kl_coef=kl_coef,
                                is_weight=None if is_weight is None else
                                losses.expand_to_units(is_weight[rows], params.logprob_type, L, A_DIM))

@@ -23,6 +23,7 @@ from embodirl.models.registry import make_policy
 from embodirl.rollout.collector import RolloutCollector
 from embodirl.rollout.inference import PolicyInference
 from embodirl.rollout.starts import EpisodeStarts
+from tests.algorithms.helpers import algorithm as algorithm_section
 
 GREEDY = SamplingParams(greedy=True)
 B, H = 3, 4
@@ -90,8 +91,8 @@ def test_truncated_decisions_bootstrap_with_their_own_final_observation(toy_cfg,
 
     # through GAE (gamma 1, lambda 0): advantage = r + V(successor) - V, so the successor value GAE used is
     # advantage - r + V; at every truncated decision it is V(that episode's final observation)
-    algorithm = {"adv_type": "gae", "reward_type": "chunk_level", "gamma": 1.0, "gae_lambda": 0.0, "group_size": 1,
-                 "norm_adv_by_std_in_grpo": True, "normalize_advantages": False}
+    algorithm = algorithm_section(adv_type="gae", reward_type="chunk_level", gamma=1.0, gae_lambda=0.0, group_size=1,
+                                  norm_adv_by_std_in_grpo=True, normalize_advantages=False)
     prepared = compute_advantages(traj, algorithm)
     successor = prepared[D.ADVANTAGE] - prepared[D.REWARD] + prepared[D.VALUE]
     np.testing.assert_allclose(successor.numpy()[truncated], expected[truncated], rtol=1e-5, atol=1e-5)
@@ -187,8 +188,8 @@ def test_unexecuted_action_values_are_never_successor_values(compose_cfg):
     cfg, _, traj = _oracle_batch(compose_cfg, value_type="action_level")
     assert traj[D.VALUE].shape[2] == H
     noisy = _perturb_unexecuted(traj, (D.VALUE,))
-    algorithm = {"adv_type": "gae", "reward_type": "action_level", "gamma": 0.9, "gae_lambda": 0.95, "group_size": 1,
-                 "norm_adv_by_std_in_grpo": True, "normalize_advantages": True}
+    algorithm = algorithm_section(adv_type="gae", reward_type="action_level", gamma=0.9, gae_lambda=0.95, group_size=1,
+                                  norm_adv_by_std_in_grpo=True, normalize_advantages=True)
     a, b = compute_advantages(traj, algorithm), compute_advantages(noisy, algorithm)
     ran = traj[D.VALID][:, :, None] & traj[D.EXECUTED]
     torch.testing.assert_close(a[D.ADVANTAGE][ran], b[D.ADVANTAGE][ran])
