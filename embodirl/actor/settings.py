@@ -18,12 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from omegaconf import OmegaConf
-
 from embodirl.algorithms.section import Algorithm
-from embodirl.config_fields import check_fields
 from embodirl.errors import ConfigError
-from embodirl.schema import typed
+from embodirl.schema import to_object
 from embodirl.schema.sections import Actor, actor_rules
 
 
@@ -43,11 +40,7 @@ class ActorSettings:
             node = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
             if node is None:
                 raise ConfigError(name, "is missing from the configuration (see config/config.yaml)")
-            if not isinstance(node, schema):
-                merged = typed(schema, node, name)
-                check_fields(schema, merged, name)
-                node = OmegaConf.to_object(merged)
-            sections[name] = node
+            sections[name] = to_object(schema, node, name)
         out = cls(**sections)
         out.check()
         return out

@@ -27,30 +27,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-from embodirl.schema.sections import GUARD_ACTIONS
+from embodirl.schema.sections import GUARD_ACTIONS, Guard
 
 ROLLBACK, STOP = GUARD_ACTIONS
 KL_METRIC = "kl/behaviour_ref_kl"
 ENTROPY_METRIC = "actor/entropy"
-
-
-@dataclass
-class GuardSettings:
-    """``runner.guard`` (types and ranges: the schema)."""
-
-    enabled: bool = False
-    success_drop: float | None = 0.1
-    patience: int = 2
-    max_kl: float | None = None
-    min_entropy: float | None = None
-    nonfinite: bool = True
-    action: str = ROLLBACK
-    lr_factor: float = 0.5
-    max_rollbacks: int = 3
-
-    @classmethod
-    def from_config(cls, node: Mapping | None) -> GuardSettings:
-        return cls(**dict(node or {}))
 
 
 @dataclass
@@ -69,13 +50,14 @@ class GuardState:
 class CollapseGuard:
     """Decides when a run has collapsed (see module docstring)."""
 
-    def __init__(self, settings: GuardSettings, state: GuardState | None = None):
+    def __init__(self, settings: Guard | None = None, state: GuardState | None = None):
+        """``settings``: the typed ``runner.guard`` section; None: no guard (before a run's settings are read)."""
         self.settings = settings
         self.state = state or GuardState()
 
     @property
     def enabled(self) -> bool:
-        return self.settings.enabled
+        return self.settings is not None and self.settings.enabled
 
     # --- observations ------------------------------------------------------------------------------------------
     def is_new_best(self, success: float) -> bool:

@@ -53,8 +53,10 @@ from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.eval_report import plot_learning_curve, plot_success, print_table, write_eval_info
 from embodirl.runner.evaluation import eval_env_cfg, run_sweep
-from embodirl.runner.guard import ROLLBACK, STOP, CollapseGuard, GuardSettings
+from embodirl.runner.guard import ROLLBACK, STOP, CollapseGuard
 from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
+from embodirl.schema import to_object
+from embodirl.schema.sections import Guard
 from embodirl.workers.groups import WorkerGroups
 
 log = logging.getLogger(__name__)
@@ -129,7 +131,7 @@ class Runner:
         self._elapsed_offset = 0.0
         self._curve: list[tuple[int, float, float]] = []
         self._restart_source: Path | None = None
-        self.guard = CollapseGuard(GuardSettings())
+        self.guard = CollapseGuard()
 
     # --- shared pieces -------------------------------------------------------------------------------
     def _write_config(self) -> None:
@@ -256,7 +258,7 @@ class Runner:
 
     def _train(self, groups: WorkerGroups) -> None:
         cfg, r = self.cfg, self.cfg.runner
-        self.guard = CollapseGuard(GuardSettings.from_config(OmegaConf.to_container(r.guard, resolve=True)))
+        self.guard = CollapseGuard(to_object(Guard, r.guard, "runner.guard"))
         actors = groups.make_actors()
         starts_rng = np.random.default_rng(self.seed)
         start_step, env_steps = 0, 0.0

@@ -32,7 +32,7 @@ from embodirl.schema.models import model_rules, model_schema
 from embodirl.schema.sections import SECTIONS, Actor, Cluster, EnvWorkers, Rollout, Runner
 
 __all__ = ["SCHEMA_NAME", "SECTIONS", "Config", "add_section", "check", "check_types",
-           "error", "register", "typed", "unknown_key"]
+           "error", "register", "to_object", "typed", "unknown_key"]
 
 SCHEMA_NAME = "embodirl_schema"
 
@@ -130,6 +130,17 @@ def typed(schema: type, node: Any, prefix: str = "", *, closed: bool = True) -> 
         raise ConfigError(f"{prefix}.{missing[0]}" if prefix else missing[0],
                           "is missing from the configuration (see config/config.yaml and the option files)")
     return merged
+
+
+def to_object(schema: type, node: Any, prefix: str = ""):
+    """``node`` as an instance of the section dataclass ``schema``: an instance passes through; a DictConfig or plain
+    dict is checked first (types, then ranges and choices: one :class:`ConfigError` sentence naming the key) and
+    converted once. Code above the schema holds these instances, never the nodes."""
+    if isinstance(node, schema):
+        return node
+    merged = typed(schema, node, prefix)
+    check_fields(schema, merged, prefix)
+    return OmegaConf.to_object(merged)
 
 
 @dataclass
