@@ -7,7 +7,8 @@ list is a callable evaluated when checking, so it can read a registry (advantage
 simulator adapters) that is filled on import.
 
 :func:`check_fields` walks a section dataclass and its nested sections and raises one
-:class:`~embodirl.errors.ConfigError` naming the first key whose value is out of range or not a choice.
+:class:`~embodirl.errors.ConfigError` naming the first key whose value is out of range or not a choice;
+:func:`instance` converts a node to the section's dataclass, the typed object the code then runs on.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from embodirl.errors import ConfigError
 
@@ -128,3 +130,22 @@ def check_finite(node: Any, prefix: str = "") -> None:
             check_finite(value, f"{prefix}[{i}]")
     elif isinstance(node, float) and not math.isfinite(node):
         raise ConfigError(prefix, f"must be a finite number, got {node}")
+
+
+def instance(schema: type, node: Any, prefix: str):
+    """``node`` (a section of a composed config: a DictConfig or a plain mapping, as a worker process receives it) as
+    an instance of its dataclass ``schema``, with its types, ranges and choices checked (one
+    :class:`~embodirl.errors.ConfigError` naming the first bad key under ``prefix``). An instance passes through.
+    Convert once, where the code first takes the section, and pass the instance on."""
+    if isinstance(node, schema):
+        return node
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+    except OmegaConfBaseException as exc:
+        key = str(getattr(exc, "full_key", "") or "")
+        raise ConfigError(f"{prefix}.{key}" if key else prefix, str(exc).splitlines()[0].strip()) from None
+    missing = sorted(OmegaConf.missing_keys(merged))
+    if missing:
+        raise ConfigError(f"{prefix}.{missing[0]}", "is missing from the configuration (see config/)")
+    check_fields(schema, merged, prefix)
+    return OmegaConf.to_object(merged)

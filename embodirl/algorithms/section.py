@@ -14,13 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from embodirl import data as D
 from embodirl.algorithms.aggregation import AGGREGATIONS
 from embodirl.algorithms.estimators import ESTIMATORS, EstimatorSpec, estimator_spec
 from embodirl.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS, KLController
-from embodirl.config_fields import num, one_of, required, section
+from embodirl.config_fields import instance, num, one_of, required, section
 from embodirl.errors import ConfigError
 
 #: how the importance ratio groups the action tokens: per token, per action (its A tokens), per chunk (all L)
@@ -134,13 +132,5 @@ class Algorithm:
 
 
 def algorithm_of(node: Any) -> Algorithm:
-    """The ``algorithm`` node (a DictConfig, a plain dict or an :class:`Algorithm`) as an :class:`Algorithm`. Call it
-    on a validated config: it converts, and checks only the types (:func:`embodirl.schema.check` checks the rest)."""
-    if isinstance(node, Algorithm):
-        return node
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(Algorithm), node)
-    except Exception as exc:   # an unvalidated node: one sentence, as the schema would say it
-        raise ConfigError("algorithm", f"does not fit the schema ({str(exc).splitlines()[0]}); run the config "
-                                       "through embodirl.schema.check first") from None
-    return OmegaConf.to_object(merged)
+    """The ``algorithm`` node (a DictConfig, a plain dict or an :class:`Algorithm`) as an :class:`Algorithm`."""
+    return instance(Algorithm, node, "algorithm")

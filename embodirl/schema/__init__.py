@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from embodirl.algorithms.section import Algorithm
-from embodirl.config_fields import check_fields, check_finite, required, section
+from embodirl.config_fields import check_fields, check_finite, instance, required, section
 from embodirl.errors import ConfigError
 from embodirl.schema.envs import env_rules, env_schema
 from embodirl.schema.models import model_rules, model_schema
@@ -138,9 +138,7 @@ def to_object(schema: type, node: Any, prefix: str = ""):
     converted once. Code above the schema holds these instances, never the nodes."""
     if isinstance(node, schema):
         return node
-    merged = typed(schema, node, prefix)
-    check_fields(schema, merged, prefix)
-    return OmegaConf.to_object(merged)
+    return instance(schema, typed(schema, node, prefix), prefix)
 
 
 @dataclass

@@ -8,26 +8,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from embodirl.config_fields import num, required
-from embodirl.envs.base import CommonEnvConfig
-from embodirl.envs.maniskill.simulator import GPU_BACKEND, check_config, make_sim_env, resolve_sim_backend
+from embodirl.envs.maniskill.simulator import GPU_BACKEND, ManiSkillEnvConfig, check_config, make_sim_env, resolve_sim_backend
 from embodirl.envs.registry import register_adapter
-
-
-@dataclass
-class ManiSkillEnvConfig(CommonEnvConfig):
-    """``adapter: maniskill`` (config/env/_maniskill_base.yaml)."""
-
-    task: str = required()
-    obs_mode: str = required()
-    control_mode: str | None = required()
-    reward_mode: str = required()
-    cameras: list[str] | None = required()
-    image_size: list[int] = required()
-    sim_backend: str = required()
-    num_init_states: int | None = num(1, null=True)
 
 
 @register_adapter("maniskill", config=ManiSkillEnvConfig)

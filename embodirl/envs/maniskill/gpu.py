@@ -35,7 +35,6 @@ from embodirl.envs.base import REWARD_TYPES, ChunkVectorEnv
 from embodirl.envs.maniskill.simulator import (
     CPU_BACKEND,
     TASK_ID,
-    ManiSkillSettings,
     ObsConverter,
     action_bounds,
     draw_init_state,
@@ -43,6 +42,7 @@ from embodirl.envs.maniskill.simulator import (
     make_maniskill_env,
     make_spec,
     resolve_sim_backend,
+    settings_of,
     sparse_from_info,
     step_without_observation,
     success_fail,
@@ -117,7 +117,7 @@ class ManiSkillGPUEnv(ChunkVectorEnv):
 
     def __init__(self, cfg: Mapping, *, num_envs: int, seed: int = 0, env_offset: int = 0,
                  sim_backend: str | None = None):
-        self.settings = ManiSkillSettings.from_config(cfg)
+        self.settings = settings_of(cfg)
         backend = sim_backend or resolve_sim_backend(self.settings.sim_backend)
         if backend == CPU_BACKEND and num_envs != 1:
             raise ValueError("PhysX-CPU holds one scene per process: use num_envs=1 or ProcessVectorEnv")

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embodirl.envs.base import ChunkResult, EnvSpec, SimEnv
+from embodirl.config_fields import instance, num, one_of, required
+from embodirl.envs.base import ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
 from embodirl.envs.maniskill.tasks import asset_prompt_guard, check_assets, instruction, task_spec
 from embodirl.errors import ConfigError
 from embodirl.runtime import configure
@@ -61,59 +62,34 @@ RGB = "rgb"                      # ManiSkill's texture name for colour images
 _NEEDED_OBS_MODES = {"state": ("state",), "rgb": ("rgb", "sensor_data", "any_textures")}
 MAX_SEED = 2**31                 # ManiSkill episode seeds are 31-bit
 TASK_ID = 0                      # one task per env config
-REQUIRED_KEYS = ("task", "max_episode_steps", "obs_mode", "control_mode", "reward_mode", "cameras",
-                 "image_size", "sim_backend", "num_init_states", "ignore_terminations")
 
 
 # --------------------------------------------------------------------------------------------------
 # configuration
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ManiSkillSettings:
-    """The keys of an env config this adapter reads, checked for form (not against the registry).
-    The defaults live in ``config/env/_maniskill_base.yaml`` only."""
+@dataclass
+class ManiSkillEnvConfig(CommonEnvConfig):
+    """``adapter: maniskill`` (config/env/_maniskill_base.yaml): the types and choices of its keys. The adapter
+    registers it as its config class, and the simulators run on an instance of it (:func:`settings_of`)."""
 
-    task: str
-    obs_mode: str
-    control_mode: str | None
-    reward_mode: str
-    max_episode_steps: int
-    cameras: tuple[str, ...] | None       # rgb: camera names in image order (None: the task's sensors)
-    image_size: tuple[int, int]           # (h, w)
-    num_init_states: int | None           # None: any seed
-    sim_backend: str                      # auto | physx_cpu | physx_cuda (as configured)
+    task: str = required()
+    obs_mode: str = one_of(OBS_MODES)
+    control_mode: str | None = required()
+    reward_mode: str = one_of(REWARD_MODES)
+    cameras: list[str] | None = required()      # rgb: camera names in image order (None: the task's sensors)
+    image_size: list[int] = required()          # [h, w]
+    sim_backend: str = one_of(SIM_BACKENDS)     # auto | physx_cpu | physx_cuda (as configured)
+    num_init_states: int | None = num(1, null=True)   # None: any seed
 
-    @classmethod
-    def from_config(cls, cfg: Mapping) -> ManiSkillSettings:
-        missing = [k for k in REQUIRED_KEYS if k not in cfg]
-        if missing:
-            raise ConfigError(f"env.{missing[0]}", "is missing from the ManiSkill env config "
-                              "(config/env/_maniskill_base.yaml lists every key)")
-        if cfg["obs_mode"] not in OBS_MODES:
-            raise ConfigError("env.obs_mode", f"'{cfg['obs_mode']}' is not supported; "
-                              f"choose one of {', '.join(OBS_MODES)}")
-        if cfg["reward_mode"] not in REWARD_MODES:
-            raise ConfigError("env.reward_mode", f"'{cfg['reward_mode']}' is not a ManiSkill reward mode; "
-                              f"choose one of {', '.join(REWARD_MODES)}")
-        if cfg["sim_backend"] not in SIM_BACKENDS:
-            raise ConfigError("env.sim_backend", f"'{cfg['sim_backend']}' is not supported; "
-                              f"choose one of {', '.join(SIM_BACKENDS)}")
-        size = cfg["image_size"]
-        if size is None or len(size) != 2 or any(int(s) <= 0 for s in size):
-            raise ConfigError("env.image_size", f"must be [height, width] in pixels, got {size}")
-        if int(cfg["max_episode_steps"]) <= 0:
-            raise ConfigError("env.max_episode_steps", f"must be positive, got {cfg['max_episode_steps']}")
-        n_init = cfg["num_init_states"]
-        if n_init is not None and int(n_init) <= 0:
-            raise ConfigError("env.num_init_states", f"must be positive or null (any seed), got {n_init}")
-        cameras = cfg["cameras"]
-        if isinstance(cameras, str):
-            cameras = [cameras]
-        return cls(task=str(cfg["task"]), obs_mode=cfg["obs_mode"], control_mode=cfg["control_mode"],
-                   reward_mode=cfg["reward_mode"], max_episode_steps=int(cfg["max_episode_steps"]),
-                   cameras=None if cameras is None else tuple(str(c) for c in cameras),
-                   image_size=(int(size[0]), int(size[1])),
-                   num_init_states=None if n_init is None else int(n_init), sim_backend=cfg["sim_backend"])
+
+def settings_of(cfg) -> ManiSkillEnvConfig:
+    """A ManiSkill env group (a DictConfig or the plain dict a simulator process receives) as the typed object the
+    simulators run on, checked for form (not against ManiSkill's registry: :func:`check_config`)."""
+    settings = instance(ManiSkillEnvConfig, cfg, "env")
+    size = settings.image_size
+    if len(size) != 2 or any(s <= 0 for s in size):
+        raise ConfigError("env.image_size", f"must be [height, width] in pixels, got {size}")
+    return settings
 
 
 def resolve_sim_backend(sim_backend: str) -> str:
@@ -133,7 +109,7 @@ def _renderer() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def make_maniskill_env(settings: ManiSkillSettings, *, num_envs: int, sim_backend: str):
+def make_maniskill_env(settings: ManiSkillEnvConfig, *, num_envs: int, sim_backend: str):
     """Build the gymnasium ManiSkill env (``gym.make``) for ``settings``; returns the wrapped env.
 
     Asset prompts become :class:`~embodirl.errors.AssetsMissing`, an unsupported control mode a
@@ -188,9 +164,9 @@ def _probe(task: str) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
         env.close()
 
 
-def check_config(cfg: Mapping, *, probe: bool = True) -> ManiSkillSettings:
+def check_config(cfg: Mapping, *, probe: bool = True) -> ManiSkillEnvConfig:
     """Everything that can be checked before a simulator starts (see :class:`ManiSkillAdapter`)."""
-    settings = ManiSkillSettings.from_config(cfg)
+    settings = settings_of(cfg)
     backend = resolve_sim_backend(settings.sim_backend)
     spec = task_spec(settings.task)
     check_assets(settings.task)
@@ -221,7 +197,7 @@ def check_config(cfg: Mapping, *, probe: bool = True) -> ManiSkillSettings:
     return settings
 
 
-def _check_cameras(settings: ManiSkillSettings, available) -> None:
+def _check_cameras(settings: ManiSkillEnvConfig, available) -> None:
     if not available:
         raise ConfigError("env.obs_mode", f"{settings.task} has no sensor camera for rgb observations; "
                           "use obs_mode=state")
@@ -247,7 +223,7 @@ def draw_init_state(rng: np.random.Generator, num_init_states: int | None) -> in
     return int(rng.integers(num_init_states if num_init_states is not None else MAX_SEED))
 
 
-def sparse_from_info(settings: ManiSkillSettings) -> bool:
+def sparse_from_info(settings: ManiSkillEnvConfig) -> bool:
     """``reward_mode: sparse`` on a task that defines no sparse reward (the Bridge digital twins
     define none at all): the simulator runs with ``reward_mode="none"`` and the adapter computes
     ManiSkill's generic sparse reward, ``success - fail``, from ``info``."""
@@ -292,7 +268,7 @@ class ObsConverter:
         task_id  int64   [B]
     """
 
-    def __init__(self, base, settings: ManiSkillSettings):
+    def __init__(self, base, settings: ManiSkillEnvConfig):
         self.base = base
         self.obs_mode = settings.obs_mode
         self.cameras: list[str] = []
@@ -329,11 +305,11 @@ def action_bounds(base) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(space.low, np.float32).reshape(-1), np.asarray(space.high, np.float32).reshape(-1)
 
 
-def make_spec(settings: ManiSkillSettings, base, converter: ObsConverter, state_dim: int) -> EnvSpec:
+def make_spec(settings: ManiSkillEnvConfig, base, converter: ObsConverter, state_dim: int) -> EnvSpec:
     low, high = action_bounds(base)
     return EnvSpec(action_dim=int(low.shape[0]), max_episode_steps=settings.max_episode_steps,
                    task_descriptions=[instruction(settings.task)], camera_names=list(converter.cameras),
-                   image_size=settings.image_size if settings.obs_mode == "rgb" else None,
+                   image_size=tuple(settings.image_size) if settings.obs_mode == "rgb" else None,
                    state_dim=state_dim,
                    num_init_states=[settings.num_init_states] if settings.num_init_states is not None else [],
                    action_low=low.tolist(), action_high=high.tolist(), name=settings.task)
@@ -351,7 +327,7 @@ class ManiSkillSimEnv(SimEnv):
     """
 
     def __init__(self, cfg: Mapping, seed: int = 0):
-        self.settings = ManiSkillSettings.from_config(cfg)
+        self.settings = settings_of(cfg)
         self.stop_at_termination = not bool(cfg["ignore_terminations"])
         self._env = make_maniskill_env(self.settings, num_envs=1, sim_backend=CPU_BACKEND)
         self._base = self._env.unwrapped
