@@ -9,7 +9,7 @@ or Ray workers: the same code), which collect with the training
 :class:`~embodirl.rollout.collector.RolloutCollector` without auto-reset, every episode to termination or
 its time limit, the inference workers sampling with the evaluation parameters
 (:func:`~embodirl.workers.inference_worker.sampling_from_config`: greedy with ``runner.eval_greedy``, else
-``rollout.temperature`` / ``rollout.eval_temperature``, ``rollout.top_k``, ``rollout.top_p``).
+``rollout.temperature``, ``rollout.top_k``, ``rollout.top_p``).
 :func:`episode_results` turns each batch into :class:`~embodirl.runner.eval_report.EpisodeResult` rows and
 :func:`~embodirl.runner.eval_report.build_eval_info` builds the report. The first ``runner.eval_num_videos``
 episodes are recorded (every low-level step, with the info overlay).

@@ -146,7 +146,7 @@ class WorkerGroups:
         rollout_cfg = cfg.rollout
         self.inference = InferenceGroup(
             cfg.model, spec, num_workers=layout.num_inference_workers, backend=rollout_cfg.backend,
-            sampling=sampling_from_config(to_plain(rollout_cfg), cfg.runner.eval_greedy), remote=self.remote,
+            sampling=sampling_from_config(rollout_cfg, cfg.runner.eval_greedy), remote=self.remote,
             placement=self.placement, process_vars=self.process_vars, policy=policy, seed=int(cfg.runner.seed),
             init_seed=int(cfg.runner.seed), weight_source=self._full_weights if self.remote else None,
             trainable_dtype=trainable_dtype(cfg, self.train), merge_lora=bool(rollout_cfg.merge_lora),

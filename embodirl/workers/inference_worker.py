@@ -29,6 +29,8 @@ from embodirl.channel.shm_channel import ChannelInfo, ShmReader, ShmRef
 from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
 from embodirl.rollout.inference import PolicyOutput
+from embodirl.schema import to_object
+from embodirl.schema.sections import Rollout
 from embodirl.workers import process_env
 from embodirl.workers.backends import make_backend
 from embodirl.workers.stream import StreamServer
@@ -39,16 +41,14 @@ log = logging.getLogger(__name__)
 TRAIN, EVAL = "train", "eval"
 
 
-def sampling_from_config(rollout_cfg: Mapping, eval_greedy: bool = True) -> dict[str, SamplingParams]:
-    """``rollout.{temperature, top_k, top_p}`` for training; evaluation is greedy (``runner.eval_greedy``)
-    or samples like training (at ``rollout.eval_temperature`` when that key is set)."""
-    top_k, top_p = rollout_cfg.get("top_k"), rollout_cfg.get("top_p")
-    temperature = rollout_cfg.get("temperature")
-    train = SamplingParams(greedy=False, temperature=1.0 if temperature is None else float(temperature),
-                           top_k=top_k, top_p=top_p)
-    eval_temperature = rollout_cfg.get("eval_temperature")
-    evaluation = SamplingParams(greedy=bool(eval_greedy), top_k=top_k, top_p=top_p,
-                                temperature=train.temperature if eval_temperature is None else float(eval_temperature))
+def sampling_from_config(rollout: Rollout, eval_greedy: bool = True) -> dict[str, SamplingParams]:
+    """The typed ``rollout`` section's ``temperature`` (null: 1, the policy's own distribution), ``top_k`` and
+    ``top_p`` for training; evaluation is greedy (``runner.eval_greedy``) or samples like training."""
+    rollout = to_object(Rollout, rollout, "rollout")
+    temperature = 1.0 if rollout.temperature is None else rollout.temperature
+    train = SamplingParams(greedy=False, temperature=temperature, top_k=rollout.top_k, top_p=rollout.top_p)
+    evaluation = SamplingParams(greedy=bool(eval_greedy), temperature=temperature, top_k=rollout.top_k,
+                                top_p=rollout.top_p)
     return {TRAIN: train, EVAL: evaluation}
 
 
