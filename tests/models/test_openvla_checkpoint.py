@@ -154,7 +154,7 @@ def direct_model(seed=0, **overrides):
 def model_inputs(cfg):
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2, 2, 3, 56, 56), dtype=torch.uint8, generator=g)
-    return ImageProcessor(cfg.image_size)(images), torch.rand(2, 8, generator=g) * 2 - 1
+    return ImageProcessor(cfg.model.image_size)(images), torch.rand(2, 8, generator=g) * 2 - 1
 
 
 def observation():

@@ -28,7 +28,7 @@ def model_and_inputs():
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     images = torch.randint(0, 256, (3, 2, 3, 64, 64), dtype=torch.uint8)
-    pixels = ImageProcessor(cfg.image_size)(images)
+    pixels = ImageProcessor(cfg.model.image_size)(images)
     ids, mask = PromptTokenizer()(INSTRUCTIONS)
     proprio = torch.randn(3, 8).clamp(-1, 1)
     return model, (pixels, ids, mask, proprio)
@@ -194,4 +194,4 @@ def test_full_size_preset_builds_on_meta_without_memory():
     assert llm == 6_738_415_616 + 2 * 64 * 4096  # Llama-2-7B with the vocabulary padded to 32064
     assert policy.cfg.tokens_per_decision == 56 and policy.cfg.attn_implementation in ("sdpa", "flash_attention_2")
     lora = sum(p.numel() for n, p in params if ".lora_" in n)
-    assert lora > 0 and policy.cfg.lora.rank == 32
+    assert lora > 0 and policy.cfg.model.lora.rank == 32

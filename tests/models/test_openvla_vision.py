@@ -56,15 +56,15 @@ def test_fused_towers_match_timm_reference():
             param.normal_(0.0, 0.2 if "layer_scale" not in name else 1.0)
         model.vision.dino.embeddings.position_embeddings[:, 0].zero_()
     sd = public_weights(model, cfg)
-    pixels = torch.randn(3, 12, cfg.image_size, cfg.image_size)  # B=3, two images of 6 channels
+    pixels = torch.randn(3, 12, cfg.model.image_size, cfg.model.image_size)  # B=3, two images of 6 channels
     with torch.no_grad():
         ours = model.vision(pixels)                                  # (3, 2*P, D_dino + D_siglip)
-        images = pixels.reshape(6, 6, cfg.image_size, cfg.image_size)
+        images = pixels.reshape(6, 6, cfg.model.image_size, cfg.model.image_size)
         kw = dict(patch=14)
-        dino = timm_vit_features(sd, "vision_backbone.featurizer.", images[:, :3], depth=cfg.dino.num_hidden_layers,
-                                 heads=cfg.dino.num_attention_heads, dino=True, **kw)
+        dino = timm_vit_features(sd, "vision_backbone.featurizer.", images[:, :3], depth=cfg.model.vision.dino.num_hidden_layers,
+                                 heads=cfg.model.vision.dino.num_attention_heads, dino=True, **kw)
         siglip = timm_vit_features(sd, "vision_backbone.fused_featurizer.", images[:, 3:],
-                                   depth=cfg.siglip.num_hidden_layers, heads=cfg.siglip.num_attention_heads,
+                                   depth=cfg.model.vision.siglip.num_hidden_layers, heads=cfg.model.vision.siglip.num_attention_heads,
                                    dino=False, **kw)
         reference = torch.cat([dino, siglip], dim=-1).reshape(3, -1, cfg.vision_dim)
     assert ours.shape == (3, 2 * cfg.patches_per_image, cfg.vision_dim)

@@ -99,7 +99,7 @@ def public_adapter(core: torch.nn.Module, cfg: OFTConfig) -> tuple[dict[str, tor
     to keep ``alpha / r``). Rows of parts without an adapter are zero.
     """
     mapping = linear_module_map(cfg)
-    rank, alpha = cfg.lora.rank, cfg.lora.alpha
+    rank, alpha = cfg.model.lora.rank, cfg.model.lora.alpha
     grouped: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.nn.Module]]] = {}
     for name, mod in lora_modules(core).items():
         if name not in mapping:
@@ -137,9 +137,10 @@ def load_live_adapter(core: torch.nn.Module, cfg: OFTConfig, adapter: AdapterFil
     :func:`public_adapter`)."""
     cfg_file = adapter.path / ADAPTER_CONFIG
     weights_file = adapter.path / ADAPTER_WEIGHTS
-    if int(adapter.config.get("r", -1)) != cfg.lora.rank or float(adapter.config.get("lora_alpha", -1)) != cfg.lora.alpha:
+    lora = cfg.model.lora
+    if int(adapter.config.get("r", -1)) != lora.rank or float(adapter.config.get("lora_alpha", -1)) != lora.alpha:
         raise CheckpointError(f"{cfg_file} has r={adapter.config.get('r')}, lora_alpha={adapter.config.get('lora_alpha')} "
-                              f"but model.lora asks for rank={cfg.lora.rank}, alpha={cfg.lora.alpha}")
+                              f"but model.lora asks for rank={lora.rank}, alpha={lora.alpha}")
     mapping = linear_module_map(cfg)
     ours = lora_modules(core)
     by_public: dict[str, dict[int | None, torch.nn.Module]] = {}
@@ -153,7 +154,7 @@ def load_live_adapter(core: torch.nn.Module, cfg: OFTConfig, adapter: AdapterFil
     missing = sorted(set(by_public) - set(adapter.modules))
     if missing:
         raise CheckpointError(f"{weights_file} has no adapter for '{missing[0]}' ({len(missing)} missing)")
-    r = cfg.lora.rank
+    r = cfg.model.lora.rank
     with torch.no_grad():
         for public, parts in by_public.items():
             A, B, _ = adapter.modules[public]

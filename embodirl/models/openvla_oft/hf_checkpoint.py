@@ -32,6 +32,7 @@ the architecture is built here and the names are mapped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -143,16 +144,16 @@ def check_config_compatible(cfg: OFTConfig, config: Mapping, where: Path) -> Non
     if timm_ids and not all(str(t).startswith(p) for t, p in zip(timm_ids, SUPPORTED_TIMM_PREFIXES)):
         raise CheckpointError(f"{where / CONFIG_FILE} uses vision towers {timm_ids}; supported are "
                               f"{list(SUPPORTED_TIMM_PREFIXES)}")
-    if "n_action_bins" in config and int(config["n_action_bins"]) != cfg.num_bins:
-        mismatch("n_action_bins", cfg.num_bins, config["n_action_bins"])
+    if "n_action_bins" in config and int(config["n_action_bins"]) != cfg.model.num_bins:
+        mismatch("n_action_bins", cfg.model.num_bins, config["n_action_bins"])
     sizes = config.get("image_sizes")
-    if sizes and any(int(s) != cfg.image_size for s in sizes):
-        mismatch("image_sizes", cfg.image_size, sizes)
+    if sizes and any(int(s) != cfg.model.image_size for s in sizes):
+        mismatch("image_sizes", cfg.model.image_size, sizes)
     text = config.get("text_config") or {}
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                 "rms_norm_eps"):
-        if key in text and key in cfg.llm and float(text[key]) != float(cfg.llm[key]):
-            mismatch(f"text_config.{key}", cfg.llm[key], text[key])
+        if key in text and float(text[key]) != float(getattr(cfg.model.llm, key)):
+            mismatch(f"text_config.{key}", getattr(cfg.model.llm, key), text[key])
 
 
 def _load_tokenizer(directories: Iterable[Path], marker: Mapping):
@@ -176,8 +177,8 @@ def _load_tokenizer(directories: Iterable[Path], marker: Mapping):
 
 
 def load_base(core: torch.nn.Module, cfg: OFTConfig, base_path_override: str | None = None) -> LoadedCheckpoint:
-    """Load ``cfg.path`` into ``core`` (not yet LoRA-wrapped): base weights, heads, statistics, tokenizer."""
-    directory = resolve_checkpoint_dir(cfg.path)
+    """Load ``cfg.model.path`` into ``core`` (not yet LoRA-wrapped): base weights, heads, statistics, tokenizer."""
+    directory = resolve_checkpoint_dir(cfg.model.path)
     files = weight_files(directory)
     adapter_dir = directory / ADAPTER_DIR
     base_dir = directory
@@ -203,7 +204,7 @@ def load_base(core: torch.nn.Module, cfg: OFTConfig, base_path_override: str | N
     elif adapter_dir.is_dir():
         if marker.get("adapter") == LIVE_ADAPTER:
             live = read_adapter(adapter_dir)
-            if not cfg.lora.enabled:
+            if not cfg.model.lora.enabled:
                 merge, live = live, None
         else:
             log.info("%s: weights are merged; %s/ is the adapter already merged into them, not applied again",
@@ -291,9 +292,9 @@ def _write(core, cfg: OFTConfig, out: Path, final: Path, *, step, model_cfg, sta
     has_adapter = bool(lora_modules(core))
     config = dict(source.config) if source is not None else dict(PRISMATIC_CONFIG)
     text = dict(config.get("text_config") or {})
-    text.update({k: v for k, v in cfg.llm.items() if k != "rope_theta"},
-                model_type="llama", rope_theta=cfg.llm["rope_theta"], pad_token_id=PRISMATIC_CONFIG["pad_token_id"])
-    config.update(text_config=text, n_action_bins=cfg.num_bins, image_sizes=[cfg.image_size] * 2,
+    text.update({k: v for k, v in dataclasses.asdict(cfg.model.llm).items() if k != "rope_theta"},
+                model_type="llama", rope_theta=cfg.model.llm.rope_theta, pad_token_id=PRISMATIC_CONFIG["pad_token_id"])
+    config.update(text_config=text, n_action_bins=cfg.model.num_bins, image_sizes=[cfg.model.image_size] * 2,
                   num_images_in_input=cfg.num_images_in_input)  # read back by autoconfig.py
     if statistics:
         config["norm_stats"] = dict(statistics)
@@ -347,7 +348,7 @@ def _write_adapter(core, cfg: OFTConfig, out: Path, final: Path) -> None:
     tensors, rank_pattern, alpha_pattern, targets = public_adapter(core, cfg)
     out.mkdir()
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = peft.LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+    config = peft.LoraConfig(r=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha, lora_dropout=cfg.model.lora.dropout,
                              target_modules=targets, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
                              init_lora_weights=LORA_INIT, bias="none", base_model_name_or_path=str(final))
     config.save_pretrained(str(out))

@@ -24,7 +24,7 @@ from torch import nn
 
 from embodirl.errors import ConfigError
 from embodirl.models.openvla_oft.modeling import OpenVLAOFT
-from embodirl.models.openvla_oft.resolve import LoraSettings
+from embodirl.models.openvla_oft.schema import Lora
 
 #: OpenVLA-OFT's LoRA init (openvla-oft ``finetune.py``): A ~ N(0, 1/r), B = 0
 LORA_INIT = "gaussian"
@@ -41,8 +41,8 @@ ACTION_HEAD = "action_head"
 
 def _forward_path_prefixes(core: OpenVLAOFT) -> tuple[str, ...]:
     cfg = core.cfg
-    dino_blocks = [f"vision.dino.encoder.layer.{i}." for i in range(cfg.dino.num_hidden_layers - 1)]
-    siglip_blocks = [f"vision.siglip.encoder.layers.{i}." for i in range(cfg.siglip.num_hidden_layers - 1)]
+    dino_blocks = [f"vision.dino.encoder.layer.{i}." for i in range(cfg.model.vision.dino.num_hidden_layers - 1)]
+    siglip_blocks = [f"vision.siglip.encoder.layers.{i}." for i in range(cfg.model.vision.siglip.num_hidden_layers - 1)]
     return (*dino_blocks, *siglip_blocks, "projector.", "language_model.model.layers.")
 
 
@@ -67,7 +67,7 @@ def lora_target_names(core: OpenVLAOFT, target_modules) -> list[str]:
     return sorted(set(chosen), key=linears.index)
 
 
-def apply_lora(core: OpenVLAOFT, settings: LoraSettings):
+def apply_lora(core: OpenVLAOFT, settings: Lora):
     """Wrap ``core`` in a :class:`peft.PeftModel` (adapters at zero). ``core`` is modified in place and
     stays reachable as ``peft_model.get_base_model()``."""
     import peft

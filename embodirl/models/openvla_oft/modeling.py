@@ -90,12 +90,12 @@ class OpenVLAOFT(nn.Module):
             # sdpa/flash read the module flag when no mask is materialised (no padding)
             layer.self_attn.is_causal = False
         self.proprio_projector = ProprioProjector(cfg.proprio_dim, cfg.llm_dim) if cfg.use_proprio else None
-        self.action_head = (L1RegressionActionHead(cfg.llm_dim, cfg.action_dim, cfg.action_chunk)
+        self.action_head = (L1RegressionActionHead(cfg.llm_dim, cfg.action_dim, cfg.model.action_chunk)
                             if cfg.use_l1_regression else None)
-        value_out = 1 if cfg.value_type == "chunk_level" else cfg.action_chunk
-        self.value_head = ValueHead(cfg.llm_dim, cfg.value_head_hidden_sizes, value_out)
-        self.action_tokenizer = ActionTokenizer(cfg.num_bins)
-        if cfg.gradient_checkpointing:
+        value_out = 1 if cfg.model.value_type == "chunk_level" else cfg.model.action_chunk
+        self.value_head = ValueHead(cfg.llm_dim, cfg.model.value_head.hidden_sizes, value_out)
+        self.action_tokenizer = ActionTokenizer(cfg.model.num_bins)
+        if cfg.model.gradient_checkpointing:
             for model in (self.language_model, self.vision.dino, self.vision.siglip):
                 model.activation_checkpointing_enable({"use_reentrant": False})
 
@@ -201,7 +201,7 @@ class OpenVLAOFT(nn.Module):
     def values(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
         """float32 ``[B]`` (chunk level) or ``[B, H]`` (action level)."""
         v = self.value_head(prompt_hidden).float()  # (B, 1) or (B, H)
-        return v.squeeze(-1) if self.cfg.value_type == "chunk_level" else v
+        return v.squeeze(-1) if self.cfg.model.value_type == "chunk_level" else v
 
     def regress_actions(self, action_hidden: torch.Tensor) -> torch.Tensor:
         """L1 head: normalised actions float32 ``[B, H, A]`` (requires ``use_l1_regression``)."""

@@ -170,8 +170,8 @@ def language_rules(num_layers: int) -> list[Rule]:
 def parameter_rules(cfg: OFTConfig) -> list[Rule]:
     """Every tensor of the public model file(s) (``model*.safetensors``) for this configuration."""
     projector = [r for fc in ("fc1", "fc2", "fc3") for r in _wb(f"projector.{fc}", f"projector.{fc}")]
-    return [*dino_rules(cfg.dino.num_hidden_layers), *siglip_rules(cfg.siglip.num_hidden_layers),
-            *projector, *language_rules(int(cfg.llm["num_hidden_layers"]))]
+    return [*dino_rules(cfg.model.vision.dino.num_hidden_layers), *siglip_rules(cfg.model.vision.siglip.num_hidden_layers),
+            *projector, *language_rules(cfg.model.llm.num_hidden_layers)]
 
 
 def public_alias(name: str) -> str | None:

@@ -63,12 +63,12 @@ class OpenVLAOFTPolicy(Policy):
         super().__init__()
         self.task_descriptions = list(task_descriptions or [])
         self.cfg = cfg
-        self.action_chunk = cfg.action_chunk
+        self.action_chunk = cfg.model.action_chunk
         self.action_dim = cfg.action_dim
-        self.value_type = cfg.value_type
+        self.value_type = cfg.model.value_type
         self.model_cfg = dict(model_cfg)
         self._loaded = loaded
-        self.vla = apply_lora(core, cfg.lora) if cfg.lora.enabled else core
+        self.vla = apply_lora(core, cfg.model.lora) if cfg.model.lora.enabled else core
         if loaded is not None:
             self._apply_deferred(loaded)
         self.action_tokenizer = core.action_tokenizer
@@ -76,7 +76,7 @@ class OpenVLAOFTPolicy(Policy):
         means, stds = (loaded.image_means_stds if loaded is not None and loaded.image_means_stds
                        else ((DINO_MEAN, SIGLIP_MEAN), (DINO_STD, SIGLIP_STD)))
         # every tensor the policy holds is created on the network's device (and moves with .to())
-        self.images = ImageProcessor(cfg.image_size, cfg.center_crop, means, stds, device=self.device)
+        self.images = ImageProcessor(cfg.model.image_size, cfg.model.center_crop, means, stds, device=self.device)
         self.statistics = loaded.statistics if loaded is not None else None
         self.unnorm_key, self.action_normalizer, self.proprio_normalizer = self._normalizers()
         self._unmerged: list[torch.Tensor] | None = None   # the adapted weights before merge_adapters_
@@ -95,14 +95,14 @@ class OpenVLAOFTPolicy(Policy):
         """``(unnorm_key, action normaliser, proprio normaliser or None)`` on the policy's device."""
         cfg, device = self.cfg, self.device
         if self.statistics is None:
-            if cfg.path is not None:
+            if cfg.model.path is not None:
                 log.warning("checkpoint %s has no dataset statistics: actions and proprio are not "
-                            "(un-)normalised", cfg.path)
+                            "(un-)normalised", cfg.model.path)
             proprio = BoundsNormalizer.identity(cfg.proprio_dim, device=device) if cfg.use_proprio else None
             return None, BoundsNormalizer.identity(cfg.action_dim, device=device), proprio
         key = resolve_unnorm_key(self.statistics, cfg.unnorm_key)
         entry = self.statistics[key]
-        action = BoundsNormalizer.from_statistics(entry["action"], cfg.normalization, device=device)
+        action = BoundsNormalizer.from_statistics(entry["action"], cfg.model.normalization, device=device)
         if action.dim != cfg.action_dim:
             raise ConfigError("model.action_dim", f"is {cfg.action_dim} but the '{key}' statistics describe "
                                                   f"{action.dim}-D actions")
@@ -110,7 +110,7 @@ class OpenVLAOFTPolicy(Policy):
         if cfg.use_proprio:
             if "proprio" not in entry:
                 raise ConfigError("model.use_proprio", f"the '{key}' statistics have no proprio entry")
-            proprio = BoundsNormalizer.from_statistics(entry["proprio"], cfg.normalization, device=device)
+            proprio = BoundsNormalizer.from_statistics(entry["proprio"], cfg.model.normalization, device=device)
             if proprio.dim != cfg.proprio_dim:
                 raise ConfigError("model.proprio_dim", f"is {cfg.proprio_dim} but the '{key}' statistics "
                                                        f"describe a {proprio.dim}-D proprio state")
@@ -354,13 +354,13 @@ def build_policy(model_cfg: Mapping, env_spec=None, *, device: torch.device | st
         model_cfg = configure(model_cfg, download=True)
     cfg = build_config(model_cfg, env_spec)
     device = device or model_cfg.get("device") or "cpu"
-    if cfg.path is not None and torch.device(device).type == "meta":
+    if cfg.model.path is not None and torch.device(device).type == "meta":
         raise ConfigError("model.device", "a checkpoint cannot be loaded onto the meta device")
-    if cfg.path is not None:
-        log.info("checkpoint %s: %s, %s, %d image(s) per decision", cfg.path,
+    if cfg.model.path is not None:
+        log.info("checkpoint %s: %s, %s, %d image(s) per decision", cfg.model.path,
                  "L1 regression head" if cfg.use_l1_regression else "action tokens",
                  "proprio token" if cfg.use_proprio else "no proprio token", cfg.num_images_in_input)
-    core = build_model(cfg, device, init_weights=cfg.path is None)
-    loaded = hf_checkpoint.load_base(core, cfg, model_cfg.get("base_path")) if cfg.path is not None else None
+    core = build_model(cfg, device, init_weights=cfg.model.path is None)
+    loaded = hf_checkpoint.load_base(core, cfg, model_cfg.get("base_path")) if cfg.model.path is not None else None
     tasks = list(env_spec.task_descriptions) if env_spec is not None else None
     return OpenVLAOFTPolicy(cfg, core, model_cfg=model_cfg, loaded=loaded, task_descriptions=tasks)

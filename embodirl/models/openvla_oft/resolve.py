@@ -15,18 +15,20 @@ environment's value:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from embodirl import data as D
+from embodirl.config_fields import instance
 from embodirl.errors import ConfigError
 from embodirl.models.action_tokenizer import LLAMA_BASE_VOCAB_SIZE
 from embodirl.models.normalization import BOUNDS_KEYS
+from embodirl.models.openvla_oft.schema import Lora, OpenVLAOFTConfig, VisionTower
 from embodirl.models.processor import LLAMA_BOS_ID, LLAMA_PAD_ID, LLAMA_STOP_ID
 
 log = logging.getLogger(__name__)
@@ -51,96 +53,67 @@ PRESETS_GROUP = "model"
 
 
 @dataclass(frozen=True)
-class TowerSizes:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    patch_size: int
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    enabled: bool
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: str | tuple[str, ...]   # "all-linear" or module names (see lora.py)
-    modules_to_save: tuple[str, ...]        # fully trainable heads
-
-
-@dataclass(frozen=True)
 class OFTConfig:
-    """Everything the model, the processor and the checkpoint I/O need (see module docstring)."""
+    """Everything the model, the processor and the checkpoint I/O need (see module docstring): ``model``, the typed
+    ``model`` section itself, and the values this module resolves from it - its nulls filled from the env and the
+    checkpoint, the dtype and attention kernel chosen. Nothing of the section is copied here."""
 
+    model: OpenVLAOFTConfig
     action_dim: int
-    action_chunk: int
-    num_bins: int
     num_images_in_input: int
     use_proprio: bool
     proprio_dim: int
     use_l1_regression: bool
-    value_type: str
-    value_head_hidden_sizes: tuple[int, ...]
-    center_crop: bool
-    image_size: int
+    unnorm_key: str | None
     dtype: torch.dtype
     attn_implementation: str
-    gradient_checkpointing: bool
-    path: str | None
-    unnorm_key: str | None
-    normalization: str
-    dino: TowerSizes
-    siglip: TowerSizes
-    llm: Mapping
-    lora: LoraSettings
 
     # --- derived sizes ---------------------------------------------------------------------------
     @property
     def tokens_per_decision(self) -> int:
         """L = H * A action tokens per decision."""
-        return self.action_chunk * self.action_dim
+        return self.model.action_chunk * self.action_dim
 
     @property
     def patches_per_image(self) -> int:
-        return (self.image_size // self.dino.patch_size) ** 2
+        return (self.model.image_size // self.model.vision.dino.patch_size) ** 2
 
     @property
     def vision_dim(self) -> int:
-        return self.dino.hidden_size + self.siglip.hidden_size
+        return self.model.vision.dino.hidden_size + self.model.vision.siglip.hidden_size
 
     @property
     def llm_dim(self) -> int:
-        return int(self.llm["hidden_size"])
+        return self.model.llm.hidden_size
 
     # --- transformers configs ------------------------------------------------------------------
     def dino_config(self):
         from transformers import Dinov2WithRegistersConfig
 
-        d = self.dino
+        d = self.model.vision.dino
         return Dinov2WithRegistersConfig(
             hidden_size=d.hidden_size, num_hidden_layers=d.num_hidden_layers,
             num_attention_heads=d.num_attention_heads, mlp_ratio=d.intermediate_size // d.hidden_size,
-            patch_size=d.patch_size, image_size=self.image_size, num_register_tokens=DINO_REGISTER_TOKENS,
+            patch_size=d.patch_size, image_size=self.model.image_size, num_register_tokens=DINO_REGISTER_TOKENS,
             layerscale_value=DINO_LAYERSCALE_INIT, layer_norm_eps=VISION_LAYER_NORM_EPS, hidden_act="gelu",
             qkv_bias=True, attn_implementation=self.vision_attn_implementation)
 
     def siglip_config(self):
         from transformers import SiglipVisionConfig
 
-        s = self.siglip
+        s = self.model.vision.siglip
         return SiglipVisionConfig(
             hidden_size=s.hidden_size, num_hidden_layers=s.num_hidden_layers,
             num_attention_heads=s.num_attention_heads, intermediate_size=s.intermediate_size,
-            patch_size=s.patch_size, image_size=self.image_size, layer_norm_eps=VISION_LAYER_NORM_EPS,
+            patch_size=s.patch_size, image_size=self.model.image_size, layer_norm_eps=VISION_LAYER_NORM_EPS,
             hidden_act=SIGLIP_HIDDEN_ACT, vision_use_head=True,
             attn_implementation=self.vision_attn_implementation)
 
     def llama_config(self):
         from transformers import LlamaConfig
 
-        llm = dict(self.llm)
-        rope_theta = float(llm.pop("rope_theta"))
+        llm = dataclasses.asdict(self.model.llm)
+        rope_theta = llm.pop("rope_theta")
         cfg = LlamaConfig(
             **llm, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
             bos_token_id=LLAMA_BOS_ID, eos_token_id=LLAMA_STOP_ID, pad_token_id=LLAMA_PAD_ID,
@@ -157,17 +130,12 @@ class OFTConfig:
 
 
 # --- construction from the config group ---------------------------------------------------------
-def _tower(raw: Mapping, key: str) -> TowerSizes:
-    try:
-        sizes = TowerSizes(**{k: int(raw[k]) for k in TowerSizes.__dataclass_fields__})
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(key, f"needs integer keys {', '.join(TowerSizes.__dataclass_fields__)} ({exc})") from None
-    if sizes.hidden_size % sizes.num_attention_heads:
-        raise ConfigError(f"{key}.hidden_size", f"{sizes.hidden_size} is not divisible by "
-                                                f"num_attention_heads={sizes.num_attention_heads}")
-    if sizes.num_hidden_layers < 2:
+def _check_tower(tower: VisionTower, key: str) -> None:
+    if tower.hidden_size % tower.num_attention_heads:
+        raise ConfigError(f"{key}.hidden_size", f"{tower.hidden_size} is not divisible by "
+                                                f"num_attention_heads={tower.num_attention_heads}")
+    if tower.num_hidden_layers < 2:
         raise ConfigError(f"{key}.num_hidden_layers", "needs at least 2 (features come from the second-to-last block)")
-    return sizes
 
 
 def resolve_attn_implementation(requested: str) -> str:
@@ -183,121 +151,83 @@ def resolve_attn_implementation(requested: str) -> str:
     return requested
 
 
-def _lora(raw: Mapping) -> LoraSettings:
-    missing = [k for k in LoraSettings.__dataclass_fields__ if k not in raw]
-    if missing:
-        raise ConfigError("model.lora", f"is missing {', '.join(missing)}")
-    targets = raw["target_modules"]
-    if not isinstance(targets, str):
-        targets = tuple(str(t) for t in targets)
-    settings = LoraSettings(enabled=bool(raw["enabled"]), rank=int(raw["rank"]), alpha=float(raw["alpha"]),
-                            dropout=float(raw["dropout"]), target_modules=targets,
-                            modules_to_save=tuple(raw["modules_to_save"] or ()))
-    if settings.enabled and settings.rank <= 0:
-        raise ConfigError("model.lora.rank", f"must be positive, got {settings.rank}")
-    unknown = set(settings.modules_to_save) - set(TRAINABLE_HEADS)
+def _check_lora(lora: Lora) -> None:
+    unknown = set(lora.modules_to_save) - set(TRAINABLE_HEADS)
     if unknown:
         raise ConfigError("model.lora.modules_to_save", f"unknown modules {sorted(unknown)}; choose among "
                                                         f"{', '.join(TRAINABLE_HEADS)}")
-    return settings
 
 
-def build_config(cfg: Mapping, env_spec=None) -> OFTConfig:
-    """Resolve the model config group (a plain mapping) against ``env_spec`` (None: checks only). With a
-    checkpoint in ``path``, pass the mapping :func:`.autoconfig.configure` returns (the keys the checkpoint
-    decides filled in); this module does not import the checkpoint readers, which import it."""
-    cfg = dict(cfg)
-    def need(key):
-        if key not in cfg:
-            raise ConfigError(f"model.{key}", "is missing from the model config")
-        return cfg[key]
-
-    action_dim = cfg.get("action_dim")
-    num_images = cfg.get("num_images_in_input")
-    use_proprio = cfg.get("use_proprio")
-    proprio_dim = cfg.get("proprio_dim")
-    unnorm_key = cfg.get("unnorm_key")
+def build_config(cfg, env_spec=None) -> OFTConfig:
+    """Resolve the ``model`` section (the typed :class:`OpenVLAOFTConfig`, or a DictConfig or plain mapping of it,
+    converted here once) against ``env_spec`` (None: checks only). With a checkpoint in ``path``, pass what
+    :func:`.autoconfig.configure` returns (the keys the checkpoint decides filled in); this module does not import
+    the checkpoint readers, which import it."""
+    model = instance(OpenVLAOFTConfig, cfg, "model")
+    action_dim, num_images = model.action_dim, model.num_images_in_input
+    use_proprio, proprio_dim, unnorm_key = model.use_proprio, model.proprio_dim, model.unnorm_key
     if env_spec is not None:
         cameras = len(env_spec.camera_names)
         if action_dim is None:
             action_dim = env_spec.action_dim
-        elif int(action_dim) != env_spec.action_dim:
+        elif action_dim != env_spec.action_dim:
             raise ConfigError("model.action_dim", f"is {action_dim} but env '{env_spec.name}' takes "
                                                   f"{env_spec.action_dim}-D actions; set it to null or {env_spec.action_dim}")
         if num_images is None:
             num_images = min(cameras, MAX_IMAGES_IN_INPUT)
-        elif int(num_images) > cameras:
+        elif num_images > cameras:
             raise ConfigError("model.num_images_in_input", f"is {num_images} but env '{env_spec.name}' renders "
                                                            f"{cameras} camera(s) {env_spec.camera_names}")
         if use_proprio is None:
             use_proprio = env_spec.state_dim > 0
         if proprio_dim is None:
             proprio_dim = env_spec.state_dim
-        if use_proprio and int(proprio_dim) != env_spec.state_dim:
+        if use_proprio and proprio_dim != env_spec.state_dim:
             raise ConfigError("model.proprio_dim", f"is {proprio_dim} but env '{env_spec.name}' has a "
                                                    f"{env_spec.state_dim}-D state; set it to null or use_proprio: false")
         if unnorm_key is None and env_spec.name:
             unnorm_key = env_spec.name
     # checks-only mode: unresolved nulls get placeholders that pass the checks below
-    action_dim = int(action_dim if action_dim is not None else 1)
-    num_images = int(num_images if num_images is not None else 1)
-    use_proprio = bool(use_proprio) if use_proprio is not None else False
-    proprio_dim = int(proprio_dim if proprio_dim is not None else int(use_proprio))
+    action_dim = action_dim if action_dim is not None else 1
+    num_images = num_images if num_images is not None else 1
+    use_proprio = bool(use_proprio)
+    proprio_dim = proprio_dim if proprio_dim is not None else int(use_proprio)
 
-    value_type = str(need("value_type"))
-    if value_type not in VALUE_TYPES:
-        raise ConfigError("model.value_type", f"'{value_type}' is not one of {', '.join(VALUE_TYPES)}")
+    if model.value_type not in VALUE_TYPES:
+        raise ConfigError("model.value_type", f"'{model.value_type}' is not one of {', '.join(VALUE_TYPES)}")
     if not 1 <= num_images <= MAX_IMAGES_IN_INPUT:
         raise ConfigError("model.num_images_in_input", f"must be 1 or 2, got {num_images}")
     if use_proprio and proprio_dim <= 0:
         raise ConfigError("model.proprio_dim", "must be positive when use_proprio is true")
-    dtype_name = str(need("dtype"))
-    if dtype_name not in DTYPES:
-        raise ConfigError("model.dtype", f"'{dtype_name}' is not one of {', '.join(DTYPES)}")
-    normalization = str(need("normalization"))
-    if normalization not in BOUNDS_KEYS:
-        raise ConfigError("model.normalization", f"'{normalization}' is not one of {', '.join(BOUNDS_KEYS)}")
+    if model.dtype not in DTYPES:
+        raise ConfigError("model.dtype", f"'{model.dtype}' is not one of {', '.join(DTYPES)}")
+    if model.normalization not in BOUNDS_KEYS:
+        raise ConfigError("model.normalization", f"'{model.normalization}' is not one of {', '.join(BOUNDS_KEYS)}")
 
-    vision = need("vision")
-    dino, siglip = _tower(vision["dino"], "model.vision.dino"), _tower(vision["siglip"], "model.vision.siglip")
-    image_size = int(need("image_size"))
+    dino, siglip = model.vision.dino, model.vision.siglip
+    _check_tower(dino, "model.vision.dino")
+    _check_tower(siglip, "model.vision.siglip")
     for name, tower in (("dino", dino), ("siglip", siglip)):
-        if image_size % tower.patch_size:
-            raise ConfigError("model.image_size", f"{image_size} is not a multiple of the {name} patch size "
+        if model.image_size % tower.patch_size:
+            raise ConfigError("model.image_size", f"{model.image_size} is not a multiple of the {name} patch size "
                                                   f"{tower.patch_size}")
     if dino.patch_size != siglip.patch_size:
         raise ConfigError("model.vision", "both towers must use one patch size (their patches are concatenated)")
     if dino.intermediate_size % dino.hidden_size:
         raise ConfigError("model.vision.dino.intermediate_size", "must be a multiple of hidden_size "
                                                                  "(DINOv2's MLP is sized by a ratio)")
-
-    llm = dict(need("llm"))
-    vocab = int(llm.get("vocab_size", 0))
-    if vocab <= LLAMA_PAD_ID:
+    llm = model.llm
+    if llm.vocab_size <= LLAMA_PAD_ID:
         raise ConfigError("model.llm.vocab_size", f"must exceed {LLAMA_PAD_ID} (Llama-2's {LLAMA_BASE_VOCAB_SIZE} "
-                                                  f"ids plus OpenVLA's pad token), got {vocab}")
-    if int(llm["hidden_size"]) % int(llm["num_attention_heads"]):
+                                                  f"ids plus OpenVLA's pad token), got {llm.vocab_size}")
+    if llm.hidden_size % llm.num_attention_heads:
         raise ConfigError("model.llm.hidden_size", "is not divisible by num_attention_heads")
-    for key in ("rms_norm_eps", "rope_theta"):
-        if key not in llm:
-            raise ConfigError(f"model.llm.{key}", "is missing from the model config")
-
-    num_bins = int(need("num_bins"))
-    if not 2 <= num_bins <= LLAMA_BASE_VOCAB_SIZE:
-        raise ConfigError("model.num_bins", f"must lie in [2, {LLAMA_BASE_VOCAB_SIZE}], got {num_bins}")
-    head = need("value_head")
-    if "hidden_sizes" not in head:
-        raise ConfigError("model.value_head.hidden_sizes", "is missing from the model config")
-    return OFTConfig(
-        action_dim=action_dim, action_chunk=int(need("action_chunk")), num_bins=num_bins,
-        num_images_in_input=num_images, use_proprio=use_proprio, proprio_dim=proprio_dim,
-        use_l1_regression=bool(need("use_l1_regression")), value_type=value_type,
-        value_head_hidden_sizes=tuple(int(h) for h in head["hidden_sizes"]),
-        center_crop=bool(need("center_crop")), image_size=image_size, dtype=DTYPES[dtype_name],
-        attn_implementation=resolve_attn_implementation(str(need("attn_implementation"))),
-        gradient_checkpointing=bool(need("gradient_checkpointing")),
-        path=cfg.get("path"), unnorm_key=unnorm_key, normalization=normalization,
-        dino=dino, siglip=siglip, llm=llm, lora=_lora(need("lora")))
+    if not 2 <= model.num_bins <= LLAMA_BASE_VOCAB_SIZE:
+        raise ConfigError("model.num_bins", f"must lie in [2, {LLAMA_BASE_VOCAB_SIZE}], got {model.num_bins}")
+    _check_lora(model.lora)
+    return OFTConfig(model=model, action_dim=action_dim, num_images_in_input=num_images, use_proprio=use_proprio,
+                     proprio_dim=proprio_dim, use_l1_regression=bool(model.use_l1_regression), unnorm_key=unnorm_key,
+                     dtype=DTYPES[model.dtype], attn_implementation=resolve_attn_implementation(model.attn_implementation))
 
 
 def load_preset(name: str, config_dir: str | Path | None = None) -> dict:
