@@ -251,7 +251,7 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     t0 = time.perf_counter()
     spec = dry_run_spec(cfg)
     model = dict(to_plain(cfg.model))
-    model.update(path=None, base_path=None, device="meta")
+    model.update({key: None for key in ("path", "base_path") if key in model}, device="meta")   # random weights
     policy = make_policy(model, spec)   # as a GPU run builds it: model.device names the device
     seconds["build"] = time.perf_counter() - t0
     act_batch = int(act_batch or max(1, int(cfg.env.train.num_envs) // int(cfg.env_workers.num_workers)))

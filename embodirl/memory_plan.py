@@ -49,7 +49,7 @@ def model_size(cfg: DictConfig) -> ModelSize:
     from embodirl.plain import to_plain
 
     model = dict(to_plain(cfg.model))
-    model.update(path=None, base_path=None, device="meta")
+    model.update({key: None for key in ("path", "base_path") if key in model}, device="meta")   # random weights
     images = int(model.get("num_images_in_input") or 2)
     size = int(model.get("image_size") or 224)
     spec = EnvSpec(action_dim=int(model.get("action_dim") or 7), max_episode_steps=int(cfg.env.train.max_episode_steps),

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embodirl.config_fields import num, required
-from embodirl.envs.base import REWARD_TYPES, ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
+from embodirl.config_fields import instance, num, one_of, required
+from embodirl.envs.base import ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
 from embodirl.envs.registry import register_adapter
 from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import ConfigError
@@ -111,31 +111,31 @@ class ToySimEnv(SimEnv):
     """TEST FIXTURE: one toy reach scene (see module docstring). ``cfg`` is the env config dict."""
 
     def __init__(self, cfg: Mapping, seed: int = 0):
-        ToyAdapter.check_config(cfg)
-        self.num_tasks = int(cfg["num_tasks"])
-        self.task_ids = list(cfg.get("task_ids") or range(self.num_tasks))
-        self.image_size = tuple(cfg["image_size"])
-        self.cameras = list(cfg["cameras"] or [])
-        self.use_state = bool(cfg["state_obs"])
-        self.step_size = float(cfg["step_size"])
-        self.reward_mode = cfg["reward_mode"]
-        self.init_pool = list(cfg["init_state_ids"] or range(int(cfg["num_init_states"])))
+        env = ToyAdapter.check_config(cfg)
+        self.num_tasks = env.num_tasks
+        self.task_ids = list(env.task_ids or range(self.num_tasks))
+        self.image_size = tuple(env.image_size)
+        self.cameras = list(env.cameras)
+        self.use_state = env.state_obs
+        self.step_size = env.step_size
+        self.reward_mode = env.reward_mode
+        self.init_pool = list(env.init_state_ids or range(env.num_init_states))
         self.spec = EnvSpec(
-            action_dim=int(cfg["action_dim"]), max_episode_steps=int(cfg["max_episode_steps"]),
+            action_dim=env.action_dim, max_episode_steps=env.max_episode_steps,
             task_descriptions=[instruction(k) for k in range(self.num_tasks)], camera_names=self.cameras,
             image_size=self.image_size if self.cameras else None, state_dim=STATE_DIM if self.use_state else 0,
-            num_init_states=[int(cfg["num_init_states"])] * self.num_tasks, name=cfg["name"])
+            num_init_states=[env.num_init_states] * self.num_tasks, name=env.name)
         self.rng = np.random.default_rng(seed)
         self.pos = np.zeros(2)
         self.task_id = self.task_ids[0]
         self.goal = goal_position(self.task_id, self.num_tasks)
         # a stalled simulator on purpose (env.step_timeout_s tests): the first process to reach its
         # hang_at_step-th chunk creates hang_marker and never answers again; later processes see the marker
-        self.hang_at_step = cfg.get("hang_at_step")
-        self.hang_marker = cfg.get("hang_marker")
+        self.hang_at_step = env.hang_at_step
+        self.hang_marker = env.hang_marker
         # a simulator that crashes on purpose (evaluation tests): every episode from this init state raises at its
         # second chunk, on every re-run, as a MuJoCo instability the policy's own greedy actions cause would
-        self.crash_init_state = cfg.get("crash_init_state")
+        self.crash_init_state = env.crash_init_state
         self.chunks_stepped = 0
         self.episode_chunks = 0
 
@@ -252,14 +252,14 @@ class ToyEnvConfig(CommonEnvConfig):
     """``adapter: toy`` (config/env/toy_reach.yaml)."""
 
     name: str = required()
-    num_tasks: int = num(1, 8)
+    num_tasks: int = num(1, len(COLOURS))
     task_ids: list[int] | None = required()
     image_size: list[int] = required()
     cameras: list[str] = required()
     state_obs: bool = required()
-    action_dim: int = num(2)
+    action_dim: int = num(MOVE_DIMS)
     step_size: float = num(0, lo_open=True)
-    reward_mode: str = required()
+    reward_mode: str = one_of(REWARD_MODES)
     processes: bool = required()
     hang_at_step: int | None = num(1, null=True)
     hang_marker: str | None = required()
@@ -272,54 +272,43 @@ class ToyAdapter:
     """``adapter: toy`` (TEST FIXTURE)."""
 
     @staticmethod
-    def check_config(cfg: Mapping) -> None:
-        num_tasks = cfg["num_tasks"]
-        if not 1 <= num_tasks <= len(COLOURS):
-            raise ConfigError("env.num_tasks", f"the toy task has 1..{len(COLOURS)} tasks, got {num_tasks}")
-        for task in cfg.get("task_ids") or []:
-            if not 0 <= task < num_tasks:
-                raise ConfigError("env.task_ids", f"toy task id {task} is outside 0..{num_tasks - 1}")
-        unknown = [c for c in cfg["cameras"] or [] if c != CAMERA]
+    def check_config(cfg) -> ToyEnvConfig:
+        """The env group as the typed :class:`ToyEnvConfig`, with the rules between its keys checked."""
+        env = instance(ToyEnvConfig, cfg, "env")
+        for task in env.task_ids or []:
+            if not 0 <= task < env.num_tasks:
+                raise ConfigError("env.task_ids", f"toy task id {task} is outside 0..{env.num_tasks - 1}")
+        unknown = [c for c in env.cameras if c != CAMERA]
         if unknown:
             raise ConfigError("env.cameras", f"the toy task has one camera '{CAMERA}', not {unknown}")
-        hang = cfg.get("hang_at_step")
-        if hang is not None and (isinstance(hang, bool) or not isinstance(hang, int) or hang < 1
-                                 or not cfg.get("hang_marker") or not cfg.get("processes")):
+        if env.hang_at_step is not None and not (env.hang_marker and env.processes):
             raise ConfigError("env.hang_at_step", f"must be null or a chunk count >= 1 with env.hang_marker (a file "
-                                                  f"path) and env.processes=true, got {hang!r}")
-        crash = cfg.get("crash_init_state")
-        if crash is not None and (isinstance(crash, bool) or not isinstance(crash, int)
-                                  or not 0 <= crash < cfg["num_init_states"]):
-            raise ConfigError("env.crash_init_state", f"must be null or a toy init state 0..{cfg['num_init_states'] - 1}, "
-                                                      f"got {crash!r}")
-        if not cfg["cameras"] and not cfg["state_obs"]:
+                                                  f"path) and env.processes=true, got {env.hang_at_step!r}")
+        if env.crash_init_state is not None and not env.crash_init_state < env.num_init_states:
+            raise ConfigError("env.crash_init_state", f"must be null or a toy init state 0..{env.num_init_states - 1}, "
+                                                      f"got {env.crash_init_state!r}")
+        if not env.cameras and not env.state_obs:
             raise ConfigError("env.cameras", "the toy task needs a camera or state_obs: true to observe anything")
-        if min(cfg["image_size"]) < MIN_IMAGE_SIZE:
+        if min(env.image_size) < MIN_IMAGE_SIZE:
             raise ConfigError("env.image_size", f"toy images must be at least {MIN_IMAGE_SIZE} pixels, "
-                                                f"got {list(cfg['image_size'])}")
-        if cfg["action_dim"] < MOVE_DIMS:
-            raise ConfigError("env.action_dim", f"the toy task needs action_dim >= {MOVE_DIMS}")
-        if cfg["reward_mode"] not in REWARD_MODES:
-            raise ConfigError("env.reward_mode", f"must be one of {', '.join(REWARD_MODES)}")
-        if cfg["reward_type"] not in REWARD_TYPES:
-            raise ConfigError("env.reward_type", f"must be one of {', '.join(REWARD_TYPES)}")
-        if cfg["max_episode_steps"] < 1 or cfg["num_init_states"] < 1:
-            raise ConfigError("env.max_episode_steps", "max_episode_steps and num_init_states must be positive")
-        bad = [i for i in cfg["init_state_ids"] or [] if not 0 <= i < cfg["num_init_states"]]
+                                                f"got {list(env.image_size)}")
+        bad = [i for i in env.init_state_ids or [] if not 0 <= i < env.num_init_states]
         if bad:
-            raise ConfigError("env.init_state_ids", f"toy init states are 0..{cfg['num_init_states'] - 1}, got {bad}")
+            raise ConfigError("env.init_state_ids", f"toy init states are 0..{env.num_init_states - 1}, got {bad}")
+        return env
 
     @staticmethod
-    def eval_schedule(cfg: Mapping) -> list[tuple[int, int]]:
+    def eval_schedule(cfg) -> list[tuple[int, int]]:
         """An evaluation sweep as ordered ``(task_id, init_state_id)`` pairs: for every task of
         ``task_ids`` (all when null), trial k uses init state k (``num_trials_per_task`` trials), or the
         listed ``init_state_ids``."""
-        tasks = list(cfg["task_ids"] or range(cfg["num_tasks"]))
-        trials = list(cfg["init_state_ids"] or range(cfg["num_trials_per_task"]))
-        return [(int(task), int(init)) for task in tasks for init in trials]
+        env = instance(ToyEnvConfig, cfg, "env")
+        tasks = list(env.task_ids or range(env.num_tasks))
+        trials = list(env.init_state_ids or range(env.num_trials_per_task))
+        return [(task, init) for task in tasks for init in trials]
 
     @classmethod
     def make(cls, cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0) -> ProcessVectorEnv:
-        cls.check_config(cfg)
-        factories = [functools.partial(ToySimEnv, dict(cfg), seed=seed + env_offset + i) for i in range(num_envs)]
-        return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset, processes=cfg["processes"])
+        env = cls.check_config(cfg)
+        factories = [functools.partial(ToySimEnv, env, seed=seed + env_offset + i) for i in range(num_envs)]
+        return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset, processes=env.processes)

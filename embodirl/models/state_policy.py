@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from embodirl import data as D
-from embodirl.config_fields import one_of, required
+from embodirl.config_fields import instance, one_of, required
 from embodirl.dtypes import parse_dtype
 from embodirl.errors import ConfigError
 from embodirl.models.base import CommonModelConfig, Policy, SamplingParams, default_dtype
@@ -200,7 +200,7 @@ class StateMLPConfig(CommonModelConfig):
 
     hidden_sizes: list[int] = required()
     critic_hidden_sizes: list[int] = required()
-    activation: str = required()
+    activation: str = one_of(tuple(_ACTIVATIONS))
     init_log_std: float = required()
     obs_norm: bool = required()
     dtype: str = one_of(("float32", "float64"))
@@ -208,41 +208,32 @@ class StateMLPConfig(CommonModelConfig):
 
 
 @register_policy("state_mlp", config=StateMLPConfig)
-def build_state_policy(cfg: dict, env_spec) -> StateMLPPolicy:
+def build_state_policy(cfg, env_spec) -> StateMLPPolicy:
+    """The policy ``model`` (the typed :class:`StateMLPConfig`, or a DictConfig or plain mapping of it) describes."""
+    model = instance(StateMLPConfig, cfg, "model")
     if env_spec.state_dim <= 0:
         raise ConfigError("model.name", f"state_mlp needs a state observation but env '{env_spec.name}' has none; "
                                         "use obs_mode=state or a pixel policy such as openvla_oft_tiny")
-    value_type = cfg.get("value_type", "chunk_level")
-    if value_type not in VALUE_TYPES:
-        raise ConfigError("model.value_type", f"'{value_type}' is not one of {', '.join(VALUE_TYPES)}")
+    if model.value_type not in VALUE_TYPES:
+        raise ConfigError("model.value_type", f"'{model.value_type}' is not one of {', '.join(VALUE_TYPES)}")
     # model.device / model.dtype: where and in which dtype every tensor of the policy is created
-    with torch.device(cfg.get("device") or "cpu"), default_dtype(parse_dtype(cfg.get("dtype") or "float32")):
-        policy = _build(cfg, env_spec, value_type)
-    if cfg.get("path"):
+    with torch.device(model.device or "cpu"), default_dtype(parse_dtype(model.dtype)):
+        policy = StateMLPPolicy(
+            env_spec.state_dim, env_spec.action_dim, model.action_chunk, hidden_sizes=tuple(model.hidden_sizes),
+            critic_hidden_sizes=tuple(model.critic_hidden_sizes), activation=model.activation,
+            init_log_std=model.init_log_std, value_type=model.value_type, action_low=env_spec.action_low,
+            action_high=env_spec.action_high, obs_norm=model.obs_norm)
+    if model.path:
         from safetensors.torch import load_file
 
-        policy.load_state_dict(load_file(cfg["path"]))
+        policy.load_state_dict(load_file(model.path))
     return policy
 
 
-def _build(cfg: dict, env_spec, value_type: str) -> StateMLPPolicy:
-    return StateMLPPolicy(
-        env_spec.state_dim, env_spec.action_dim, int(cfg["action_chunk"]),
-        hidden_sizes=tuple(cfg.get("hidden_sizes", (256, 256))),
-        critic_hidden_sizes=tuple(cfg.get("critic_hidden_sizes", (256, 256))),
-        activation=cfg.get("activation", "tanh"), init_log_std=float(cfg.get("init_log_std", -0.5)),
-        value_type=value_type, action_low=env_spec.action_low, action_high=env_spec.action_high,
-        obs_norm=bool(cfg.get("obs_norm", False)),
-    )
-
-
-def check_config(cfg: dict) -> None:
-    if cfg.get("activation", "tanh") not in _ACTIVATIONS:
-        raise ConfigError("model.activation", f"'{cfg['activation']}' is not one of {', '.join(_ACTIVATIONS)}")
-    if int(cfg.get("action_chunk", 1)) < 1:
-        raise ConfigError("model.action_chunk", "must be at least 1")
-    if cfg.get("path"):
-        check_weights_file(cfg["path"])
+def check_config(cfg) -> None:
+    model = instance(StateMLPConfig, cfg, "model")
+    if model.path:
+        check_weights_file(model.path)
 
 
 def check_weights_file(path) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from embodirl import schema
 from embodirl.config import compose
 from embodirl.envs.registry import available_adapters, check_env_config, get_adapter, make_env
 from embodirl.errors import ConfigError
@@ -33,6 +34,10 @@ STANDALONE = textwrap.dedent("""
     step_size: 0.1
     reward_mode: dense
     processes: false
+    step_timeout_s: 60
+    hang_at_step: null
+    hang_marker: null
+    crash_init_state: null
     reward_coef: 0.5
     use_rel_reward: false
     reward_type: action_level
@@ -72,6 +77,7 @@ def test_new_yaml_builds_an_env_without_code(config_copy):
     cfg = compose(["env=toy_two_state"], config_path=config_copy)
     env_cfg = cfg.env.train
     assert OmegaConf.select(cfg, "env.eval.name") == "toy_two_state"
+    schema.check_types(cfg)   # the file gives every key the adapter's config class declares
     check_env_config(env_cfg)
     with make_env(env_cfg, seed=0) as venv:
         assert venv.num_envs == 3
