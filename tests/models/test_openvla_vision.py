@@ -61,10 +61,11 @@ def test_fused_towers_match_timm_reference():
         ours = model.vision(pixels)                                  # (3, 2*P, D_dino + D_siglip)
         images = pixels.reshape(6, 6, cfg.model.image_size, cfg.model.image_size)
         kw = dict(patch=14)
-        dino = timm_vit_features(sd, "vision_backbone.featurizer.", images[:, :3], depth=cfg.model.vision.dino.num_hidden_layers,
-                                 heads=cfg.model.vision.dino.num_attention_heads, dino=True, **kw)
+        towers = cfg.model.vision
+        dino = timm_vit_features(sd, "vision_backbone.featurizer.", images[:, :3], depth=towers.dino.num_hidden_layers,
+                                 heads=towers.dino.num_attention_heads, dino=True, **kw)
         siglip = timm_vit_features(sd, "vision_backbone.fused_featurizer.", images[:, 3:],
-                                   depth=cfg.model.vision.siglip.num_hidden_layers, heads=cfg.model.vision.siglip.num_attention_heads,
+                                   depth=towers.siglip.num_hidden_layers, heads=towers.siglip.num_attention_heads,
                                    dino=False, **kw)
         reference = torch.cat([dino, siglip], dim=-1).reshape(3, -1, cfg.vision_dim)
     assert ours.shape == (3, 2 * cfg.patches_per_image, cfg.vision_dim)
