@@ -64,9 +64,10 @@ def _simulator_processes(root: int) -> list:
 def test_frozen_simulators_are_replaced_within_seconds(tmp_path):
     """The default job (ManiSkill PushCube, state) on 4 simulator processes; after step 2 two of them are frozen
     with SIGSTOP (14 steps remain, several seconds even on a fast machine, so the freeze lands in a collection
-    however long this test takes to find the processes on a busy one). Each is found hung from its own recent step latency (10 s floor; env.step_timeout_s stays 300 s),
-    both in the same wait, killed with SIGKILL and replaced, and their episodes collected again: that step takes
-    well under 30 s longer than the others, and no frozen process is left behind."""
+    however long this test takes to find the processes on a busy one). Each is found hung from its own recent
+    step latency (10 s floor; env.step_timeout_s stays 300 s), both in the same wait, killed with SIGKILL and
+    replaced, and their episodes collected again: that step takes well under 30 s longer than the others, and no
+    frozen process is left behind."""
     import signal
     import statistics
     import time
