@@ -100,35 +100,35 @@ class Algorithm:
         if spec.groups:
             if G < 2:
                 _refuse("algorithm.group_size", f"adv_type={adv_type} compares trajectories within a group: set "
-                                              "group_size >= 2")
+                                                "group_size >= 2")
             if not cfg.env.train.get("use_fixed_reset_state_ids", False):
                 _refuse("env.train.use_fixed_reset_state_ids", f"adv_type={adv_type} needs groups that share an init "
-                                                              "state: set env.train.use_fixed_reset_state_ids=true")
+                                                                "state: set env.train.use_fixed_reset_state_ids=true")
         fg = alg.filter_groups
         if fg.enable:
             lo, hi = float(fg.min_success), float(fg.max_success)
             if G < 2:
                 _refuse("algorithm.filter_groups.enable", "group filtering keeps groups whose success rate lies strictly "
-                                                       f"between {lo} and {hi}, and a group of 1 trajectory scores 0 or "
-                                                       "1, so every row would be dropped; set algorithm.group_size >= 2 "
-                                                       "or algorithm.filter_groups.enable=false")
+                                                         f"between {lo} and {hi}, and a group of 1 trajectory scores 0 or "
+                                                         "1, so every row would be dropped; set algorithm.group_size >= 2 "
+                                                         "or algorithm.filter_groups.enable=false")
             if not lo < hi:
                 _refuse("algorithm.filter_groups.min_success", f"the kept success range ({lo}, {hi}) must satisfy "
-                                                            "0 <= min_success < max_success <= 1")
+                                                              "0 <= min_success < max_success <= 1")
         if fg.resample and not fg.enable:
             _refuse("algorithm.filter_groups.resample", "re-sampling collects more rollouts until the step holds its "
-                                                      "batch of kept groups, so it needs algorithm.filter_groups.enable=true")
+                                                        "batch of kept groups, so it needs algorithm.filter_groups.enable=true")
         if spec.greedy_baseline:
             if cfg.env.train.get("auto_reset", False):
                 _refuse("env.train.auto_reset", f"adv_type={adv_type} compares each row's episode with a greedy one from "
-                                              "the same start, so a row must hold one episode: set "
-                                              "env.train.auto_reset=false")
+                                                "the same start, so a row must hold one episode: set "
+                                                "env.train.auto_reset=false")
             if ctx.use_ray and not cfg.runner.eval_greedy:
                 _refuse("runner.eval_greedy", f"adv_type={adv_type} runs its baseline rollouts with the inference workers' "
-                                            "evaluation sampling, which must be greedy: set runner.eval_greedy=true")
+                                              "evaluation sampling, which must be greedy: set runner.eval_greedy=true")
         if alg.reward_type != cfg.env.train.get("reward_type", alg.reward_type):
             _refuse("env.train.reward_type", f"'{cfg.env.train.reward_type}' differs from algorithm.reward_type "
-                                           f"'{alg.reward_type}'; set both to the same value")
+                                             f"'{alg.reward_type}'; set both to the same value")
 
 
 def algorithm_of(node: Any) -> Algorithm:
