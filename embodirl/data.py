@@ -7,7 +7,7 @@ broadcast over T so that the whole batch splits and concatenates along N with te
 
 Shape letters: N envs, T decisions, H chunk length, A action dim, L action tokens per decision
 (= H*A for OpenVLA-OFT; = H*A Gaussian dimensions for the state policy), V cameras, C channels,
-h/w image size, S state dim, G group size.
+h/w image size, S state dim, G group size, X chain values per decision (flow policies).
 
 =====================  ==================  =======  ===============================================
 field                  shape               dtype    meaning
@@ -17,6 +17,7 @@ state                  [N,T,S]             float32  proprio or full state (optio
 task_id                [N,T]               int64    index into the task/instruction table
 action_tokens          [N,T,L]             int64    sampled tokens (token policies)
 action_sample          [N,T,L]             float32  sampled pre-squash actions (Gaussian policies)
+action_chain           [N,T,X]             float32  the denoising-chain states a flow policy's log-prob needs
 action_chunk           [N,T,H,A]           float32  executed, un-normalised actions
 executed               [N,T,H]             bool     the chunk's action ran (False after an episode ended
                                                     inside the chunk, and at invalid decisions)
@@ -57,6 +58,7 @@ STATE = "state"
 TASK_ID = "task_id"
 ACTION_TOKENS = "action_tokens"
 ACTION_SAMPLE = "action_sample"
+ACTION_CHAIN = "action_chain"
 ACTION_CHUNK = "action_chunk"
 EXECUTED = "executed"
 LOGPROB_BEHAVIOR = "logprob_behavior"
@@ -96,6 +98,7 @@ FIELDS: dict[str, FieldSpec] = {
     TASK_ID: FieldSpec((), torch.int64, required=True),
     ACTION_TOKENS: FieldSpec(("L",), torch.int64),
     ACTION_SAMPLE: FieldSpec(("L",), torch.float32),
+    ACTION_CHAIN: FieldSpec(("X",), torch.float32),
     ACTION_CHUNK: FieldSpec(("H", "A"), torch.float32, required=True),
     EXECUTED: FieldSpec(("H",), torch.bool),
     LOGPROB_BEHAVIOR: FieldSpec(("L",), torch.float32),

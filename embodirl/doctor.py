@@ -225,6 +225,9 @@ def check_checkpoint(cfg: DictConfig) -> Check:
     except (ConfigError, AssetsMissing) as exc:
         return Check("checkpoint", False, str(exc).split("; ")[0], _fix_of(str(exc)))
     detail = f"{path}"
+    describe = getattr(builder, "describe_checkpoint", None)
+    if describe is not None:            # a policy that reads its own layout (π0)
+        return Check("checkpoint", True, describe(str(path)))
     if str(cfg.model.name).startswith("openvla_oft"):
         from embodirl.models.openvla_oft import autoconfig
 

@@ -213,6 +213,8 @@ def dry_run_batch(policy, spec: EnvSpec, trajectories: int, decisions: int) -> T
         fields[D.STATE] = torch.zeros(N, T, spec.state_dim)
     if policy.action_field == D.ACTION_TOKENS:
         fields[D.ACTION_TOKENS] = torch.full((N, T, L), policy.action_tokenizer.first_id, dtype=torch.int64)
+    elif policy.action_field == D.ACTION_CHAIN:
+        fields[D.ACTION_CHAIN] = torch.zeros(N, T, policy.chain_width)
     else:
         fields[D.ACTION_SAMPLE] = torch.zeros(N, T, L)
     if policy.value_type is not None:

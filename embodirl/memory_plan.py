@@ -40,6 +40,10 @@ class ModelSize:
     layers: int            # transformer layers of the language model (0: none)
     hidden: int
     tokens: int            # tokens per decision (image patches + text + action slots)
+    #: training activation bytes per token, layer and hidden unit, and per token of the recomputed layer under gradient
+    #: checkpointing: the constants above (OpenVLA-OFT), or the policy's own (``activation_profile``)
+    act_bytes_per_token_layer: int = ACT_BYTES_PER_TOKEN_LAYER
+    recomputed_layer_bytes_per_token: int = RECOMPUTED_LAYER_BYTES_PER_TOKEN
 
 
 def model_size(cfg: DictConfig) -> ModelSize:
@@ -61,11 +65,14 @@ def model_size(cfg: DictConfig) -> ModelSize:
     llm = model.get("llm") or {}
     patch = int(((model.get("vision") or {}).get("siglip") or {}).get("patch_size") or 0)
     tokens = images * (size // patch) ** 2 + TEXT_AND_ACTION_TOKENS if patch else 1
+    shape = {"layers": int(llm.get("num_hidden_layers") or 0), "hidden": int(llm.get("hidden_size") or 0),
+             "tokens": tokens}
+    profile = getattr(policy, "activation_profile", None)
+    if profile is not None:          # a policy that describes its own activations (π0)
+        shape = profile()
     return ModelSize(params=sum(p.numel() for p in params),
                      trainable=sum(p.numel() for p in params if full or p.requires_grad),
-                     param_bytes=sum(p.numel() * p.element_size() for p in params),
-                     layers=int(llm.get("num_hidden_layers") or 0), hidden=int(llm.get("hidden_size") or 0),
-                     tokens=tokens)
+                     param_bytes=sum(p.numel() * p.element_size() for p in params), **shape)
 
 
 def available_memory(accelerator: str, *, total: bool = False) -> list[int]:
@@ -99,9 +106,9 @@ def memory_plan(cfg: DictConfig, size: ModelSize, accelerator: str) -> dict[str,
     decisions = decisions_per_episode(cfg)
     rows = int(cfg.actor.micro_batch_size) * decisions                    # decisions in one forward/backward
     if cfg.actor.fsdp.get("gradient_checkpointing") or cfg.model.get("gradient_checkpointing"):
-        per_token = size.layers * CKPT_BYTES_PER_TOKEN_LAYER + RECOMPUTED_LAYER_BYTES_PER_TOKEN * bool(size.layers)
+        per_token = size.layers * CKPT_BYTES_PER_TOKEN_LAYER + size.recomputed_layer_bytes_per_token * bool(size.layers)
     else:
-        per_token = size.layers * ACT_BYTES_PER_TOKEN_LAYER
+        per_token = size.layers * size.act_bytes_per_token_layer
     activations = rows * size.tokens * size.hidden * per_token
     sharded = size.param_bytes + size.trainable * (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES)
     only_eval = bool(cfg.runner.only_eval)

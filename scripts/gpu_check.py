@@ -14,7 +14,10 @@ Steps, in order; the first that fails ends the check (exit status 1) with its er
    publication, offload and onload, peak memory;
 5. ``train``: the real CLI, the in-process path (``cluster.use_ray=false model.device=<device>``) with the preset
    on ``env=toy_reach`` and GRPO, 3 training steps with an evaluation and a checkpoint at the third;
-6. ``eval``: ``embodirl eval`` from that checkpoint.
+6. ``eval``: ``embodirl eval`` from that checkpoint;
+7. ``pi0``: the second VLA family at full size (``pi0``: 3.6 B parameters, bf16; ``pi0_tiny`` on the CPU):
+   ``scripts/bench_pi0.py`` - ``act`` decisions/s and FLOPs per decision at several batch sizes - and
+   ``scripts/bench_actor.py --preset full --model pi0`` - one FSDP2 update with gradient checkpointing, peak memory.
 
 The report (``<out>/gpu_check.json``, rewritten after every step) also holds ``targets``: the numbers the GPU
 issue sets goals for, each beside its goal. Logs of each step go to ``<out>/gpu_check.log``. At most 8 files are
@@ -41,11 +44,15 @@ MODES = {
             "policy": ["--rounds", "5", "--decode-batches", "1", "8", "--act-batches", "1", "8", "32", "64",
                        "--attn-implementation", "sdpa", "--merge-lora", "--compile"],
             # the issue's measured setting: N16 x T8, micro-batch 8 (64 decisions per forward)
-            "actor": ["--trajectories", "16", "--decisions", "8", "--micro-batch", "8", "--repeats", "2"]},
+            "actor": ["--trajectories", "16", "--decisions", "8", "--micro-batch", "8", "--repeats", "2"],
+            "pi0": "pi0", "pi0_policy": ["--batches", "1", "8", "32", "64", "--rounds", "3"],
+            "pi0_actor": ["--trajectories", "8", "--decisions", "8", "--micro-batch", "2", "--repeats", "2"]},
     "cpu": {"preset": "openvla_oft_tiny", "device": "cpu", "dtype": "bfloat16",
             "policy": ["--rounds", "2", "--decode-batches", "1", "--act-batches", "1", "4", "--threads", "1",
                        "--merge-lora", "--compile"],
-            "actor": ["--trajectories", "4", "--decisions", "2", "--micro-batch", "2", "--repeats", "1"]},
+            "actor": ["--trajectories", "4", "--decisions", "2", "--micro-batch", "2", "--repeats", "1"],
+            "pi0": "pi0_tiny", "pi0_policy": ["--batches", "1", "4", "--rounds", "1", "--threads", "1"],
+            "pi0_actor": ["--trajectories", "4", "--decisions", "2", "--micro-batch", "2", "--repeats", "1"]},
 }
 TRAIN_STEPS = 3
 #: the GPU issue's goals
@@ -171,6 +178,22 @@ def actor_step(report: Report, mode: dict) -> dict:
     return json.loads(out.read_text())
 
 
+def pi0_step(report: Report, mode: dict) -> dict:
+    policy_out, actor_out = report.out / "pi0_policy.json", report.out / "pi0_actor.json"
+    dtype = mode["dtype"] if mode["device"] == "cuda" else "float32"
+    run(report, ["scripts/bench_pi0.py", "--preset", mode["pi0"], "--device", mode["device"], "--dtype", dtype,
+                 *mode["pi0_policy"], "--json", str(policy_out)], timeout_s=900)
+    print(run(report, ["scripts/bench_actor.py", "--preset", "full", "--device", mode["device"], "--model", mode["pi0"],
+                       "--param-dtype", dtype, *mode["pi0_actor"], "--json", str(actor_out)], timeout_s=900)[-1500:],
+          flush=True)
+    from embodirl.config import compose
+    from embodirl.dry_run import dry_run
+
+    dry = dry_run(compose(["env=libero_10", f"model={mode['pi0']}"]))
+    return {"policy": json.loads(policy_out.read_text()), "actor": json.loads(actor_out.read_text()),
+            "update_flops_per_decision": dry.update_flops_per_decision}
+
+
 def cli_overrides(mode: dict) -> list[str]:
     """The preset on the toy task, GRPO, in this process, small enough for a check."""
     return ["env=toy_reach", f"model={mode['preset']}", f"model.dtype={mode['dtype']}", "algorithm=grpo",
@@ -244,6 +267,15 @@ def targets(data: dict) -> dict:
                           "speedup_over_plain_to": before / moves if before and moves else None,
                           "train_peak_gib": (actor.get("train_peak_bytes") or 0) / 2**30 or None,
                           "dry_run_peak_gib": dry.get("update_peak_bytes", 0) / 2**30}
+    pi0 = steps.get("pi0", {})
+    if pi0:
+        rows = pi0["policy"]["act"]
+        update = pi0["actor"]["decisions_per_s"] * pi0["update_flops_per_decision"] / 1e12
+        out["pi0"] = {"act": {r["batch"]: {k: r.get(k) for k in ("decisions_per_s", "greedy_decisions_per_s",
+                                                                  "fraction_of_bf16_peak", "peak_gib")} for r in rows},
+                      "update_decisions_per_s": pi0["actor"]["decisions_per_s"], "update_tflops": update,
+                      "update_fraction_of_peak": update / peak if peak else None,
+                      "update_peak_gib": (pi0["actor"].get("train_peak_bytes") or 0) / 2**30 or None}
     return out
 
 
@@ -267,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     report.step("actor", lambda: actor_step(report, mode))
     trained = report.step("train", lambda: train_step(report, mode, work))
     report.step("eval", lambda: eval_step(report, mode, work, trained["checkpoint"]))
+    report.step("pi0", lambda: pi0_step(report, mode))
     report.data["targets"] = targets(report.data)
     report.data["ok"] = True
     report.write()

@@ -40,6 +40,25 @@ def test_cfg_job_prints_libero_10(tmp_path):
     assert cfg["model"]["name"] == "openvla_oft"
 
 
+def test_cfg_job_composes_the_pi0_libero_recipe(tmp_path):
+    """`env=libero_10 model=pi0` is RLinf's LIBERO-10 π0 recipe (config/model/pi0.yaml names its files and commits):
+    PPO with GAE on a value head, Flow-SDE at noise level 0.5 over 10 denoising steps, chunks of 5 of the 50 actions,
+    64 environments of 480 steps, 8 rollout epochs, learning rate 5e-6."""
+    proc = run_cli(["train", "--cfg", "job", "env=libero_10", "model=pi0"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    import yaml
+
+    cfg = yaml.safe_load(proc.stdout)
+    model, alg = cfg["model"], cfg["algorithm"]
+    assert model["name"] == "pi0" and model["value_type"] == "chunk_level" and model["action_chunk"] == 5
+    assert model["chunk_size"] == 50 and model["flow"] == {**model["flow"], "method": "flow_sde", "num_steps": 10,
+                                                           "noise_level": 0.5}
+    assert alg["adv_type"] == "gae" and alg["logprob_type"] == "chunk" and alg["update_epochs"] == 4
+    assert cfg["env"]["train"]["num_envs"] == 64 and cfg["env"]["train"]["max_episode_steps"] == 480
+    assert cfg["rollout"]["rollout_epoch"] == 8 and cfg["actor"]["optim"]["lr"] == 5.0e-6
+    assert cfg["actor"]["fsdp"]["gradient_checkpointing"] is True
+
+
 def test_unknown_env_lists_options_and_exits_2(tmp_path):
     proc = run_cli(["train", "env=nope"], tmp_path)
     _assert_rejected(proc, tmp_path, "unknown env 'nope'; available: ")

@@ -59,7 +59,7 @@ def _check(cfg):
     (["env.train.reward_type=dense", "algorithm.reward_type=dense"], "algorithm.reward_type", "not one of chunk_level"),
     (["model.value_type=per_token"], "model.value_type", "not one of chunk_level, action_level or null"),
     (["model=openvla_oft_tiny", "env=toy_reach", "model.lora.rank=0"], "model.lora.rank", "positive integer"),
-    (["model.name=gpt"], "model.name", "'gpt' is not one of openvla_oft, state_mlp"),            # the policy registry
+    (["model.name=gpt"], "model.name", "'gpt' is not one of openvla_oft, pi0, state_mlp"),            # the policy registry
     (["env.train.adapter=gazebo"], "env.train.adapter", "'gazebo' is not one of libero, maniskill, toy"),  # adapters
 ])
 def test_malformed_keys_are_one_sentence_naming_the_key(overrides, key, fragment):
@@ -89,7 +89,7 @@ def _schema_classes():
     from embodirl.models.registry import POLICIES
 
     declared = [r.config_class(n) for r in (ADAPTERS, POLICIES) for n in r.available()]
-    assert len([c for c in declared if c is not None]) == 5      # toy, maniskill, libero; state_mlp, openvla_oft
+    assert len([c for c in declared if c is not None]) == 6      # toy, maniskill, libero; state_mlp, openvla_oft, pi0
     seen, todo = [], [schema.Config, *(c for c in declared if c is not None)]
     while todo:
         cls = todo.pop()

@@ -264,9 +264,12 @@ class HashWordTokenizer:
 
     PIECES = re.compile(r"\w+|[^\w\s]")
 
+    def __init__(self, low: int = HASH_ID_LOW, high: int = HASH_ID_HIGH):
+        self.low, self.high = int(low), int(high)
+
     def encode(self, text: str) -> list[int]:
-        span = HASH_ID_HIGH - HASH_ID_LOW
-        return [HASH_ID_LOW + zlib.crc32(piece.encode("utf-8")) % span for piece in self.PIECES.findall(text)]
+        span = self.high - self.low
+        return [self.low + zlib.crc32(piece.encode("utf-8")) % span for piece in self.PIECES.findall(text)]
 
 
 class PromptTokenizer:

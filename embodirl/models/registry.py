@@ -13,6 +13,7 @@ from embodirl.registry import LazyRegistry
 
 POLICIES = LazyRegistry("policy", "model.name", {
     "openvla_oft": "embodirl.models.openvla_oft",
+    "pi0": "embodirl.models.pi0",
     "state_mlp": "embodirl.models.state_policy",
 })
 register_policy = POLICIES.register

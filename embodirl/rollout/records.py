@@ -33,7 +33,7 @@ import torch
 from embodirl import data as D
 
 OBS_FIELDS = (D.IMAGES, D.STATE, D.TASK_ID)
-POLICY_FIELDS = (D.ACTION_CHUNK, D.ACTION_TOKENS, D.ACTION_SAMPLE, D.LOGPROB_BEHAVIOR, D.VALUE)
+POLICY_FIELDS = (D.ACTION_CHUNK, D.ACTION_TOKENS, D.ACTION_SAMPLE, D.ACTION_CHAIN, D.LOGPROB_BEHAVIOR, D.VALUE)
 
 def decisions_per_episode(cfg, env_key: str = "env.train") -> int:
     """T: decisions per rollout (``rollout.max_decisions`` or ceil(max_episode_steps / H))."""
@@ -46,7 +46,7 @@ def decisions_per_episode(cfg, env_key: str = "env.train") -> int:
 
 _DTYPES = {
     D.IMAGES: np.uint8, D.STATE: np.float32, D.TASK_ID: np.int64, D.ACTION_CHUNK: np.float32,
-    D.ACTION_TOKENS: np.int64, D.ACTION_SAMPLE: np.float32, D.LOGPROB_BEHAVIOR: np.float32,
+    D.ACTION_TOKENS: np.int64, D.ACTION_SAMPLE: np.float32, D.ACTION_CHAIN: np.float32, D.LOGPROB_BEHAVIOR: np.float32,
     D.VALUE: np.float32, D.REWARD: np.float32, D.FINAL_VALUE: np.float32, D.EXECUTED: np.bool_,
 }
 

@@ -20,7 +20,7 @@ def main(overrides: Sequence[str]) -> int:
     sft_compose.check(cfg)
     validate(sft_compose.main_config(cfg))
     try:
-        dataset = LeRobotDataset(cfg.data.path, action_chunk=int(cfg.model.action_chunk))
+        dataset = LeRobotDataset(cfg.data.path, action_chunk=sft_compose.trained_chunk(cfg)[0])
     except DatasetError as exc:
         raise ConfigError("data.path", str(exc)) from None
     runtime.configure()

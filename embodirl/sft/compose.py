@@ -14,7 +14,9 @@ from embodirl.paths import config_dir
 
 SFT_FILE = "sft.yaml"
 OWN_SECTIONS = ("sft", "data")
-SFT_MODELS = ("openvla_oft",)
+SFT_MODELS = ("openvla_oft", "pi0")
+#: the SFT keys that are OpenVLA-OFT's (π0 trains its flow-matching loss only)
+OFT_ONLY = ("l1_head", "stop_token")
 
 
 def _key(override: str) -> str:
@@ -82,11 +84,10 @@ def _positive_int(value, key: str, *, allow_null: bool = False) -> None:
 
 def check(cfg: DictConfig) -> None:
     """The SFT-specific rules that need no dataset (the dataset's are in :func:`check_dataset`)."""
-    from embodirl.placement import data_parallel_size, placement_from_config
 
     if cfg.model.name not in SFT_MODELS:
-        raise ConfigError("model.name", f"is {cfg.model.name}, but embodirl sft fine-tunes OpenVLA-OFT's action "
-                                        "tokens; use model=openvla_oft or model=openvla_oft_tiny")
+        raise ConfigError("model.name", f"is {cfg.model.name}, but embodirl sft fine-tunes OpenVLA-OFT (action tokens) "
+                                        "and π0 (flow matching); use model=openvla_oft(_tiny) or model=pi0(_tiny)")
     if not cfg.data.path:
         raise ConfigError("data.path", "is not set; point it at a LeRobot dataset folder (meta/info.json inside), "
                                        "e.g. one written by `embodirl demos env=maniskill_pushcube_rgb`")
@@ -94,8 +95,16 @@ def check(cfg: DictConfig) -> None:
     _positive_int(s.batch_size, "sft.batch_size")
     _positive_int(s.micro_batch_size, "sft.micro_batch_size", allow_null=True)
     for key in ("token_loss", "l1_head", "stop_token"):
-        if not isinstance(s[key], bool):
+        if not isinstance(s[key], bool) and not (key == "stop_token" and s[key] is None):
             raise ConfigError(f"sft.{key}", f"must be true or false, got {s[key]!r}")
+    if cfg.model.name == "pi0":
+        for key in OFT_ONLY:
+            if s[key]:
+                raise ConfigError(f"sft.{key}", "is OpenVLA-OFT's; π0 trains its flow-matching loss only, so leave it "
+                                                f"{'null' if key == 'stop_token' else 'false'}")
+        if not s.token_loss:
+            raise ConfigError("sft.token_loss", "is false, but it is π0's flow-matching loss: nothing would be trained")
+        return _check_common(cfg, s)
     if not s.token_loss and not s.l1_head:
         raise ConfigError("sft.token_loss", "is false and sft.l1_head is false: nothing would be trained")
     if s.l1_head and cfg.model.use_l1_regression is not True:
@@ -105,6 +114,12 @@ def check(cfg: DictConfig) -> None:
             "action_head" not in list(cfg.model.lora.modules_to_save or []):
         raise ConfigError("sft.l1_head", "needs the L1 head trainable: add action_head to model.lora.modules_to_save "
                                          "(e.g. model.lora.modules_to_save=[value_head,proprio_projector,action_head])")
+    _check_common(cfg, s)
+
+
+def _check_common(cfg: DictConfig, s) -> None:
+    from embodirl.placement import data_parallel_size, placement_from_config
+
     ranks = data_parallel_size(cfg, placement_from_config(cfg.cluster))
     if ranks != 1:
         raise ConfigError("actor.cpu_world_size", f"gives {ranks} actor ranks, but embodirl sft runs one actor "
@@ -119,6 +134,14 @@ def check(cfg: DictConfig) -> None:
                                                f"integer, got {value!r}")
 
 
+def trained_chunk(cfg: DictConfig) -> tuple[int, str]:
+    """The chunk length SFT trains and the key that sets it: π0 learns the whole chunk its network predicts
+    (``model.chunk_size``, of which RL runs ``model.action_chunk``), OpenVLA-OFT the chunk it runs."""
+    if cfg.model.get("chunk_size") is not None:
+        return int(cfg.model.chunk_size), "model.chunk_size"
+    return int(cfg.model.action_chunk), "model.action_chunk"
+
+
 def check_dataset(cfg: DictConfig, dataset, spec) -> list[str]:
     """Dataset against env and model: action dim, cameras, proprio, chunk length. Returns the dataset's
     camera keys in the env's camera order (the images the policy sees)."""
@@ -129,15 +152,15 @@ def check_dataset(cfg: DictConfig, dataset, spec) -> list[str]:
         raise ConfigError("data.path", f"{path} holds {dataset.action_dim}-D actions but env {spec.name or 'env.train'} "
                                        f"takes {spec.action_dim}-D actions; record the demos in this env "
                                        "(`embodirl demos env=...`) or choose the env they were recorded in")
-    model_dim = cfg.model.action_dim
+    model_dim = cfg.model.get("action_dim")
     if model_dim is not None and int(model_dim) != dataset.action_dim:
         raise ConfigError("model.action_dim", f"is {model_dim} but {path} holds {dataset.action_dim}-D actions; set "
                                               "it to null (the env's)")
-    H = int(cfg.model.action_chunk)
+    H, key = trained_chunk(cfg)
     shortest = int(min(dataset.episode_lengths))
     if H > shortest:
-        raise ConfigError("model.action_chunk", f"is {H} but the shortest episode of {path} has {shortest} frames; "
-                                                "use a chunk no longer than the episodes")
+        raise ConfigError(key, f"is {H} but the shortest episode of {path} has {shortest} frames; "
+                               "use a chunk no longer than the episodes")
     wanted = [camera_key(name) for name in spec.camera_names]
     missing = [k for k in wanted if k not in dataset.camera_keys]
     if missing or not wanted:

@@ -24,6 +24,20 @@ import torch
 from embodirl import data as D
 from embodirl.models.normalization import BoundsNormalizer
 
+#: ``model.normalization`` of policies that standardise (π0): ``(x - mean) / (std + 1e-8)``, as PI0Processor does
+MEAN_STD = "mean_std"
+
+
+class Standardizer:
+    """Actions in dataset units -> standardised with one statistics block's ``mean`` and ``std``."""
+
+    def __init__(self, entry: Mapping):
+        self.mean = torch.as_tensor(entry["mean"], dtype=torch.float32)
+        self.std = torch.as_tensor(entry["std"], dtype=torch.float32)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.float32) - self.mean) / (self.std + 1e-8)
+
 
 def _feature(stats, mask: np.ndarray) -> dict:
     return {"mean": stats.mean.tolist(), "std": stats.std.tolist(), "max": stats.max.tolist(),
@@ -71,14 +85,16 @@ def batch_indices(num_samples: int, batch_size: int, step: int, seed: int) -> np
 class BatchMaker:
     """Samples -> the actor's SFT batch: ``images`` uint8 ``[B, V, 3, h, w]`` (the env's cameras, in its
     order), ``state`` float32 ``[B, S]`` (raw; the policy normalises it with the same statistics),
-    ``instruction`` (list), ``actions`` float32 ``[B, H, A]`` normalised to [-1, 1] with the statistics."""
+    ``instruction`` (list), ``actions`` float32 ``[B, H, A]`` normalised to [-1, 1] with the statistics' bounds, or
+    standardised with their mean and std (``normalization="mean_std"``, π0)."""
 
     def __init__(self, dataset, statistics_entry: Mapping, camera_keys: Sequence[str], *, use_state: bool,
                  normalization: str = "bounds_q99"):
         self.dataset = dataset
         self.camera_keys = list(camera_keys)
         self.use_state = use_state
-        self.normalizer = BoundsNormalizer.from_statistics(statistics_entry["action"], normalization)
+        self.normalizer = (Standardizer(statistics_entry["action"]) if normalization == MEAN_STD
+                           else BoundsNormalizer.from_statistics(statistics_entry["action"], normalization))
 
     def __call__(self, indices: Sequence[int]) -> dict:
         samples = [self.dataset[int(i)] for i in indices]

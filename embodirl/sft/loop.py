@@ -40,14 +40,15 @@ STATISTICS_FILE = "dataset_statistics.json"
 def unnorm_key(cfg: DictConfig, spec) -> str:
     """The statistics entry's name: ``model.unnorm_key``, else the env's name - what the policy looks up when
     ``model.unnorm_key`` is null, so ``embodirl train|eval model.path=<checkpoint>`` in this env need no flag."""
-    return str(cfg.model.unnorm_key or spec.name or cfg.env.train.get("task") or "dataset")
+    return str(cfg.model.get("unnorm_key") or spec.name or cfg.env.train.get("task") or "dataset")
 
 
 def actor_options(cfg: DictConfig) -> dict:
     """The ``sft`` keys as :meth:`~embodirl.actor.actor.Actor.sft_update` takes them."""
     s = cfg.sft
     return {"micro_batch_size": int(s.micro_batch_size or s.batch_size), "token_loss": bool(s.token_loss),
-            "stop_token": bool(s.stop_token), "l1_head": bool(s.l1_head)}
+            "stop_token": (cfg.model.name != "pi0") if s.stop_token is None else bool(s.stop_token),
+            "l1_head": bool(s.l1_head)}
 
 
 def _evaluate(cfg: DictConfig, model_dir: Path, out_dir: Path) -> dict:
@@ -120,7 +121,7 @@ def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{metrics['sft/loss']:.3f}",
-                                         acc=f"{metrics['sft/token_accuracy']:.2f}")
+                                         acc=f"{metrics.get('sft/token_accuracy', float('nan')):.2f}")
                 saving = step == max_steps or (r.save_interval and step % int(r.save_interval) == 0)
                 evaluating = bool(r.val_check_interval) and step % int(r.val_check_interval) == 0
                 if saving:

@@ -226,7 +226,7 @@ def oft_policy(seed: int = 0):
 
 
 def oft_batch(policy, N: int = 4, T: int = 2, seed: int = 0):
-    """Trajectories of the tiny OFT policy: its own sampled tokens, log-probs and values."""
+    """Trajectories of a pixel policy (the tiny OFT policy, π0): its own sampled actions, log-probs and values."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (N * T, 2, 3, OFT_IMAGE, OFT_IMAGE), generator=g, dtype=torch.uint8)
     state = torch.randn(N * T, 8, generator=g)
@@ -240,7 +240,7 @@ def oft_batch(policy, N: int = 4, T: int = 2, seed: int = 0):
     last_valid = valid & ~torch.cat([valid[:, 1:], torch.zeros(N, 1, dtype=torch.bool)], 1)
     return D.make_trajectory({
         D.IMAGES: images.view(N, T, 2, 3, OFT_IMAGE, OFT_IMAGE), D.STATE: state.view(N, T, 8),
-        D.TASK_ID: task_id[:, 0].contiguous(), D.ACTION_TOKENS: out[D.ACTION_TOKENS].view(N, T, -1),
+        D.TASK_ID: task_id[:, 0].contiguous(), policy.action_field: out[policy.action_field].view(N, T, -1),
         D.ACTION_CHUNK: out[D.ACTION_CHUNK].view(N, T, *out[D.ACTION_CHUNK].shape[1:]).float(),
         D.LOGPROB_BEHAVIOR: out[D.LOGPROB_BEHAVIOR].view(N, T, -1).float(), D.VALUE: out[D.VALUE].view(N, T).float(),
         D.REWARD: torch.randn(N, T, generator=g), D.VALID: valid,

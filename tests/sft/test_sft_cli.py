@@ -45,6 +45,8 @@ def one_line(proc) -> str:
     (["data.path=x", "sft.batchsize=2"], "sft.batchsize: is not one of the sft keys"),
     (["data.path=x", "model=state_mlp"], "model.name: is state_mlp"),
     (["data.path=x", "sft.token_loss=false"], "sft.token_loss: is false and sft.l1_head is false"),
+    (["data.path=x", "model=pi0_tiny", "sft.l1_head=true"], "sft.l1_head: is OpenVLA-OFT's; π0 trains"),
+    (["data.path=x", "model=pi0_tiny", "sft.stop_token=true"], "sft.stop_token: is OpenVLA-OFT's"),
 ])
 def test_bad_input_is_one_sentence_with_exit_2(tmp_path, args, fragment):
     proc = cli(["sft", *ENV, "model=openvla_oft_tiny", *args], tmp_path, expect=2)
@@ -109,4 +111,37 @@ def test_demos_sft_eval_train_and_resume(tmp_path):
                  "runner.max_steps=1", "runner.val_check_interval=0", "runner.save_interval=0",
                  "runner.logger.tensorboard=false", f"runner.output_dir={tmp_path / 'rl'}"], tmp_path)
     assert "action tokens, proprio token, 1 image(s)" in train.stdout + train.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "rl" / "metrics.jsonl") if "actor/pg_loss" in r] == [1]
+
+
+@pytest.mark.slow
+def test_pi0_demos_sft_eval_and_train(tmp_path):
+    """π0 through the same chain: the SFT trains the flow-matching loss on the dataset's chunks of model.chunk_size,
+    standardised with its mean and std, and exports transformers' layout with those statistics, which eval and train
+    load with no other flag."""
+    from transformers import PI0ForConditionalGeneration
+
+    ds = tmp_path / "ds"
+    cli(["demos", *ENV, "num_episodes=2", "progress_bar=false", f"output_dir={ds}"], tmp_path)
+    dataset = LeRobotDataset(ds, action_chunk=8)
+    pi0 = [*ENV, "model=pi0_tiny", "env.eval.image_size=[64,64]", "runner.progress_bar=false", "cluster.use_ray=false"]
+    bad = cli(["sft", *pi0, f"data.path={ds}", "model.chunk_size=32"], tmp_path, expect=2)
+    assert "model.chunk_size: is 32 but the shortest episode" in one_line(bad)
+    a = tmp_path / "a"
+    cli(["sft", *pi0, *SFT, *EVAL, f"data.path={ds}", "runner.max_steps=4", "runner.val_check_interval=4",
+         f"runner.output_dir={a}"], tmp_path)
+    model = a / "checkpoints" / "step_4" / "model"
+    records = [r for r in read_metrics(a / "metrics.jsonl") if "sft/loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["sft/loss"] > 0 and "sft/token_accuracy" not in r for r in records)
+    processor = json.loads((model / "processor_config.json").read_text())
+    np.testing.assert_allclose(processor["actions_mean"], dataset.stats["action"].mean, rtol=1e-6)
+    np.testing.assert_allclose(processor["state_std"], dataset.stats[dataset.state_key].std, rtol=1e-6)
+    assert PI0ForConditionalGeneration.from_pretrained(str(model)).config.chunk_size == 8
+    cli(["eval", *pi0, *EVAL, f"model.path={model}", f"runner.output_dir={tmp_path / 'eval'}"], tmp_path)
+    assert json.loads((tmp_path / "eval" / "eval_info.json").read_text())["overall"]["n_episodes"] == 2
+    cli(["train", *pi0, f"model.path={model}", "algorithm=grpo", "algorithm.group_size=2",
+         "env.train.use_fixed_reset_state_ids=true", "env.train.num_envs=2", "env.train.max_episode_steps=16",
+         "runner.max_steps=1", "runner.val_check_interval=0", "runner.save_interval=0",
+         "runner.logger.tensorboard=false", f"runner.output_dir={tmp_path / 'rl'}"], tmp_path)
     assert [r["step"] for r in read_metrics(tmp_path / "rl" / "metrics.jsonl") if "actor/pg_loss" in r] == [1]

@@ -1,0 +1,47 @@
+"""π0 (Black et al. 2024) on transformers' ``PI0ForConditionalGeneration``, trained with RL as πRL does (Flow-SDE or
+Flow-Noise log-probabilities of the denoising chain). Registered as policy ``pi0`` (``model=pi0``, ``model=pi0_tiny``).
+
+* ``schema.py`` - the typed ``model`` keys;
+* ``flow.py``   - the denoising chain as Gaussian transitions: Flow-SDE and Flow-Noise;
+* ``policy.py`` - inputs, the chain, log-probs, value and noise heads, LoRA, the transformers checkpoint layout.
+"""
+
+from __future__ import annotations
+
+from embodirl.models.pi0.policy import Pi0Policy, build_policy
+from embodirl.models.pi0.schema import Pi0ModelConfig
+from embodirl.models.registry import register_policy
+
+__all__ = ["Pi0Policy", "build_policy", "build_pi0"]
+
+
+@register_policy("pi0", config=Pi0ModelConfig)
+def build_pi0(model_cfg, env_spec) -> Pi0Policy:
+    """Registry builder: ``builder(model_cfg, env_spec) -> Policy``."""
+    return build_policy(model_cfg, env_spec)
+
+
+def _check_config(model_cfg) -> None:
+    """Cheap checks before any worker starts: the typed keys, the sizes' consistency, the checkpoint folder."""
+    from embodirl.config_fields import instance
+    from embodirl.errors import ConfigError
+    from embodirl.models.pi0.policy import check_checkpoint, network_config
+
+    model = instance(Pi0ModelConfig, model_cfg, "model")
+    if model.path:
+        check_checkpoint(model.path)
+    else:
+        network_config(model)
+    low, high = model.flow.noise_std_range
+    if not 0 < low <= high:
+        raise ConfigError("model.flow.noise_std_range", f"[{low}, {high}] must be two standard deviations 0 < min <= max")
+
+
+def _describe_checkpoint(path) -> str:
+    from embodirl.models.pi0.policy import check_checkpoint
+
+    return check_checkpoint(path)
+
+
+build_pi0.check_config = _check_config
+build_pi0.describe_checkpoint = _describe_checkpoint

@@ -1,0 +1,203 @@
+"""π0 on transformers' PI0ForConditionalGeneration (embodirl/models/pi0/): the policy's chain is the library's, its
+log-probabilities are the closed-form Gaussians of πRL's Flow-SDE / Flow-Noise, and a saved checkpoint acts as the
+policy that wrote it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from embodirl import data as D
+from embodirl.envs.base import EnvSpec
+from embodirl.models.base import SamplingParams
+from embodirl.models.pi0 import flow
+from embodirl.models.registry import make_policy
+from embodirl.plain import to_plain
+
+SPEC = EnvSpec(action_dim=7, max_episode_steps=24, task_descriptions=["reach the red square", "push the cube left"],
+               camera_names=["main", "wrist"], image_size=(64, 64), state_dim=5, name="spec")
+
+
+def _policy(compose_cfg, *overrides, seed=0, spec=SPEC):
+    cfg = compose_cfg("model=pi0_tiny", *overrides)
+    torch.manual_seed(seed)
+    return make_policy(cfg.model, spec), cfg
+
+
+def _obs(batch=4, seed=1, spec=SPEC):
+    g = torch.Generator().manual_seed(seed)
+    return {D.IMAGES: torch.randint(0, 256, (batch, len(spec.camera_names), 3, 64, 64), dtype=torch.uint8, generator=g),
+            D.STATE: torch.randn(batch, spec.state_dim, generator=g),
+            D.TASK_ID: torch.arange(batch) % len(spec.task_descriptions)}
+
+
+def _noise(policy, batch, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, policy.chunk_size, policy.max_action_dim, generator=g)
+
+
+def _perturb_adapters(policy, seed=3, scale=0.05, lora_only=False):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if p.requires_grad and (".lora_" in name or not lora_only):
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("method", flow.METHODS)
+def test_greedy_actions_are_transformers_sample_actions_bit_for_bit(compose_cfg, method):
+    """With RL noise off the chain is ``PI0ForConditionalGeneration.sample_actions``'s for the same starting noise:
+    the same Euler steps over the same cached prefix (float32, adapters trained away from zero so they take part)."""
+    policy, _ = _policy(compose_cfg, f"model.flow.method={method}")
+    _perturb_adapters(policy)
+    obs, noise = _obs(), _noise(policy, 4)
+    out = policy.act(obs, SamplingParams(greedy=True), noise=noise)
+    inputs = policy.prepare_inputs(obs)
+    reference = policy.network.sample_actions(inputs["state"], inputs["input_ids"], inputs["pixel_values"],
+                                              noise=noise.clone(), attention_mask=inputs["attention_mask"],
+                                              pixel_attention_mask=inputs["pixel_attention_mask"],
+                                              num_steps=policy.num_steps)
+    H, A = policy.action_chunk, policy.action_dim
+    expected = reference[:, :H, :A].clamp(-1.0, 1.0)         # identity statistics; the env's bounds are [-1, 1]
+    assert torch.equal(out[D.ACTION_CHUNK], expected)
+    if method == flow.FLOW_NOISE:                               # the stored chain ends at the library's answer
+        assert torch.equal(out[D.ACTION_CHAIN].reshape(4, policy.num_steps + 1, -1)[:, -1], reference.reshape(4, -1))
+    # and a sampled decision is not the greedy one
+    sampled = policy.act(obs, SamplingParams(), noise=noise)
+    assert not torch.equal(sampled[D.ACTION_CHUNK], out[D.ACTION_CHUNK])
+
+
+def test_flow_sde_logprob_is_the_closed_form_gaussian_of_its_step(compose_cfg):
+    """The behaviour log-prob of a Flow-SDE decision is log N(x_{k+1}; mu, s^2) of its drawn step, with mu and s
+    written out here from πRL's equations and the velocity read from the library's forward."""
+    policy, _ = _policy(compose_cfg, "model.flow.method=flow_sde", "model.flow.noise_level=0.7")
+    _perturb_adapters(policy)
+    obs = _obs(batch=6)
+    torch.manual_seed(5)
+    out = policy.act(obs, SamplingParams())
+    K, a = policy.num_steps, 0.7
+    chain = out[D.ACTION_CHAIN]
+    width = policy.chunk_size * policy.max_action_dim
+    steps = chain[:, 0].long()
+    assert len(set(steps.tolist())) > 1                        # the drawn step differs between decisions
+    x = chain[:, 1:1 + width].reshape(6, policy.chunk_size, -1)
+    x_next = chain[:, 1 + width:].reshape(6, policy.chunk_size, -1)
+    inputs = policy.prepare_inputs(obs)
+    expected = []
+    for b in range(6):
+        k = int(steps[b])
+        t, delta = 1.0 - k / K, 1.0 / K
+        one = {key: v[b:b + 1] for key, v in inputs.items()}
+        v = policy.network(state=one["state"], noise=x[b:b + 1], timestep=torch.tensor([t]),
+                           input_ids=one["input_ids"], pixel_values=one["pixel_values"],
+                           attention_mask=one["attention_mask"],
+                           pixel_attention_mask=one["pixel_attention_mask"]).logits[0].double()
+        gap = 1.0 / K if k == 0 else 1.0 - t                   # at t = 1 the next grid time's 1 - t
+        sigma = a * math.sqrt(t / gap)
+        xb = x[b].double()
+        mean = (xb - v * t) * (1 - t + delta) + (xb + v * (1 - t)) * (t - delta - sigma ** 2 * delta / (2 * t))
+        std = math.sqrt(delta) * sigma
+        logprob = torch.distributions.Normal(mean, std).log_prob(x_next[b].double())
+        expected.append(logprob[: policy.action_chunk, : policy.action_dim].reshape(-1))
+    assert torch.allclose(out[D.LOGPROB_BEHAVIOR].double(), torch.stack(expected), atol=2e-4, rtol=1e-4)
+    # with sigma = 0 a Flow-SDE step is the Euler step
+    xs, vs, ts = torch.randn(3, 4), torch.randn(3, 4), torch.tensor([[0.8], [0.5], [0.2]])
+    mean, std = flow.sde_transition(xs, vs, ts, 0.1, torch.zeros_like(ts))
+    assert torch.allclose(mean, xs - 0.1 * vs, atol=1e-6) and bool((std == 0).all())
+
+
+@pytest.mark.parametrize("method", flow.METHODS)
+def test_evaluate_scores_what_act_sampled(compose_cfg, method):
+    """The actor's recomputation of a decision's log-prob and value equals the rollout's (the first minibatch's ratio
+    is 1), in batches of another composition; it has a gradient; the reference (adapters off) differs once trained."""
+    policy, _ = _policy(compose_cfg, f"model.flow.method={method}")
+    obs = _obs(batch=6)
+    torch.manual_seed(7)
+    out = policy.act(obs, SamplingParams(), return_value=True)
+    for rows in (slice(0, 6), slice(1, 4)):
+        part = {k: v[rows] for k, v in obs.items()}
+        ev = policy.evaluate(part, out[D.ACTION_CHAIN][rows])
+        torch.testing.assert_close(ev["logprob"], out[D.LOGPROB_BEHAVIOR][rows], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ev[D.VALUE], out[D.VALUE][rows], atol=1e-5, rtol=0)
+        assert ev["entropy"].shape == ev["logprob"].shape == (rows.stop - rows.start, 4 * 7)
+    ev["logprob"].sum().backward()
+    grads = [p.grad for p in policy.parameters() if p.requires_grad and p.grad is not None]
+    assert grads and any(bool(g.abs().sum() > 0) for g in grads)
+    _perturb_adapters(policy, lora_only=True)      # the heads train in place: the reference shares them
+    with torch.no_grad():
+        trained = policy.evaluate(obs, out[D.ACTION_CHAIN])["logprob"]
+        with policy.reference_mode():
+            reference = policy.evaluate(obs, out[D.ACTION_CHAIN])["logprob"]
+    assert not torch.allclose(trained, reference)
+    torch.testing.assert_close(reference, out[D.LOGPROB_BEHAVIOR], atol=1e-5, rtol=0)
+
+
+def test_a_saved_checkpoint_loads_with_from_pretrained_and_acts_the_same(compose_cfg, tmp_path):
+    """save_pretrained writes transformers' layout (LoRA folded in) with the statistics and heads; model.path reads it
+    back and the policy acts as the one that wrote it (the fold changes rounding only)."""
+    from transformers import PI0ForConditionalGeneration
+
+    policy, cfg = _policy(compose_cfg, "model.flow.method=flow_noise")
+    _perturb_adapters(policy)
+    stats = {"state_mean": [0.1] * 5, "state_std": [2.0] * 5, "actions_mean": [0.05] * 7, "actions_std": [0.5] * 7}
+    policy.set_statistics(stats)
+    folder = policy.save_pretrained(tmp_path / "pi0", step=3)
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    plain = PI0ForConditionalGeneration.from_pretrained(str(folder))
+    assert plain.config.chunk_size == policy.chunk_size
+    loaded = make_policy({**to_plain(cfg.model), "path": str(folder), "flow": {**to_plain(cfg.model.flow),
+                                                                                 "method": "flow_noise"}}, SPEC)
+    assert loaded.statistics == stats
+    obs, noise = _obs(), _noise(policy, 4)
+    a = policy.act(obs, SamplingParams(greedy=True), return_value=True, noise=noise)
+    b = loaded.act(obs, SamplingParams(greedy=True), return_value=True, noise=noise)
+    for key in (D.ACTION_CHUNK, D.VALUE, D.LOGPROB_BEHAVIOR):
+        torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-4)
+    # the statistics act: a policy without them answers differently
+    fresh, _ = _policy(compose_cfg, "model.flow.method=flow_noise")
+    assert not torch.allclose(fresh.act(obs, SamplingParams(greedy=True), noise=noise)[D.ACTION_CHUNK],
+                              a[D.ACTION_CHUNK])
+
+
+def test_bad_pi0_input_is_one_sentence(compose_cfg, tmp_path):
+    from embodirl.errors import ConfigError
+    from embodirl.models.registry import get_policy_builder
+
+    cfg = compose_cfg("model=pi0_tiny", "model.expert.num_hidden_layers=3")
+    with pytest.raises(ConfigError, match="model.expert.num_hidden_layers"):
+        get_policy_builder("pi0").check_config(cfg.model)
+    with pytest.raises(ConfigError, match="model.path"):
+        get_policy_builder("pi0").check_config({**to_plain(compose_cfg("model=pi0_tiny").model), "path": str(tmp_path)})
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="model.path"):
+        make_policy({**to_plain(compose_cfg("model=pi0_tiny").model), "path": str(tmp_path)}, SPEC)
+    long = EnvSpec(**{**SPEC.__dict__, "task_descriptions": [" ".join(["word"] * 40)]})
+    with pytest.raises(ConfigError, match="model.max_prompt_tokens"):
+        _policy(compose_cfg, spec=long)
+
+
+@pytest.mark.parametrize("method", flow.METHODS)
+def test_gradient_checkpointing_gives_the_same_gradients(compose_cfg, method):
+    """The actor's gradient checkpointing (every transformer block recomputed in backward) on π0, whose VLM layers write
+    the cache the expert reads: the recomputation must not write the prefix twice nor see another pass's chunk
+    (embodirl/models/pi0/cache.py). Same log-probs, same gradients as without it."""
+    from embodirl.actor import fsdp
+
+    grads = []
+    for checkpointing in (False, True):
+        policy, _ = _policy(compose_cfg, f"model.flow.method={method}")
+        _perturb_adapters(policy)
+        if checkpointing:
+            assert fsdp.enable_gradient_checkpointing(fsdp.shard_units(policy)) > 0
+        obs = _obs(batch=3)
+        torch.manual_seed(11)
+        chain = policy.act(obs, SamplingParams())[D.ACTION_CHAIN]
+        policy.zero_grad()
+        out = policy.evaluate(obs, chain)
+        (out["logprob"].sum() + out[D.VALUE].sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any(".lora_" in n and "vlm.language_model" in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
