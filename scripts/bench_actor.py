@@ -32,7 +32,10 @@ timed asserts):
    the batch with the policy, FSDP2 set-up, one ``train``, one ``publish(full=True, inline=True)``,
    ``offload()``, ``onload()``), peak GPU memory, decisions/s. Not run on the 2-core machine (no GPU):
    there only its import and argument parsing were checked, and the same code path ran with
-   ``--preset full --device cpu --model openvla_oft_tiny`` (gloo, bf16 on CPU).
+   ``--preset full --device cpu --model openvla_oft_tiny`` (gloo, bf16 on CPU). ``--compile on`` adds
+   ``actor.compile=true``; ``--compare-compile`` runs the preset plain, then compiled, in this process and prints
+   compiled / plain decisions/s from each run's fastest train after the first (train #1 compiles; a later one
+   may compile a new batch variant, a size or padding it had not met).
 
 Usage::
 
@@ -41,6 +44,7 @@ Usage::
     python scripts/bench_actor.py --part placement --steps 8
     python scripts/bench_actor.py --preset full            # GPU: the 7B preset, one rank
     python scripts/bench_actor.py --preset full --device cpu --model openvla_oft_tiny   # that path, on CPU
+    python scripts/bench_actor.py --preset full --compare-compile --trajectories 16 --decisions 8 --micro-batch 8
 
 Measured on the 2-core machine, 2026-11-24 (no GPU; shared with other engineers' jobs, load average
 ~16 during the run, so absolute times are noisy; under 3 minutes in all)::
@@ -275,7 +279,7 @@ def part_placement(args) -> list[str]:
 
 
 # --- part 3: the full-size preset, one rank in this process ----------------------------------------------------
-def part_full(args) -> list[str]:
+def part_full(args, *, compiled: bool) -> list[str]:
     from embodirl.actor.actor import prepare_batch
     from embodirl.plain import to_plain
     from embodirl.workers.actor_worker import ActorWorker, build_policy, free_port
@@ -288,7 +292,8 @@ def part_full(args) -> list[str]:
         raise SystemExit(f"--trajectories must be a multiple of {GROUP_SIZE} (whole groups)")
     checkpointing = args.gradient_checkpointing == "on"
     extra = [f"model.dtype={args.param_dtype}", "actor.fsdp.enabled=true",
-             f"actor.fsdp.gradient_checkpointing={str(checkpointing).lower()}", "actor.enable_offload=true"]
+             f"actor.fsdp.gradient_checkpointing={str(checkpointing).lower()}", "actor.enable_offload=true",
+             f"actor.compile={str(compiled).lower()}"]
     if cuda:
         extra.append("model.device=cuda")      # random weights created on the GPU, not in host memory
     plain = to_plain(compose_cfg(args.model, args, extra))
@@ -332,7 +337,9 @@ def part_full(args) -> list[str]:
         timed("onload() #1", worker.onload)
         timed("offload()", worker.offload)
         timed("onload()", worker.onload)
-        if cuda:   # side by side: the moves before reused buffers (plain .to(), pageable memory), same tensors
+        # side by side: the moves before reused buffers (plain .to(), pageable memory), same tensors; not when
+        # comparing compiled and plain blocks
+        if cuda and not args.compare_compile:
             timed("plain .to() offload (before)", lambda: plain_move(worker, "cpu"))
             timed("plain .to() onload (before)", lambda: plain_move(worker, device))
         total_peak = torch.cuda.max_memory_allocated(device) if cuda else None
@@ -340,20 +347,27 @@ def part_full(args) -> list[str]:
     finally:
         worker.close()
     last_train = phases[f"train #{args.repeats}"]
+    # a compiled actor compiles at train #1 and again whenever a batch brings a new variant (a size, padding or not)
+    later = [phases[f"train #{i}"] for i in range(2, args.repeats + 1)] or [last_train]
     args.results = {"model": args.model, "parameters": numel, "trainable": trainable, "dtype": args.param_dtype,
                     "device": args.device, "fsdp": worker.actor.use_fsdp, "trajectories": args.trajectories,
                     "decisions_per_trajectory": args.decisions, "micro_batch": args.micro_batch,
-                    "gradient_checkpointing": checkpointing, "seconds": phases, "decisions": float(metrics["actor/decisions"]),
+                    "gradient_checkpointing": checkpointing, "compile": compiled, "seconds": phases,
+                    "decisions": float(metrics["actor/decisions"]),
                     "decisions_per_s": float(metrics["actor/decisions"]) / last_train,
+                    "decisions_per_s_fastest_after_first": float(metrics["actor/decisions"]) / min(later),
                     "publication_bytes": handle.nbytes,
                     **({"train_peak_bytes": train_peak, "run_peak_bytes": total_peak, "resident_bytes": resident,
                         "offloaded_bytes": offloaded} if cuda else {})}
     lines = [f"3. full preset: model={args.model} ({numel / 1e9:.2f}B parameters, {trainable / 1e6:.1f}M trainable), "
-             f"{args.param_dtype}, LoRA, gradient checkpointing {args.gradient_checkpointing}, offload, "
+             f"{args.param_dtype}, LoRA, gradient checkpointing {args.gradient_checkpointing}, "
+             f"actor.compile {'on' if compiled else 'off'}, offload, "
              f"1 rank (FSDP2={worker.actor.use_fsdp}), "
              f"{args.device}, GRPO N={args.trajectories} x T={args.decisions}, micro-batch {args.micro_batch}"]
     lines += [f"  {name:<36}{seconds:>9.2f} s" for name, seconds in phases.items()]
     lines.append(f"  decisions/s (last train)          {metrics['actor/decisions'] / last_train:>9.2f}")
+    if args.repeats > 1:
+        lines.append(f"  decisions/s (fastest after #1)    {metrics['actor/decisions'] / min(later):>9.2f}")
     lines.append(f"  weight publication                 {handle.nbytes / MIB:>9.1f} MiB")
     if cuda:
         lines += [f"  peak GPU memory, train             {train_peak / 2**30:>9.2f} GiB",
@@ -362,6 +376,29 @@ def part_full(args) -> list[str]:
     else:
         lines.append(f"  peak RSS                           "
                      f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:>9.0f} MiB")
+    return lines
+
+
+def part_compare_compile(args) -> list[str]:
+    """The full preset twice in this process, plain then with ``actor.compile=true``, and their ratios."""
+    import gc
+
+    lines, runs = [], {}
+    for compiled in (False, True):
+        print("\n".join(part_full(args, compiled=compiled)), flush=True)   # each run as it ends
+        runs[compiled] = args.results
+        gc.collect()   # free this model before the next is built (compiled forwards refer back to their blocks)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    plain, comp = runs[False], runs[True]
+    key, first = "decisions_per_s_fastest_after_first", "train #1"
+    ratio = comp[key] / plain[key]
+    lines.append(f"compiled / plain: decisions/s x{ratio:.2f} (fastest of trains #2-#{args.repeats} each; last train "
+                 f"x{comp['decisions_per_s'] / plain['decisions_per_s']:.2f}); train #1, which compiles: "
+                 f"{comp['seconds'][first]:.1f} s vs {plain['seconds'][first]:.1f} s"
+                 + (f"; peak GPU memory in train x{comp['train_peak_bytes'] / plain['train_peak_bytes']:.2f}"
+                    if "train_peak_bytes" in plain else ""))
+    args.results = {"plain": plain, "compiled": comp, "compiled_over_plain_decisions_per_s": ratio}
     return lines
 
 
@@ -387,7 +424,8 @@ def parse_args(argv=None):
     parser.add_argument("--decisions", type=int, default=None, help="T decisions per trajectory (tiny: 4, full: 4)")
     parser.add_argument("--epochs", type=int, default=1, help="algorithm.update_epochs")
     parser.add_argument("--micro-batch", type=int, default=None, help="actor.micro_batch_size (tiny: 2, full: 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed trains (tiny: 3 after a warm-up; full: 1)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed trains (tiny: 3 after a warm-up; full: 1, or 3 when compiling)")
     parser.add_argument("--worlds", default="1,2", help="part 1: actor ranks to compare")
     parser.add_argument("--rounds", type=int, default=2, help="part 1: alternating rounds (best kept)")
     parser.add_argument("--cpus", type=int, default=2, help="part 1: CPUs of the local Ray")
@@ -398,12 +436,23 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="openvla_oft", help="full preset: the model option")
     parser.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
                         help="full preset: actor.fsdp.gradient_checkpointing (off: more memory, no recomputed forward)")
+    parser.add_argument("--compile", choices=["on", "off"], default="off",
+                        help="full preset: actor.compile (torch.compile each transformer block; train #1 compiles)")
+    parser.add_argument("--compare-compile", action="store_true",
+                        help="full preset: run it plain, then with actor.compile=true, in this process, and print "
+                             "the ratios (overrides --compile)")
     parser.add_argument("--param-dtype", default="bfloat16", help="full preset: model.dtype")
     parser.add_argument("--json", default=None, help="full preset: also write its numbers to this file")
     args = parser.parse_args(argv)
     args.results = None
     full = args.preset == "full"
-    for key, tiny, big in (("trajectories", 16, 4), ("decisions", 4, 4), ("micro_batch", 2, 1), ("repeats", 3, 1)):
+    compiling = args.compare_compile or args.compile == "on"
+    if compiling and not full:
+        parser.error("--compile and --compare-compile time the full preset's one-rank path: add --preset full "
+                     "(on a CPU: --device cpu --model openvla_oft_tiny)")
+    full_repeats = 3 if compiling else 1   # train #1 compiles; later ones may meet a new batch variant
+    for key, tiny, big in (("trajectories", 16, 4), ("decisions", 4, 4), ("micro_batch", 2, 1),
+                           ("repeats", 3, full_repeats)):
         if getattr(args, key) is None:
             setattr(args, key, big if full else tiny)
     return args
@@ -414,8 +463,11 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     header = (f"bench_actor: {os.cpu_count()} cores, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d')}")
+    if args.compare_compile:
+        print(header, flush=True)
+        header = None
     if args.preset == "full":
-        lines = part_full(args)
+        lines = part_compare_compile(args) if args.compare_compile else part_full(args, compiled=args.compile == "on")
         if args.json:
             import json
 
@@ -426,7 +478,8 @@ def main(argv=None) -> None:
             lines += part_actor(args)
         if args.part in ("all", "placement"):
             lines += part_placement(args)
-    print(header)
+    if header is not None:
+        print(header)
     print("\n".join(lines))
     print(f"total {time.perf_counter() - started:.0f} s")
 

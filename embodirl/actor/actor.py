@@ -126,8 +126,14 @@ class Actor:
         if self.use_fsdp and not fsdp.is_distributed():
             raise ConfigError("actor.fsdp.enabled", "FSDP2 needs the actor group's process group; run the actor "
                                                     "through the actor group or set actor.fsdp.enabled=auto")
+        units = fsdp.shard_units(policy)
+        if act.compile:   # before checkpointing and sharding wrap the blocks (fsdp.compile_units)
+            if fsdp.compile_units(units):
+                log.info("actor.compile: %d blocks of %s compile at their first call", len(units), type(policy).__name__)
+            else:
+                log.warning("actor.compile: %s declares no blocks (_no_split_modules); nothing to compile",
+                            type(policy).__name__)
         if act.fsdp.gradient_checkpointing:
-            units = fsdp.shard_units(policy)
             if not fsdp.enable_gradient_checkpointing(units):
                 log.warning("gradient checkpointing: %s declares no blocks (_no_split_modules); nothing to "
                             "checkpoint", type(policy).__name__)

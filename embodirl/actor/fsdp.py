@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 from collections.abc import Iterable
 
 import torch
@@ -128,6 +129,39 @@ def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
     return path
 
 
+def compile_units(modules: Iterable[nn.Module]) -> int:
+    """Compile each module's own ``forward`` in place with ``torch.compile`` (regional compilation,
+    ``actor.compile``); returns how many were compiled. The graphs are built at the first call.
+
+    Call it before :func:`enable_gradient_checkpointing` (the checkpoint then runs, and recomputes, the
+    compiled forward) and before :func:`wrap_policy`: FSDP2's hooks stay outside the graphs, which is
+    how per-block compilation composes with ``fully_shard``. Dynamo keeps its graphs per code object,
+    and transformers wraps every block class's ``forward`` in one shared ``forward_with_checkpointing``
+    (``GradientCheckpointingLayer``): compiling that wrapper would put all block classes into one cache
+    of ``recompile_limit`` entries. So the class's own forward under the wrapper is compiled, one cache
+    per block class, whose blocks share its graphs."""
+    count = 0
+    for module in modules:
+        if "forward" in vars(module):
+            raise RuntimeError(f"{type(module).__name__}.forward is already replaced (checkpointed or compiled); "
+                               "compile the blocks first")
+        if getattr(module, "gradient_checkpointing", False):
+            # transformers' own checkpointing lives in the wrapper this skips
+            raise RuntimeError(f"{type(module).__name__} has transformers' gradient checkpointing on "
+                               "(model.gradient_checkpointing); use actor.fsdp.gradient_checkpointing with actor.compile")
+        module.forward = torch.compile(types.MethodType(_own_forward(type(module)), module))
+        count += 1
+    return count
+
+
+def _own_forward(cls: type):
+    """``cls.forward`` without transformers' ``forward_with_checkpointing`` wrapper(s)."""
+    forward = cls.forward
+    while getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
+        forward = forward.__wrapped__
+    return forward
+
+
 def enable_gradient_checkpointing(modules: Iterable[nn.Module]) -> int:
     """Recompute each module's activations in backward (``torch.utils.checkpoint``, non-reentrant).
 
@@ -195,8 +229,12 @@ def wrap_policy(policy: nn.Module, *, device: torch.device, param_dtype: torch.d
     # pinned host memory needs an accelerator; on a CPU-only machine offloading is a plain CPU copy
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     units = shard_units(policy)
+    # a unit whose parameters get gradients through something other than its outputs (π0's VLM layers: their keys and
+    # values reach the action expert through the cache) stays gathered from its forward to its backward; FSDP2's
+    # pre-backward hook, which would gather it again, fires only on gradients of the unit's outputs
+    kept = getattr(policy, "fsdp_keeps_gathered", lambda unit: False)
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=not kept(unit))
     fully_shard(policy, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     for method in FORWARD_METHODS:
         if callable(getattr(policy, method, None)):

@@ -204,6 +204,7 @@ class Actor:
     seed: int = num(0)
     cpu_world_size: int = num(1)
     enable_offload: bool = required()
+    compile: bool = required()
     optim: Optim = section(Optim)
     fsdp: FSDP = section(FSDP)
     replay_buffer: ReplayBuffer = section(ReplayBuffer)
@@ -234,6 +235,10 @@ class Actor:
             _fail("actor.global_batch_size", f"the rollout batch env.train.num_envs x rollout.rollout_epoch = "
                                              f"{rollout_batch} trajectories is not divisible by actor.global_batch_size "
                                              f"= {global_bs}")
+        if actor.compile and cfg.model.get("gradient_checkpointing"):
+            _fail("actor.compile", "compiles the blocks under transformers' own checkpointing wrapper, which "
+                                   "model.gradient_checkpointing switches on; checkpoint the same blocks with "
+                                   "actor.fsdp.gradient_checkpointing=true instead")
         if not cfg.runner.only_eval:  # the rules the actor checks again with its world size
             actor_rules(actor, cfg.algorithm, dp)
 
