@@ -217,7 +217,7 @@ class Actor:
             raise ValueError(f"actor ranks received different numbers of trajectories {sizes}; shard the batch evenly")
         rows_per_step = self.cfg.actor.global_batch_size // self.world_size
         action_dim = self.policy.action_dim
-        L = batch.get(self.policy.action_field).shape[-1]
+        L = batch.get(D.LOGPROB_BEHAVIOR).shape[-1]        # per-decision log-prob entries (tokens, dims)
         value_dims = batch.get(D.VALUE).dim() if self.cfg.algorithm.uses_critic else 2
         params = self.cfg.algorithm
         generator = torch.Generator().manual_seed(self.cfg.actor.seed * 1_000_003 + self.version)
@@ -321,7 +321,8 @@ class Actor:
         self.version += 1
         metrics = {k: v for k, v in raw.items() if not k.startswith("sft/")}
         metrics["sft/loss"] = raw["sft/ce_sum"] / raw["sft/labels"]
-        metrics["sft/token_accuracy"] = raw["sft/correct"] / raw["sft/tokens"]
+        if "sft/correct" in raw:                   # token policies; π0's loss is the velocity's squared error
+            metrics["sft/token_accuracy"] = raw["sft/correct"] / raw["sft/tokens"]
         metrics["sft/action_l1"] = raw["sft/l1_sum"] / raw["sft/tokens"]
         if l1_head:
             metrics["sft/l1_head_loss"] = raw["sft/l1_head_sum"] / raw["sft/tokens"]

@@ -512,7 +512,9 @@ class Pi0Policy(Policy):
         in), the statistics in ``processor_config.json``, and the value and noise heads in ``embodirl_heads.safetensors``."""
         from safetensors.torch import save_file
         from transformers import PI0ForConditionalGeneration
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         plain = PI0ForConditionalGeneration._from_config(self.network.config)
