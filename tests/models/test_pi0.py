@@ -201,3 +201,21 @@ def test_gradient_checkpointing_gives_the_same_gradients(compose_cfg, method):
     assert grads[0].keys() == grads[1].keys() and any(".lora_" in n and "vlm.language_model" in n for n in grads[0])
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_merged_copy_acts_as_the_adapted_policy_across_weight_updates(compose_cfg):
+    """rollout.merge_lora on π0: an inference copy that folds the adapters into its weights acts as the policy with
+    the adapters beside them, and again after a weight update re-merges from the originals."""
+    policy, _ = _policy(compose_cfg, "model.flow.method=flow_noise")
+    copy, _ = _policy(compose_cfg, "model.flow.method=flow_noise")
+    obs, noise = _obs(), _noise(policy, 4)
+    for seed in (3, 4):
+        _perturb_adapters(policy, seed=seed)
+        copy.load_trainable_state_dict(policy.trainable_state_dict())
+        copy.merge_adapters_()
+        a = policy.act(obs, SamplingParams(greedy=True), return_value=True, noise=noise)
+        b = copy.act(obs, SamplingParams(greedy=True), return_value=True, noise=noise)
+        for key in (D.ACTION_CHUNK, D.ACTION_CHAIN, D.VALUE):
+            torch.testing.assert_close(b[key], a[key], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(a[D.ACTION_CHAIN], _policy(compose_cfg, "model.flow.method=flow_noise")[0].act(
+        obs, SamplingParams(greedy=True), noise=noise)[D.ACTION_CHAIN])

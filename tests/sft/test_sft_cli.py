@@ -117,8 +117,8 @@ def test_demos_sft_eval_train_and_resume(tmp_path):
 @pytest.mark.slow
 def test_pi0_demos_sft_eval_and_train(tmp_path):
     """π0 through the same chain: the SFT trains the flow-matching loss on the dataset's chunks of model.chunk_size,
-    standardised with its mean and std, and exports transformers' layout with those statistics, which eval and train
-    load with no other flag."""
+    standardised with its mean and std, and exports transformers' layout with those statistics, which evaluation and
+    train load with no other flag."""
     from transformers import PI0ForConditionalGeneration
 
     ds = tmp_path / "ds"
@@ -138,8 +138,8 @@ def test_pi0_demos_sft_eval_and_train(tmp_path):
     np.testing.assert_allclose(processor["actions_mean"], dataset.stats["action"].mean, rtol=1e-6)
     np.testing.assert_allclose(processor["state_std"], dataset.stats[dataset.state_key].std, rtol=1e-6)
     assert PI0ForConditionalGeneration.from_pretrained(str(model)).config.chunk_size == 8
-    cli(["eval", *pi0, *EVAL, f"model.path={model}", f"runner.output_dir={tmp_path / 'eval'}"], tmp_path)
-    assert json.loads((tmp_path / "eval" / "eval_info.json").read_text())["overall"]["n_episodes"] == 2
+    # the step-4 evaluation is `embodirl eval model.path=<model>`'s run (embodirl/sft/loop.py)
+    assert json.loads((a / "eval" / "step_4" / "eval_info.json").read_text())["overall"]["n_episodes"] == 2
     cli(["train", *pi0, f"model.path={model}", "algorithm=grpo", "algorithm.group_size=2",
          "env.train.use_fixed_reset_state_ids=true", "env.train.num_envs=2", "env.train.max_episode_steps=16",
          "runner.max_steps=1", "runner.val_check_interval=0", "runner.save_interval=0",

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from embodirl import data as D
 from embodirl.errors import ConfigError
 from embodirl.models.base import Policy, SamplingParams
+from embodirl.models.lora_merge import AdapterMerger
 from embodirl.models.normalization import BoundsNormalizer, resolve_unnorm_key
 from embodirl.models.openvla_oft import hf_checkpoint
 from embodirl.models.openvla_oft.adapters import load_live_adapter
@@ -79,7 +80,7 @@ class OpenVLAOFTPolicy(Policy):
         self.images = ImageProcessor(cfg.model.image_size, cfg.model.center_crop, means, stds, device=self.device)
         self.statistics = loaded.statistics if loaded is not None else None
         self.unnorm_key, self.action_normalizer, self.proprio_normalizer = self._normalizers()
-        self._unmerged: list[torch.Tensor] | None = None   # the adapted weights before merge_adapters_
+        self._merger = AdapterMerger()      # merge_adapters_ (rollout.merge_lora)
 
     # --- construction helpers ------------------------------------------------------------------
     def _apply_deferred(self, loaded: hf_checkpoint.LoadedCheckpoint) -> None:
@@ -257,25 +258,9 @@ class OpenVLAOFTPolicy(Policy):
 
     def merge_adapters_(self) -> None:
         """Fold the LoRA adapters into the weights they adapt, for an inference copy (``rollout.merge_lora``): its
-        forward then runs the base linear layers only, without the low-rank products beside them. The first call
-        keeps the adapted layers' own weights in host memory (pinned on a GPU machine; the adapted layers' size once
-        more); every call restores them before merging, so a weight update re-merges from the originals and repeated
-        merges never accumulate rounding. After a merge the adapters are off in the forward (peft's ``merged``)."""
-        from peft.tuners.lora import LoraLayer
-
-        layers = [m for m in self.vla.modules() if isinstance(m, LoraLayer)]
-        if not layers:
-            raise RuntimeError("this policy has no LoRA adapter to merge (model.lora.enabled is false)")
-        if self._unmerged is None:
-            pin = torch.cuda.is_available() and self.device.type == "cuda"
-            self._unmerged = [layer.get_base_layer().weight.detach().to("cpu", copy=True) for layer in layers]
-            if pin:
-                self._unmerged = [w.pin_memory() for w in self._unmerged]
-        with torch.no_grad():
-            for layer, original in zip(layers, self._unmerged, strict=True):
-                layer.get_base_layer().weight.copy_(original, non_blocking=True)
-                layer.merged_adapters = []
-                layer.merge()
+        forward then runs the base linear layers only, without the low-rank products beside them
+        (:mod:`embodirl.models.lora_merge`: repeatable, from the originals kept in host memory)."""
+        self._merger.merge(self.vla, self.device)
 
     def compile_blocks_(self) -> int:
         """Compile each transformer block of the language model and of both vision towers in place (regional

@@ -41,6 +41,7 @@ from torch import nn
 from embodirl import data as D
 from embodirl.errors import ConfigError
 from embodirl.models.base import Policy, SamplingParams
+from embodirl.models.lora_merge import AdapterMerger
 from embodirl.models.pi0 import flow
 from embodirl.models.pi0.cache import ExpertCache, PrefixCache
 from embodirl.models.pi0.schema import Pi0ModelConfig
@@ -148,6 +149,7 @@ class Pi0Policy(Policy):
         self.register_buffer("action_low", low.clone(), persistent=False)
         self.register_buffer("action_high", high.clone(), persistent=False)
         self.pi0 = apply_lora(network, model.lora) if model.lora.enabled else network
+        self._merger = AdapterMerger()      # merge_adapters_ (rollout.merge_lora)
         self._check_prompts(self.task_descriptions)
 
     # --- structure -------------------------------------------------------------------------------
@@ -452,6 +454,11 @@ class Pi0Policy(Policy):
         count = torch.tensor(float(error.numel()))
         return {"ce_sum": error.pow(2).sum(), "labels": count, "tokens": count,
                 "l1_sum": error.detach().abs().sum()}
+
+    def merge_adapters_(self) -> None:
+        """Fold the LoRA adapters into the weights for an inference copy (``rollout.merge_lora``; see
+        :mod:`embodirl.models.lora_merge`)."""
+        self._merger.merge(self.pi0, self.device)
 
     def compile_blocks_(self) -> int:
         """Compile each transformer block of the vision tower, the VLM and the action expert in place."""
