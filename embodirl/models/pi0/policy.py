@@ -63,18 +63,21 @@ GEMMA_BOS_ID, GEMMA_NEWLINE_ID = 2, 108
 HASH_ID_LOW = 256
 
 
+def _mlp(sizes: Sequence[int], activation: type[nn.Module]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(activation())
+    return nn.Sequential(*layers)
+
+
 class ValueHead(nn.Module):
     """GELU MLP from the VLM's mean prefix feature to one value (``chunk_level``) or ``H`` (``action_level``)."""
 
     def __init__(self, width: int, hidden_sizes: Sequence[int], outputs: int):
         super().__init__()
-        sizes = [width, *hidden_sizes, outputs]
-        layers: list[nn.Module] = []
-        for i in range(len(sizes) - 1):
-            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-            if i < len(sizes) - 2:
-                layers.append(nn.GELU())
-        self.mlp = nn.Sequential(*layers)
+        self.mlp = _mlp([width, *hidden_sizes, outputs], nn.GELU)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.mlp(features.to(self.mlp[0].weight.dtype)).float()
@@ -86,13 +89,7 @@ class NoiseHead(nn.Module):
 
     def __init__(self, width: int, hidden_sizes: Sequence[int], outputs: int, low: float, high: float):
         super().__init__()
-        sizes = [width, *hidden_sizes, outputs]
-        layers: list[nn.Module] = []
-        for i in range(len(sizes) - 1):
-            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-            if i < len(sizes) - 2:
-                layers.append(nn.Tanh())
-        self.mlp = nn.Sequential(*layers)
+        self.mlp = _mlp([width, *hidden_sizes, outputs], nn.Tanh)
         self.low, self.high = float(low), float(high)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from typing import Any
 
 from embodirl.config_fields import num, one_of, required, section
 from embodirl.models.base import CommonModelConfig
+from embodirl.models.openvla_oft.schema import ValueHead, VisionTower  # the same keys as OpenVLA-OFT's
 from embodirl.models.pi0.flow import METHODS
 
 
@@ -24,26 +25,12 @@ class Language(Gemma):
 
 
 @dataclass
-class Vision:
-    hidden_size: int = num(1)
-    intermediate_size: int = num(1)
-    num_hidden_layers: int = num(1)
-    num_attention_heads: int = num(1)
-    patch_size: int = num(1)
-
-
-@dataclass
 class Lora:
     enabled: bool = required()
     rank: int = num(1)
     alpha: float = num(0, lo_open=True)
     dropout: float = num(0, 1, hi_open=True)
     target_modules: Any = required()          # all-linear | expert | vlm, or a list of module-name suffixes
-
-
-@dataclass
-class ValueHead:
-    hidden_sizes: list[int] = required()
 
 
 @dataclass
@@ -71,7 +58,7 @@ class Pi0ModelConfig(CommonModelConfig):
     max_prompt_tokens: int = num(1)
     flow: Flow = section(Flow)
     value_head: ValueHead = section(ValueHead)
-    vision: Vision = section(Vision)
+    vision: VisionTower = section(VisionTower)
     language: Language = section(Language)
     expert: Gemma = section(Gemma)
     lora: Lora = section(Lora)
