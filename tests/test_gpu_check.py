@@ -1,6 +1,7 @@
 """``scripts/gpu_check.sh --cpu``: the one-command GPU check, in its CPU mode (the tiny preset through the same
 steps: dry run, policy and actor benchmarks, a 3-step in-process CLI run with an evaluation and a checkpoint, and
-``embodirl eval`` from it), so that the script a lent GPU machine runs cannot rot unnoticed. ~45 s."""
+``embodirl eval`` from it, and π0's act and update), so that the script a lent GPU machine runs cannot rot unnoticed.
+~60 s."""
 
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ def test_gpu_check_cpu_mode_passes_and_writes_its_report(tmp_path):
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["ok"] and report["mode"] == "cpu" and report["preset"] == "openvla_oft_tiny"
-    assert list(report["steps"]) == ["environment", "dry_run", "policy", "actor", "train", "eval"]
+    assert list(report["steps"]) == ["environment", "dry_run", "policy", "actor", "train", "eval", "pi0"]
     assert all(step["ok"] for step in report["steps"].values())
     train = report["steps"]["train"]["result"]
     assert [s["step"] for s in train["steps"]] == [1, 2, 3] and train["eval"]["eval/episodes"] == 32
     assert all(s["actor/first_step_ratio_error"] < 1e-6 for s in train["steps"])   # the rollout acts with the actor's module
     assert report["steps"]["eval"]["result"]["n_episodes"] == 32
     assert report["targets"]["act"]["decisions_per_s"] > 0 and report["targets"]["actor"]["decisions_per_s"] > 0
+    pi0 = report["targets"]["pi0"]             # the second VLA family: act at two batch sizes and one update
+    assert sorted(pi0["act"]) == ["1", "4"] and all(r["decisions_per_s"] > 0 for r in pi0["act"].values())
+    assert pi0["update_decisions_per_s"] > 0 and pi0["update_tflops"] > 0
     assert len(list(out.iterdir())) <= 8          # what a lent GPU machine sends back
 
 
