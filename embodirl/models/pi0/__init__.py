@@ -3,6 +3,7 @@ Flow-Noise log-probabilities of the denoising chain). Registered as policy ``pi0
 
 * ``schema.py`` - the typed ``model`` keys;
 * ``flow.py``   - the denoising chain as Gaussian transitions: Flow-SDE and Flow-Noise;
+* ``cache.py``  - the VLM's and the action expert's key/value caches, safe under gradient checkpointing;
 * ``policy.py`` - inputs, the chain, log-probs, value and noise heads, LoRA, the transformers checkpoint layout.
 """
 
@@ -32,6 +33,8 @@ def _check_config(model_cfg) -> None:
         check_checkpoint(model.path)
     else:
         network_config(model)
+    if len(model.flow.noise_std_range) != 2:
+        raise ConfigError("model.flow.noise_std_range", f"{model.flow.noise_std_range} must be [min, max]")
     low, high = model.flow.noise_std_range
     if not 0 < low <= high:
         raise ConfigError("model.flow.noise_std_range", f"[{low}, {high}] must be two standard deviations 0 < min <= max")
