@@ -219,3 +219,27 @@ def test_a_merged_copy_acts_as_the_adapted_policy_across_weight_updates(compose_
             torch.testing.assert_close(b[key], a[key], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(a[D.ACTION_CHAIN], _policy(compose_cfg, "model.flow.method=flow_noise")[0].act(
         obs, SamplingParams(greedy=True), noise=noise)[D.ACTION_CHAIN])
+
+
+def test_the_network_and_flow_keys_shape_what_is_built(compose_cfg):
+    """model.flow.noise_std_range / noise_head_hidden_sizes, model.max_state_dim and the expert's key/value heads do
+    what the YAML says: the noise head's layers and the standard deviations it produces, the state width, and a
+    mismatch with the VLM's cache refused in one sentence."""
+    from embodirl.errors import ConfigError
+    from embodirl.models.registry import get_policy_builder
+
+    policy, _ = _policy(compose_cfg, "model.flow.method=flow_noise", "model.flow.noise_std_range=[0.2,0.3]",
+                        "model.flow.noise_head_hidden_sizes=[16,8]", "model.max_state_dim=12", "model.lora.dropout=0.1")
+    assert [m.out_features for m in policy.noise_head.mlp if isinstance(m, torch.nn.Linear)] == [16, 8, 8]
+    assert policy.state_mean.shape == (12,) and policy.network.config.max_state_dim == 12
+    obs = _obs()
+    entropy = policy.evaluate(obs, policy.act(obs, SamplingParams())[D.ACTION_CHAIN])["entropy"]
+    std = torch.exp(entropy - 0.5 - 0.5 * math.log(2 * math.pi))          # the mean over steps of log std, per element
+    assert bool((std >= 0.2 - 1e-5).all() and (std <= 0.3 + 1e-5).all())
+    lora = next(m for m in policy.modules() if hasattr(m, "lora_dropout"))
+    assert lora.lora_dropout["default"].p == 0.1
+    cfg = compose_cfg("model=pi0_tiny", "model.expert.num_key_value_heads=2")
+    with pytest.raises(ConfigError, match="model.expert.num_key_value_heads"):
+        get_policy_builder("pi0").check_config(cfg.model)
+    with pytest.raises(ConfigError, match="model.max_state_dim"):
+        _policy(compose_cfg, "model.max_state_dim=4")

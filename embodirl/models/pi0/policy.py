@@ -547,9 +547,10 @@ def network_config(model: Pi0ModelConfig):
         raise ConfigError("model.expert.num_hidden_layers", f"is {exp.num_hidden_layers}; the action expert reads the "
                                                             f"VLM's cache layer by layer, so it needs the VLM's "
                                                             f"{lang.num_hidden_layers}")
-    if (lang.num_key_value_heads, lang.head_dim) != (exp.num_key_value_heads, exp.head_dim):
-        raise ConfigError("model.expert.head_dim", "the expert's key/value heads and head_dim must equal the VLM's "
-                                                   "(model.language) to read its cache")
+    for key in ("num_key_value_heads", "head_dim"):
+        if getattr(lang, key) != getattr(exp, key):
+            raise ConfigError(f"model.expert.{key}", f"is {getattr(exp, key)}; the expert reads the VLM's key/value "
+                                                     f"cache, so it needs model.language.{key} = {getattr(lang, key)}")
     if model.image_size % vis.patch_size:
         raise ConfigError("model.image_size", f"{model.image_size} is not a multiple of the patch size {vis.patch_size}")
     text = {"model_type": "gemma", "hidden_size": lang.hidden_size, "num_hidden_layers": lang.num_hidden_layers,
