@@ -42,7 +42,7 @@ from embodirl import data as D
 from embodirl.errors import ConfigError
 from embodirl.models.base import Policy, SamplingParams
 from embodirl.models.lora_merge import AdapterMerger
-from embodirl.models.pi0 import flow
+from embodirl.models.pi0 import flow, lerobot
 from embodirl.models.pi0.cache import ExpertCache, PrefixCache
 from embodirl.models.pi0.schema import Pi0ModelConfig
 from embodirl.models.processor import HashWordTokenizer
@@ -608,20 +608,33 @@ def _image_count(model: Pi0ModelConfig, env_spec) -> int:
     return cameras
 
 
-def check_checkpoint(path: str | Path) -> str:
-    """A transformers-layout π0 folder, read without building anything: ``config.json`` parses and says ``pi0``, every
-    weight file's header reads, the statistics file parses. One :class:`ConfigError` sentence naming the file
-    otherwise; else a one-line description (``embodirl doctor``)."""
-    from safetensors import safe_open
-
+def _read_config(path: str | Path) -> tuple[Path, dict]:
+    """``(folder, config.json parsed)``: one :class:`ConfigError` sentence naming the file when it is absent or not a
+    JSON object."""
     folder = Path(path).expanduser()
     config = folder / "config.json"
     if not config.is_file():
-        raise ConfigError("model.path", f"{folder} has no config.json; give a transformers-layout π0 checkpoint folder")
+        raise ConfigError("model.path", f"{folder} has no config.json; give a transformers- or LeRobot-layout π0 "
+                                        "checkpoint folder")
     try:
         data = json.loads(config.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError("model.path", f"{config} is not JSON ({str(exc).splitlines()[0]}); write it again") from None
+    if not isinstance(data, dict):
+        raise ConfigError("model.path", f"{config} is not a JSON object; write it again")
+    return folder, data
+
+
+def check_checkpoint(path: str | Path) -> str:
+    """A π0 folder, read without building anything: transformers' layout (``config.json`` says ``model_type`` pi0,
+    every weight file's header reads, the statistics file parses) or LeRobot's (:mod:`.lerobot`). One
+    :class:`ConfigError` sentence naming the file otherwise; else a one-line description (``embodirl doctor``)."""
+    from safetensors import safe_open
+
+    folder, data = _read_config(path)
+    config = folder / "config.json"
+    if lerobot.is_lerobot_config(data):
+        return lerobot.read(folder, data).describe()
     if data.get("model_type") != "pi0":
         raise ConfigError("model.path", f"{config} describes a '{data.get('model_type')}' model; π0 checkpoints say "
                                         "model_type pi0 (use the model option of that checkpoint)")
@@ -648,23 +661,59 @@ def check_checkpoint(path: str | Path) -> str:
             f"{data.get('max_action_dim')}, {statistics}, {heads}")
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype, device):
-    """``(network, statistics, tokenizer or None, heads)`` from a transformers-layout π0 folder."""
+def _from_pretrained(folder: Path, dtype: torch.dtype, device, *,
+                     fix: str = "use the checkpoint's own files", **kwargs):
+    """``PI0ForConditionalGeneration.from_pretrained`` that lets no weight go missing, stay unused or change shape
+    (transformers would initialise it at random and go on): one :class:`ConfigError` sentence ending in ``fix``
+    instead."""
     from transformers import PI0ForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()          # one bar per load in every worker's log otherwise
-    folder = Path(path).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ConfigError("model.path", f"{folder} has no config.json; give a transformers-layout π0 checkpoint folder")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()           # its load report is many lines; the sentence below says what matters
     try:
-        network = PI0ForConditionalGeneration.from_pretrained(str(folder), dtype=dtype, device_map=str(device))
-    except (OSError, ValueError) as exc:
+        network, info = PI0ForConditionalGeneration.from_pretrained(
+            str(folder), dtype=dtype, device_map=str(device), output_loading_info=True, ignore_mismatched_sizes=True,
+            **kwargs)
+    except (OSError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError("model.path", f"{folder} is not a loadable π0 checkpoint ({first})") from None
-    statistics = None
-    if (folder / PROCESSOR_FILE).is_file():
-        statistics = {k: v for k, v in json.loads((folder / PROCESSOR_FILE).read_text()).items() if k in STAT_KEYS}
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    problems = [(what, sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(key) or ()))
+                for what, key in (("missing", "missing_keys"), ("unused", "unexpected_keys"),
+                                  ("of another shape", "mismatched_keys"))]
+    problems = [(what, keys) for what, keys in problems if keys]
+    if problems:
+        told = ", ".join(f"{len(keys)} {what} (e.g. {keys[0]})" for what, keys in problems)
+        raise ConfigError("model.path", f"{folder}'s weights do not fit the network its config describes: {told}; "
+                                        f"{fix}")
+    return network
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype, device, model: Pi0ModelConfig):
+    """``(network, statistics, tokenizer or None, heads)`` from a transformers- or LeRobot-layout π0 folder (a LeRobot
+    network of variants LeRobot does not define takes ``model``'s sizes, see :func:`.lerobot.network_config`)."""
+    folder, data = _read_config(path)
+    if lerobot.is_lerobot_config(data):
+        checkpoint = lerobot.read(folder, data)
+        config = lerobot.network_config(checkpoint, model)
+        network = _from_pretrained(folder, dtype, device, fix=lerobot.size_fix(checkpoint), config=config,
+                                   attn_implementation=model.attn_implementation)
+        statistics = checkpoint.statistics or None
+        if config.num_inference_steps != model.flow.num_steps:
+            log.info("%s was sampled with %d denoising steps; model.flow.num_steps = %d runs here", folder,
+                     config.num_inference_steps, model.flow.num_steps)
+        if checkpoint.tokenizer_name and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+            log.warning("%s tokenised its prompts with %s, whose files are not in the folder: embodirl's hashing "
+                        "tokenizer stands in (copy that tokenizer's files into the folder for the real prompts)",
+                        folder, checkpoint.tokenizer_name)
+    else:
+        network = _from_pretrained(folder, dtype, device)
+        statistics = None
+        if (folder / PROCESSOR_FILE).is_file():
+            statistics = {k: v for k, v in json.loads((folder / PROCESSOR_FILE).read_text()).items() if k in STAT_KEYS}
     tokenizer = None
     if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
         from transformers import AutoTokenizer
@@ -694,7 +743,7 @@ def build_policy(model_cfg, env_spec=None, *, device: torch.device | str | None 
     if model.path:
         if device.type == "meta":
             raise ConfigError("model.device", "a checkpoint cannot be loaded onto the meta device")
-        network, statistics, tokenizer, heads = load_checkpoint(model.path, dtype, device)
+        network, statistics, tokenizer, heads = load_checkpoint(model.path, dtype, device, model)
     else:
         config = network_config(model)
         config._attn_implementation = model.attn_implementation
