@@ -158,10 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_group_overrides(overrides)
         if not multirun:
-            cfg = compose(overrides)
-            validate(cfg)
+            typed = validate(compose(overrides))
             if not any(a.startswith("-") for a in rest):    # a run (not --cfg/--info): rendering and memory
-                preflight(cfg)                                 # are checked before any worker starts
+                preflight(typed)                               # are checked before any worker starts
         else:                                                  # every sweep job's types and rules, before the first
             for job in sweep_jobs(overrides):
                 validate(compose(job), check_envs=False)
@@ -193,14 +192,13 @@ def _run(cfg) -> None:
     from embodirl.errors import AssetsMissing, ConfigError
 
     hydra_cfg = HydraConfig.get()
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    OmegaConf.resolve(cfg)                     # the ${hydra:...} interpolations too, while Hydra's config is at hand
     if hydra_cfg.mode == RunMode.MULTIRUN:
         cfg.runner.output_dir = f"{cfg.runner.output_dir}/{hydra_cfg.job.num}"
     try:
-        validate(cfg)
+        cfg = validate(cfg)                    # the typed config the run goes on with
     except (ConfigError, AssetsMissing) as exc:
         _fail(str(exc))
-    OmegaConf.set_struct(cfg, True)
     from embodirl import runtime
     from embodirl.runner import run
 

@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 from embodirl import schema
 from embodirl.errors import AssetsMissing, ConfigError
 from embodirl.paths import config_dir
-from embodirl.plain import to_plain
 
 GROUPS = ("env", "model", "algorithm")
 schema.register()     # config.yaml lists the schema first; hydra.main (the CLI) composes after this import
@@ -113,35 +112,37 @@ def _composition_error(exc: Exception) -> ConfigError:
 
 
 def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | None = None,
-             accelerator: str | None = None) -> None:
+             accelerator: str | None = None) -> schema.Config:
     """Check types, ranges, choices and every cross-field rule (:func:`embodirl.schema.check`); raise
-    :class:`ConfigError` on the first violation.
+    :class:`ConfigError` on the first violation. Returns the typed config (:func:`embodirl.schema.run_config`), the
+    object the run goes on with.
 
     ``check_envs`` also runs the simulator adapters' and policy's own checks (task ids, assets, model
     path), which may import the simulator packages.
     """
-    schema.check(cfg, num_devices=num_devices, accelerator=accelerator)
+    run = schema.check(cfg, num_devices=num_devices, accelerator=accelerator).config   # the typed config
     from embodirl.runner import rules as runner_rules
 
-    runner_rules.check(cfg)
+    runner_rules.check(run)
 
     if check_envs:
         from embodirl.envs.registry import check_env_config
         from embodirl.models.registry import get_policy_builder
         from embodirl.runner.checkpoint import eval_model_path
 
-        for env_key in ("env.train", "env.eval"):
+        for env_key, env in (("env.train", run.env.train), ("env.eval", run.env.eval)):
             try:
-                check_env_config(OmegaConf.select(cfg, env_key), env_key)
+                check_env_config(env, env_key)
             except ConfigError as exc:
                 if not exc.key.startswith("env."):
                     raise ConfigError(f"{env_key}.{exc.key}" if exc.key else env_key, str(exc).split(": ", 1)[-1]) from None
                 raise
             except AssetsMissing:
                 raise
-        builder = get_policy_builder(cfg.model.name)
+        builder = get_policy_builder(run.model.name)
         if getattr(builder, "check_run", None) is not None:  # rules between the checkpoint and the run
-            builder.check_run(to_plain(cfg), eval_model_path(cfg.runner) or cfg.model.get("path"))
+            builder.check_run(run, eval_model_path(run.runner) or run.model.path)
         check = getattr(builder, "check_config", None)
         if check is not None:
-            check(OmegaConf.to_container(cfg.model, resolve=True))
+            check(run.model)
+    return run

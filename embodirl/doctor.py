@@ -30,14 +30,15 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from embodirl.errors import AssetsMissing, ConfigError
 from embodirl.memory_plan import GIB, available_memory, memory_plan, model_size
+from embodirl.schema import run_config
 
 PROBE_TIMEOUT_S = 120
 #: Vulkan device names of CPU (software) renderers
@@ -63,7 +64,7 @@ class Check:
 # --------------------------------------------------------------------------------------------------
 # rendering
 # --------------------------------------------------------------------------------------------------
-def _adapters(cfg: DictConfig) -> set[str]:
+def _adapters(cfg) -> set[str]:
     return {str(cfg.env.train.adapter), str(cfg.env.eval.adapter)}
 
 
@@ -114,48 +115,50 @@ def _libero_object_types(bddl: Path) -> set[str]:
     return types
 
 
-def libero_assets_problem(env_cfg: Mapping) -> str | None:
-    """None when the asset folder holds what the config's tasks place, else what is missing."""
+def libero_assets_problem(env) -> str | None:
+    """None when the asset folder holds what the env group's tasks place, else what is missing (``env``: the typed
+    LIBERO env group)."""
     from embodirl.envs.libero import paths as libero_paths
     from embodirl.envs.libero import suite as libero_suite
 
-    assets = libero_paths.resolve_assets_dir(env_cfg.get("assets_path"))
+    assets = libero_paths.resolve_assets_dir(env.assets_path)
     missing = [e for e in LIBERO_ASSET_ENTRIES if not (assets / e).exists()]
     if missing:
         return f"{assets} lacks {', '.join(missing)}"
     names = {p.stem for p in assets.rglob("*")}
-    info = libero_suite.suite_info(env_cfg)
+    info = libero_suite.suite_info(env)
     absent: set[str] = set()
-    for task in libero_suite.task_pool(env_cfg):
+    for task in libero_suite.task_pool(env):
         absent |= _libero_object_types(info.bddl_files[task]) - names - LIBERO_ARENA_FIXTURES
     if absent:
-        return f"{assets} has no asset for {', '.join(sorted(absent))} (placed by {env_cfg['suite']}'s tasks)"
+        return f"{assets} has no asset for {', '.join(sorted(absent))} (placed by {env.suite}'s tasks)"
     if not (libero_paths.config_path() / "config.yaml").is_file():
         return f"LIBERO's config file {libero_paths.config_path() / 'config.yaml'} is missing (LIBERO would prompt)"
     return None
 
 
-def check_assets(cfg: DictConfig, env_key: str) -> Check:
-    from embodirl.envs.registry import check_env_config
+def check_assets(cfg, env_key: str) -> Check:
+    """``env_key``'s simulator data (``cfg``: the typed config, or a composed one: its env group is converted)."""
+    from embodirl.envs.registry import check_env_config, env_config
 
-    env_cfg = OmegaConf.to_container(OmegaConf.select(cfg, env_key), resolve=True)
     name = f"assets/{env_key.split('.')[-1]}"
-    adapter = env_cfg.get("adapter")
     try:
-        check_env_config(env_cfg, env_key)
+        env = env_config(cfg.env.train if env_key == "env.train" else cfg.env.eval, env_key)
+        adapter = env.adapter
+        check_env_config(env, env_key)
         if adapter == "libero":
-            problem = libero_assets_problem(env_cfg)
+            problem = libero_assets_problem(env)
             if problem is not None:
                 return Check(name, False, problem, "set EMBODIRL_LIBERO_ASSETS (or env.assets_path) to a complete "
                                                    "LIBERO asset folder and run scripts/setup.sh")
-            return Check(name, True, f"LIBERO {env_cfg['suite']}: asset folder complete, config file written")
+            return Check(name, True, f"LIBERO {env.suite}: asset folder complete, config file written")
     except AssetsMissing as exc:
         found, _, fix = str(exc).partition("; ")        # AssetsMissing: what is missing; the command or setting
         return Check(name, False, found, fix.rstrip(".") or "see the message")
     except ConfigError as exc:
         return Check(name, False, str(exc), "change the key named in the message")
-    what = {"maniskill": f"ManiSkill {env_cfg.get('task')}: task data present"}.get(adapter, f"{adapter}: none needed")
-    return Check(name, True, what)
+    return Check(name, True, f"ManiSkill {env.task}: task data present" if adapter == "maniskill"
+                 else f"{adapter}: none needed")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,20 +211,20 @@ def check_dependencies(path: Path | None = None) -> Check:
 # --------------------------------------------------------------------------------------------------
 # checkpoint
 # --------------------------------------------------------------------------------------------------
-def check_checkpoint(cfg: DictConfig) -> Check:
+def check_checkpoint(cfg) -> Check:
     from embodirl.models.registry import get_policy_builder
-    from embodirl.plain import to_plain
     from embodirl.runner.checkpoint import eval_model_path
 
-    path = eval_model_path(cfg.runner) or cfg.model.get("path")
+    cfg = run_config(cfg)
+    path = eval_model_path(cfg.runner) or cfg.model.path
     if not path:
         return Check("checkpoint", True, "none: the model starts from a random init")
     builder = get_policy_builder(cfg.model.name)
     try:
         if getattr(builder, "check_config", None) is not None:
-            builder.check_config(OmegaConf.to_container(cfg.model, resolve=True))
+            builder.check_config(cfg.model)
         if getattr(builder, "check_run", None) is not None:
-            builder.check_run(to_plain(cfg), str(path))
+            builder.check_run(cfg, str(path))
     except (ConfigError, AssetsMissing) as exc:
         return Check("checkpoint", False, str(exc).split("; ")[0], _fix_of(str(exc)))
     detail = f"{path}"
@@ -254,11 +257,12 @@ def _fix_of(message: str) -> str:
 # --------------------------------------------------------------------------------------------------
 # memory
 # --------------------------------------------------------------------------------------------------
-def check_memory(cfg: DictConfig, *, available: list[int] | None = None, accelerator: str | None = None) -> Check:
+def check_memory(cfg, *, available: list[int] | None = None, accelerator: str | None = None) -> Check:
     """The estimate against each device's whole memory (what is free now is reported beside it: other
     programs' passing use should not make a set-up check fail)."""
     from embodirl.placement import detect_devices
 
+    cfg = run_config(cfg)
     if accelerator is None:
         _, accelerator = detect_devices(1, cfg.cluster.num_gpus_per_node)
     size = model_size(cfg)
@@ -268,8 +272,8 @@ def check_memory(cfg: DictConfig, *, available: list[int] | None = None, acceler
     from embodirl.placement import data_parallel_size
 
     counts = {"actor": data_parallel_size(cfg) if accelerator == "cpu" else 1,
-              "rollout": int(cfg.rollout.num_workers), "env": int(cfg.env_workers.num_workers)}
-    offload = bool(cfg.actor.get("enable_offload", False))
+              "rollout": cfg.rollout.num_workers, "env": cfg.env_workers.num_workers}
+    offload = cfg.actor.enable_offload
     if accelerator == "cpu":      # one host memory for every component (this node)
         needs = {c: plan[c] * counts[c] for c in plan}
         device, budget = "host memory", free[0]
@@ -295,21 +299,22 @@ def check_memory(cfg: DictConfig, *, available: list[int] | None = None, acceler
 # --------------------------------------------------------------------------------------------------
 # video
 # --------------------------------------------------------------------------------------------------
-def video_key(cfg: DictConfig) -> tuple[str, str] | None:
+def video_key(cfg) -> tuple[str, str] | None:
     """The key that makes this run write videos and the value that turns it off, or None."""
+    cfg = run_config(cfg)
     r = cfg.runner
     evaluates = bool(r.only_eval or r.val_check_interval or r.val_before_train)
-    if evaluates and int(r.eval_num_videos) > 0:
+    if evaluates and r.eval_num_videos > 0:
         return "runner.eval_num_videos", "0"
-    if not r.only_eval and int(r.train_video_interval or 0) > 0:
+    if not r.only_eval and r.train_video_interval > 0:
         return "runner.train_video_interval", "0"
-    for k in ("train", "eval"):
-        if (OmegaConf.select(cfg, f"env.{k}.video.enabled") or False) and (k == "eval" or not r.only_eval):
+    for k, env in (("train", cfg.env.train), ("eval", cfg.env.eval)):
+        if env.video.enabled and (k == "eval" or not r.only_eval):
             return f"env.{k}.video.enabled", "false"
     return None
 
 
-def check_video(cfg: DictConfig) -> Check:
+def check_video(cfg) -> Check:
     """Videos are written through imageio's ffmpeg plugin; without the ``imageio-ffmpeg`` package imageio picks
     another writer that fails on the first frame, at the first evaluation."""
     wanted = video_key(cfg)
@@ -330,18 +335,18 @@ def check_video(cfg: DictConfig) -> Check:
 # --------------------------------------------------------------------------------------------------
 # Ray
 # --------------------------------------------------------------------------------------------------
-def check_ray(cfg: DictConfig) -> Check:
+def check_ray(cfg) -> Check:
     from embodirl.placement import parse_placement, use_ray
 
+    cfg = run_config(cfg)
     if not use_ray(cfg):
         return Check("ray", True, "not used: this config runs in one process (simulators in sub-processes)")
-    address = cfg.cluster.get("ray_address") or os.environ.get("RAY_ADDRESS")
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
     spec = cfg.cluster.component_placement
-    spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
     if not address:
         from embodirl.placement import detect_devices
 
-        n, acc = detect_devices(int(cfg.cluster.num_nodes), cfg.cluster.num_gpus_per_node)
+        n, acc = detect_devices(cfg.cluster.num_nodes, cfg.cluster.num_gpus_per_node)
         try:
             parse_placement(spec, n, acc)
         except ConfigError as exc:
@@ -358,7 +363,7 @@ def check_ray(cfg: DictConfig) -> Check:
                      "start it (ray start --head) or unset RAY_ADDRESS / cluster.ray_address")
     gpus = int(resources.get("GPU", 0))
     per_node = gpus // max(1, len(nodes)) if gpus else int(resources.get("CPU", 0)) // max(1, len(nodes))
-    wanted = int(cfg.cluster.num_nodes)
+    wanted = cfg.cluster.num_nodes
     if len(nodes) < wanted:
         return Check("ray", False, f"{len(nodes)} alive node(s) at {address}, cluster.num_nodes={wanted}",
                      f"start {wanted - len(nodes)} more node(s) with ray start --address, or lower cluster.num_nodes")
@@ -383,7 +388,8 @@ def _guarded(name: str, check: Callable[[], Check]) -> Check:
                      "see the message")
 
 
-def fast_checks(cfg: DictConfig) -> list[Check]:
+def fast_checks(cfg) -> list[Check]:
+    """The checks ``embodirl train``/``eval`` run before workers start (``cfg``: the typed config, or a composed one)."""
     adapters = _adapters(cfg)
     rows = []
     if "libero" in adapters:
@@ -429,7 +435,7 @@ class PreflightFailed(RuntimeError):
     """A fast check failed before workers start; the message is one sentence with the fix."""
 
 
-def preflight(cfg: DictConfig) -> None:
+def preflight(cfg) -> None:
     """The fast checks for ``embodirl train``/``eval``: raise :class:`PreflightFailed` on the first failure."""
     for row in fast_checks(cfg):
         if not row.ok:

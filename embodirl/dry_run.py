@@ -186,14 +186,15 @@ class DryRunReport:
 
 
 def dry_run_spec(cfg) -> EnvSpec:
-    """The env spec the dry run's policy is built for, from the config alone (no simulator is started):
-    the training env's cameras and image size, the model's action and proprio sizes."""
+    """The env spec the dry run's policy is built for, from the typed config alone (no simulator is started):
+    the training env's cameras and image size, the model's action and proprio sizes (each where the env's or the
+    policy's config class declares it)."""
     env, model = cfg.env.train, cfg.model
-    cameras = list(env.get("cameras") or ["camera"])
-    size = env.get("image_size") or [model.get("image_size") or 224] * 2
-    return EnvSpec(action_dim=int(model.get("action_dim") or 7), max_episode_steps=int(env.max_episode_steps),
+    cameras = list(getattr(env, "cameras", None) or ["camera"])
+    size = getattr(env, "image_size", None) or [getattr(model, "image_size", None) or 224] * 2
+    return EnvSpec(action_dim=getattr(model, "action_dim", None) or 7, max_episode_steps=env.max_episode_steps,
                    task_descriptions=[DRY_RUN_INSTRUCTION], camera_names=cameras, image_size=tuple(int(s) for s in size),
-                   state_dim=int(model.get("proprio_dim") or 8), name=str(env.get("name") or "dry_run"))
+                   state_dim=getattr(model, "proprio_dim", None) or 8, name=str(getattr(env, "name", None) or "dry_run"))
 
 
 def dry_run_batch(policy, spec: EnvSpec, trajectories: int, decisions: int) -> TensorDict:
@@ -241,22 +242,23 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     """Build ``cfg.model`` on the meta device and run, as a GPU run would: ``act`` on a rollout batch, one
     actor update of :data:`DRY_RUN_TRAJECTORIES` trajectories in micro-batches of one
     (``actor.micro_batch_size``'s unit; each of ``rollout.max_decisions`` or the episode's decisions), and
-    one full publication. ``act_batch``: default one env worker's share of ``env.train.num_envs``."""
+    one full publication. ``act_batch``: default one env worker's share of ``env.train.num_envs``. ``cfg``: the typed
+    config (a composed one is converted)."""
     from embodirl.actor.actor import Actor, prepare_batch
-    from embodirl.algorithms.section import algorithm_of
+    from embodirl.actor.settings import ActorSettings
+    from embodirl.memory_plan import meta_model
     from embodirl.models.base import SamplingParams
     from embodirl.models.registry import make_policy
-    from embodirl.plain import to_plain
     from embodirl.rollout.records import decisions_per_episode
+    from embodirl.schema import run_config
 
+    cfg = run_config(cfg)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     spec = dry_run_spec(cfg)
-    model = dict(to_plain(cfg.model))
-    model.update({key: None for key in ("path", "base_path") if key in model}, device="meta")   # random weights
-    policy = make_policy(model, spec)   # as a GPU run builds it: model.device names the device
+    policy = make_policy(meta_model(cfg.model), spec)   # as a GPU run builds it: model.device names the device
     seconds["build"] = time.perf_counter() - t0
-    act_batch = int(act_batch or max(1, int(cfg.env.train.num_envs) // int(cfg.env_workers.num_workers)))
+    act_batch = int(act_batch or max(1, cfg.env.train.num_envs // cfg.env_workers.num_workers))
 
     t0 = time.perf_counter()
     flops = Flops()
@@ -269,14 +271,14 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     seconds["act"] = time.perf_counter() - t0
 
     T = decisions_per_episode(cfg)
-    base = algorithm_of(cfg.algorithm)
+    base = cfg.algorithm
     adv_type = "gae" if policy.value_type is not None else "grpo"
     algorithm = dataclasses.replace(base, adv_type=adv_type, update_epochs=1, early_stop_kl=None,
                                     group_size=DRY_RUN_TRAJECTORIES if adv_type == "grpo" else 1,
                                     filter_groups=dataclasses.replace(base.filter_groups, enable=False))
-    actor = to_plain(cfg.actor)
-    actor.update(micro_batch_size=1, global_batch_size=1, replay_buffer={**actor["replay_buffer"], "reuse_last_k": 0})
-    actor = Actor(policy, {"algorithm": algorithm, "actor": actor}, task_table=spec.task_descriptions,
+    actor = dataclasses.replace(cfg.actor, micro_batch_size=1, global_batch_size=1,
+                                replay_buffer=dataclasses.replace(cfg.actor.replay_buffer, reuse_last_k=0))
+    actor = Actor(policy, ActorSettings(algorithm=algorithm, actor=actor), task_table=spec.task_descriptions,
                       temperature=float(cfg.rollout.temperature or 1.0), device=META)
     prepared, _ = prepare_batch(dry_run_batch(policy, spec, DRY_RUN_TRAJECTORIES, T), algorithm)
     params = list(policy.parameters())

@@ -5,10 +5,9 @@ per actor rank, rollout copy and env worker (:func:`memory_plan`) against what a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-
-from omegaconf import DictConfig, OmegaConf
 
 GIB = 1024**3
 #: bytes per trainable parameter on a actor rank: fp32 master copy, fp32 gradient, AdamW's two moments
@@ -46,27 +45,35 @@ class ModelSize:
     recomputed_layer_bytes_per_token: int = RECOMPUTED_LAYER_BYTES_PER_TOKEN
 
 
-def model_size(cfg: DictConfig) -> ModelSize:
-    """Parameter counts of ``cfg.model`` built on torch's meta device (no memory, no weights loaded)."""
+def meta_model(model):
+    """The typed ``model`` section as a meta-device build takes it: random weights (no ``path``, nor ``base_path``
+    where the policy has one) created on torch's meta device."""
+    unset = {f.name: None for f in dataclasses.fields(model) if f.name in ("path", "base_path")}
+    return dataclasses.replace(model, device="meta", **unset)
+
+
+def model_size(cfg) -> ModelSize:
+    """Parameter counts of ``cfg.model`` built on torch's meta device (no memory, no weights loaded). ``cfg``: the
+    typed config (a composed one is converted). The optional size keys (``num_images_in_input``, ``image_size``,
+    ``action_dim``, ``proprio_dim``, ``llm``, ``vision.siglip``) are those a policy's config class declares."""
     from embodirl.envs.base import EnvSpec
     from embodirl.models.registry import make_policy
-    from embodirl.plain import to_plain
+    from embodirl.schema import run_config
 
-    model = dict(to_plain(cfg.model))
-    model.update({key: None for key in ("path", "base_path") if key in model}, device="meta")   # random weights
-    images = int(model.get("num_images_in_input") or 2)
-    size = int(model.get("image_size") or 224)
-    spec = EnvSpec(action_dim=int(model.get("action_dim") or 7), max_episode_steps=int(cfg.env.train.max_episode_steps),
+    cfg = run_config(cfg)
+    model = meta_model(cfg.model)
+    images = getattr(model, "num_images_in_input", None) or 2
+    size = getattr(model, "image_size", None) or 224
+    spec = EnvSpec(action_dim=getattr(model, "action_dim", None) or 7, max_episode_steps=cfg.env.train.max_episode_steps,
                    task_descriptions=["doctor"], camera_names=[f"camera{i}" for i in range(images)],
-                   image_size=(size, size), state_dim=int(model.get("proprio_dim") or 8))
+                   image_size=(size, size), state_dim=getattr(model, "proprio_dim", None) or 8)
     policy = make_policy(model, spec)
     params = list(policy.parameters())
-    full = bool(cfg.actor.fsdp.get("full_finetune", False))
-    llm = model.get("llm") or {}
-    patch = int(((model.get("vision") or {}).get("siglip") or {}).get("patch_size") or 0)
+    full = cfg.actor.fsdp.full_finetune
+    llm = getattr(model, "llm", None)
+    patch = getattr(getattr(getattr(model, "vision", None), "siglip", None), "patch_size", 0)
     tokens = images * (size // patch) ** 2 + TEXT_AND_ACTION_TOKENS if patch else 1
-    shape = {"layers": int(llm.get("num_hidden_layers") or 0), "hidden": int(llm.get("hidden_size") or 0),
-             "tokens": tokens}
+    shape = {"layers": llm.num_hidden_layers if llm else 0, "hidden": llm.hidden_size if llm else 0, "tokens": tokens}
     profile = getattr(policy, "activation_profile", None)
     if profile is not None:          # a policy that describes its own activations (π0)
         shape = profile()
@@ -86,42 +93,38 @@ def available_memory(accelerator: str, *, total: bool = False) -> list[int]:
     return [info["MemTotal"] if total else info.get("MemAvailable", info.get("MemFree", 0))]
 
 
-def memory_plan(cfg: DictConfig, size: ModelSize, accelerator: str) -> dict[str, int]:
+def memory_plan(cfg, size: ModelSize, accelerator: str) -> dict[str, int]:
     """Estimated peak bytes per component instance: ``actor`` (one actor rank: parameters, fp32 master
     weights, gradients and AdamW moments of the trainable ones, sharded over the ranks, and activations of one
     micro-batch; evaluation: the policy's parameters), ``rollout`` (one inference copy, 0 when the actor's
     own policy acts in this process) and ``env`` (one env worker's share of the training and evaluation
-    simulator processes on the CPU; 0 on a GPU)."""
-    from embodirl.placement import data_parallel_size, use_ray
+    simulator processes on the CPU; 0 on a GPU). ``cfg``: the typed config (a composed one is converted)."""
+    from embodirl.placement import data_parallel_size, placement_from_config, use_ray
     from embodirl.rollout.records import decisions_per_episode
+    from embodirl.schema import run_config
 
-    dp = data_parallel_size(cfg) if accelerator == "cpu" else None
-    if dp is None:
-        from embodirl.placement import detect_devices, parse_placement
-
-        n, acc = detect_devices(int(cfg.cluster.num_nodes), cfg.cluster.num_gpus_per_node)
-        spec = cfg.cluster.component_placement
-        spec = OmegaConf.to_container(spec) if isinstance(spec, DictConfig) else spec
-        dp = data_parallel_size(cfg, parse_placement(spec, n, acc))
+    cfg = run_config(cfg)
+    dp = data_parallel_size(cfg) if accelerator == "cpu" else data_parallel_size(cfg, placement_from_config(cfg.cluster))
     decisions = decisions_per_episode(cfg)
-    rows = int(cfg.actor.micro_batch_size) * decisions                    # decisions in one forward/backward
-    if cfg.actor.fsdp.get("gradient_checkpointing") or cfg.model.get("gradient_checkpointing"):
+    rows = cfg.actor.micro_batch_size * decisions                    # decisions in one forward/backward
+    if cfg.actor.fsdp.gradient_checkpointing or getattr(cfg.model, "gradient_checkpointing", False):
         per_token = size.layers * CKPT_BYTES_PER_TOKEN_LAYER + size.recomputed_layer_bytes_per_token * bool(size.layers)
     else:
         per_token = size.layers * size.act_bytes_per_token_layer
     activations = rows * size.tokens * size.hidden * per_token
     sharded = size.param_bytes + size.trainable * (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES)
-    only_eval = bool(cfg.runner.only_eval)
+    only_eval = cfg.runner.only_eval
     actor = size.param_bytes if only_eval else math.ceil(sharded / dp) + activations   # eval: the policy only
     in_process = not use_ray(cfg)
-    workers = int(cfg.env_workers.num_workers)
-    envs_per_worker = int(cfg.env.train.num_envs) // workers
-    rollout_batch = envs_per_worker // int(cfg.rollout.pipeline_stage_num)
+    workers = cfg.env_workers.num_workers
+    envs_per_worker = cfg.env.train.num_envs // workers
+    rollout_batch = envs_per_worker // cfg.rollout.pipeline_stage_num
     rollout = 0 if in_process else size.param_bytes + rollout_batch * size.tokens * size.hidden * 4 * 2
     # simulators: training's, and evaluation's, which stay up between evaluations
     evaluates = only_eval or bool(cfg.runner.val_check_interval) or bool(cfg.runner.val_before_train)
-    eval_envs = int(cfg.runner.get("eval_num_envs") or cfg.env.eval.num_envs) if evaluates else 0
-    sims = {"train": 0 if only_eval else int(cfg.env.train.num_envs), "eval": eval_envs}
-    per_sim = {k: SIM_PROCESS_BYTES.get(str(cfg.env[k].adapter), OTHER_SIM_BYTES) for k in sims}
+    eval_envs = (cfg.runner.eval_num_envs or cfg.env.eval.num_envs) if evaluates else 0
+    sims = {"train": 0 if only_eval else cfg.env.train.num_envs, "eval": eval_envs}
+    per_sim = {"train": SIM_PROCESS_BYTES.get(cfg.env.train.adapter, OTHER_SIM_BYTES),
+               "eval": SIM_PROCESS_BYTES.get(cfg.env.eval.adapter, OTHER_SIM_BYTES)}
     env = sum(sims[k] * per_sim[k] for k in sims) // workers if accelerator == "cpu" else 0
     return {"actor": actor, "rollout": rollout, "env": env}

@@ -113,17 +113,12 @@ def detect_devices(num_nodes: int = 1, num_gpus_per_node: int | None = None) -> 
     return (os.cpu_count() or 1) * num_nodes, "cpu"
 
 
-def placement_from_config(cluster_cfg, num_devices: int | None = None, accelerator: str | None = None) -> Placement:
-    """``cluster.component_placement`` (a mapping, or its one-line string form) parsed against the devices
-    of ``cluster.num_nodes`` nodes (detected unless ``num_devices`` is given)."""
+def placement_from_config(cluster, num_devices: int | None = None, accelerator: str | None = None) -> Placement:
+    """The typed ``cluster`` section's ``component_placement`` (a mapping, or its one-line string form) parsed
+    against the devices of ``cluster.num_nodes`` nodes (detected unless ``num_devices`` is given)."""
     if num_devices is None:
-        num_devices, accelerator = detect_devices(int(cluster_cfg["num_nodes"]), cluster_cfg.get("num_gpus_per_node"))
-    spec = cluster_cfg["component_placement"]
-    if hasattr(spec, "_content"):    # an OmegaConf node
-        from omegaconf import OmegaConf
-
-        spec = OmegaConf.to_container(spec)
-    return parse_placement(spec, num_devices, accelerator or "cpu")
+        num_devices, accelerator = detect_devices(cluster.num_nodes, cluster.num_gpus_per_node)
+    return parse_placement(cluster.component_placement, num_devices, accelerator or "cpu")
 
 
 
@@ -134,16 +129,16 @@ RAY_MODELS = ("openvla_oft",)
 def use_ray(cfg) -> bool:
     """Whether the runner collects through Ray worker groups (``cluster.use_ray``; ``auto``: for VLA
     models, several env or inference workers, several nodes or a given Ray address) or in process."""
-    choice = cfg.cluster.get("use_ray", "auto")
+    choice = cfg.cluster.use_ray
     if choice != "auto":
         return bool(choice)
-    return (str(cfg.model.name).startswith(RAY_MODELS) or int(cfg.env_workers.num_workers) > 1
-            or int(cfg.rollout.num_workers) > 1 or int(cfg.cluster.num_nodes) > 1
-            or int(cfg.actor.get("cpu_world_size", 1) or 1) > 1 or bool(cfg.cluster.get("ray_address")))
+    return (str(cfg.model.name).startswith(RAY_MODELS) or cfg.env_workers.num_workers > 1
+            or cfg.rollout.num_workers > 1 or cfg.cluster.num_nodes > 1
+            or cfg.actor.cpu_world_size > 1 or bool(cfg.cluster.ray_address))
 
 
 def data_parallel_size(cfg, placement: Placement | None = None) -> int:
     """Actor ranks: accelerators given to the actor, or ``actor.cpu_world_size`` on CPU."""
     if placement is not None and placement.accelerator == "gpu":
         return len(placement.devices["actor"])
-    return int(cfg.actor.get("cpu_world_size", 1) or 1)
+    return cfg.actor.cpu_world_size

@@ -22,11 +22,13 @@ from embodirl.errors import ConfigError
 
 class LazyRegistry:
     """``what``: the kind in messages ("policy"); ``key``: the config key that names one
-    ("model.name"); ``modules``: built-in name -> module registering it."""
+    ("model.name"); ``modules``: built-in name -> module registering it; ``common``: the dotted name of the config
+    class with the keys every component of this kind has (imported on first use, as the components' modules are)."""
 
-    def __init__(self, what: str, key: str, modules: Mapping[str, str]):
+    def __init__(self, what: str, key: str, modules: Mapping[str, str], common: str | None = None):
         self.what, self.key = what, key
         self._modules = dict(modules)
+        self._common = common
         self._entries: dict[str, Any] = {}
         self._configs: dict[str, type] = {}
 
@@ -62,6 +64,27 @@ class LazyRegistry:
 
     def available(self) -> list[str]:
         return sorted(set(self._modules) | set(self._entries))
+
+    def typed(self, node: Any, prefix: str):
+        """A config group (``node``: a DictConfig or a plain mapping) as the typed object of the component it names
+        (the config class it registered with; else the common one: the keys every component of this kind has),
+        checked and converted once; a config object (a dataclass instance) passes through."""
+        import dataclasses
+
+        from embodirl.config_fields import instance
+
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            return node
+        leaf = self.key.rsplit(".", 1)[-1]
+        name = node.get(leaf)
+        self.get(name, f"{prefix}.{leaf}")        # an unknown name is one sentence listing the known ones
+        declared = self.config_class(name)
+        if declared is None:       # registered without a config class: only the common keys are typed
+            module, _, attr = str(self._common).rpartition(".")
+            common = getattr(importlib.import_module(module), attr)
+            names = {f.name for f in dataclasses.fields(common)}
+            return instance(common, {k: v for k, v in node.items() if k in names}, prefix)
+        return instance(declared, node, prefix)
 
     def get(self, name: str, key: str | None = None) -> Any:
         """The entry ``name``, importing its module first; an unknown name is a

@@ -25,10 +25,10 @@ from embodirl.config import compose
 from embodirl.envs.registry import make_env
 from embodirl.models.base import SamplingParams
 from embodirl.models.registry import make_policy
-from embodirl.plain import to_plain
 from embodirl.rollout.collector import RolloutCollector
 from embodirl.rollout.inference import PolicyInference
 from embodirl.rollout.records import decisions_per_episode
+from embodirl.schema import run_config
 
 
 def main() -> None:
@@ -40,16 +40,16 @@ def main() -> None:
     args = parser.parse_args()
 
     # 1. Configuration: config/config.yaml with the default job's options (env=maniskill_pushcube, model=state_mlp,
-    #    algorithm=ppo and config/recipe/maniskill_pushcube_state_mlp.yaml) and this script's flags on top.
-    cfg = compose([f"env.train.num_envs={args.num_envs}", f"env.train.max_episode_steps={args.max_episode_steps}",
-                   f"runner.seed={args.seed}"])
+    #    algorithm=ppo and config/recipe/maniskill_pushcube_state_mlp.yaml) and this script's flags on top, as the
+    #    typed object the code runs on (each section its schema dataclass, embodirl/schema/).
+    cfg = run_config(compose([f"env.train.num_envs={args.num_envs}", f"env.train.max_episode_steps={args.max_episode_steps}",
+                              f"runner.seed={args.seed}"]))
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    env_cfg = to_plain(cfg.env.train)
 
     # 2. Env: a ProcessVectorEnv of num_envs simulators (envs/maniskill/simulator.py, envs/vector/vector_env.py).
-    env = make_env(env_cfg, num_envs=args.num_envs, seed=args.seed)
-    H = int(cfg.model.action_chunk)
+    env = make_env(cfg.env.train, num_envs=args.num_envs, seed=args.seed)
+    H = cfg.model.action_chunk
     print(f"{env.spec.name}: {env.num_envs} envs, state {env.spec.state_dim}-D, action {env.spec.action_dim}-D, chunks of {H}")
 
     # 3. Policy: looked up by model.name in the model registry (embodirl/models/state_policy.py).
@@ -60,7 +60,7 @@ def main() -> None:
     sampling = SamplingParams(temperature=float(cfg.rollout.temperature))
     inference = PolicyInference(policy, env.spec.task_descriptions, sampling)
     collector = RolloutCollector([env], inference, num_decisions=decisions_per_episode(cfg),
-                                 auto_reset=bool(env_cfg["auto_reset"]), return_value=True, seed=args.seed)
+                                 auto_reset=cfg.env.train.auto_reset, return_value=True, seed=args.seed)
 
     # 5. Actor: the optimizer over the policy's weights; step() computes advantages (algorithm.adv_type = gae)
     #    and runs algorithm.update_epochs PPO epochs (embodirl/algorithms/losses.py).
@@ -72,7 +72,7 @@ def main() -> None:
             # rollout.rollout_epoch rollouts per step, each from new episode starts (seeded per step and rollout)
             policy.eval()
             rollouts = [collector.collect(seed=args.seed + 1_000_003 * step + 7_919 * k)
-                        for k in range(int(cfg.rollout.rollout_epoch))]
+                        for k in range(cfg.rollout.rollout_epoch)]
             batch = D.concat(rollouts) if len(rollouts) > 1 else rollouts[0]
             metrics = actor.step(batch)       # the inference above acts with this same module: no weight copy
 

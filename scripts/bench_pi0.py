@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from embodirl.config import compose
 from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
-from embodirl.models.registry import make_policy
-from embodirl.plain import to_plain
+from embodirl.models.registry import make_policy, model_config
 
 LIBERO_LIKE = EnvSpec(action_dim=7, max_episode_steps=520, task_descriptions=["put the bowl on the plate"],
                       camera_names=["agentview", "wrist"], image_size=(256, 256), state_dim=8, name="libero_10")
@@ -83,12 +82,12 @@ def main() -> None:
     overrides = [f"model={args.preset}", f"model.flow.method={args.method}", f"model.device={args.device}"]
     if args.dtype:
         overrides.append(f"model.dtype={args.dtype}")
-    model = to_plain(compose(overrides).model)
+    model = model_config(compose(overrides).model)
     torch.manual_seed(0)
     start = time.perf_counter()
     policy = make_policy(model, LIBERO_LIKE).eval()
     sync(device)
-    report: dict = {"preset": args.preset, "device": str(device), "dtype": model["dtype"], "method": args.method,
+    report: dict = {"preset": args.preset, "device": str(device), "dtype": model.dtype, "method": args.method,
                     "build_s": time.perf_counter() - start,
                     "parameters": sum(p.numel() for p in policy.parameters()),
                     "trainable": sum(p.numel() for p in policy.parameters() if p.requires_grad),

@@ -6,6 +6,8 @@ and ``embodirl doctor``'s memory estimate must lie within 15 % of its bytes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,10 +48,9 @@ def test_a_normaliser_left_on_the_cpu_fails_the_dry_run(compose_cfg):
     assert report.act_flops_per_decision > 0 and report.published_tensors > 0
     from embodirl.dry_run import _observation, dry_run_spec
     from embodirl.models.base import SamplingParams
-    from embodirl.models.registry import make_policy
-    from embodirl.plain import to_plain
+    from embodirl.models.registry import make_policy, model_config
 
-    model = {**to_plain(cfg.model), "device": "meta"}
+    model = dataclasses.replace(model_config(cfg.model), device="meta")
     spec = dry_run_spec(cfg)
     policy = make_policy(model, spec)
     assert policy.proprio_normalizer.low.is_meta and policy.images.means.is_meta

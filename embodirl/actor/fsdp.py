@@ -248,16 +248,16 @@ def wrap_policy(policy: nn.Module, *, device: torch.device, param_dtype: torch.d
     return policy
 
 
-def actor_compute_dtype(actor_fsdp: dict, model_dtype: str) -> str | None:
+def actor_compute_dtype(actor_fsdp, model_dtype: str) -> str | None:
     """The dtype actor ranks with a process group (the Ray actor group) compute the trainable tensors in:
     FSDP2's ``param_dtype`` (default: the model's dtype) when they shard with FSDP2, as
     :class:`~embodirl.actor.actor.Actor` decides it; else None (their float32 master weights compute
     themselves). FSDP2 is on with ``actor.fsdp.enabled: true``, and with ``auto`` for several ranks or a
     low-precision model - the rank count changes nothing here, since a float32 model then computes in float32."""
-    enabled = actor_fsdp.get("enabled", "auto")
+    enabled = actor_fsdp.enabled            # the typed actor.fsdp section
     low_precision = DTYPES.get(model_dtype, torch.float32) != torch.float32
     if enabled is True or (enabled == "auto" and low_precision):
-        return actor_fsdp.get("param_dtype") or model_dtype
+        return actor_fsdp.param_dtype or model_dtype
     return None
 
 

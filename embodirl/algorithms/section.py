@@ -101,7 +101,7 @@ class Algorithm:
             if G < 2:
                 _refuse("algorithm.group_size", f"adv_type={adv_type} compares trajectories within a group: set "
                                                 "group_size >= 2")
-            if not cfg.env.train.get("use_fixed_reset_state_ids", False):
+            if not cfg.env.train.use_fixed_reset_state_ids:
                 _refuse("env.train.use_fixed_reset_state_ids", f"adv_type={adv_type} needs groups that share an init "
                                                                 "state: set env.train.use_fixed_reset_state_ids=true")
         fg = alg.filter_groups
@@ -119,14 +119,14 @@ class Algorithm:
             _refuse("algorithm.filter_groups.resample", "re-sampling collects more rollouts until the step holds its "
                                                         "batch of kept groups, so it needs algorithm.filter_groups.enable=true")
         if spec.greedy_baseline:
-            if cfg.env.train.get("auto_reset", False):
+            if cfg.env.train.auto_reset:
                 _refuse("env.train.auto_reset", f"adv_type={adv_type} compares each row's episode with a greedy one from "
                                                 "the same start, so a row must hold one episode: set "
                                                 "env.train.auto_reset=false")
             if ctx.use_ray and not cfg.runner.eval_greedy:
                 _refuse("runner.eval_greedy", f"adv_type={adv_type} runs its baseline rollouts with the inference workers' "
                                               "evaluation sampling, which must be greedy: set runner.eval_greedy=true")
-        if alg.reward_type != cfg.env.train.get("reward_type", alg.reward_type):
+        if alg.reward_type != cfg.env.train.reward_type:
             _refuse("env.train.reward_type", f"'{cfg.env.train.reward_type}' differs from algorithm.reward_type "
                                              f"'{alg.reward_type}'; set both to the same value")
 

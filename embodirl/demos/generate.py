@@ -13,11 +13,14 @@ and the console.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +32,22 @@ KEYS = ("num_episodes", "seed", "max_attempts", "stop_at_success", "output_dir",
         "progress_bar", "env")
 
 
+@dataclass
+class DemosConfig:
+    """``config/demos.yaml`` as the object generation runs on (the values live in the YAML; :func:`validate` checks
+    them, each rule one sentence). ``env``: the ManiSkill env group, the adapter's typed config."""
+
+    num_episodes: int
+    seed: int
+    max_attempts: int | None
+    stop_at_success: bool
+    output_dir: str
+    overwrite: bool
+    video_codec: str
+    progress_bar: bool
+    env: Any
+
+
 def compose(overrides: Sequence[str] = ()):
     """``config/demos.yaml`` composed with Hydra ``overrides``; Hydra errors become one-sentence ConfigErrors."""
     from hydra import compose as hydra_compose
@@ -36,7 +55,7 @@ def compose(overrides: Sequence[str] = ()):
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
     from omegaconf.errors import OmegaConfBaseException
 
     from embodirl.config import check_group_overrides
@@ -48,82 +67,86 @@ def compose(overrides: Sequence[str] = ()):
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             cfg = hydra_compose(CONFIG_NAME, overrides=list(overrides), return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)
-        container = OmegaConf.to_container(cfg, resolve=False)
-        container.pop("hydra", None)
-        container = OmegaConf.to_container(OmegaConf.create(container), resolve=True)
+        with open_dict(cfg):
+            cfg.pop("hydra", None)
+        OmegaConf.resolve(cfg)                 # ${hydra:...} too, while Hydra's config is at hand
     except (HydraException, OmegaConfBaseException) as exc:
         text = " ".join(str(exc).split()).split(" full_key:")[0].rstrip(".")
         raise ConfigError("", f"{text}.") from None
     finally:
         GlobalHydra.instance().clear()
-    return container
+    return cfg
 
 
-def validate(cfg: Mapping) -> dict:
-    """The demo keys checked in one sentence each, and the env config checked by the ManiSkill adapter.
-    Returns the env config (``env.train``)."""
+def validate(cfg: Mapping) -> DemosConfig:
+    """The composed demos config as the typed :class:`DemosConfig`, its keys checked in one sentence each and its env
+    group checked by the ManiSkill adapter (converted once to the adapter's config class)."""
     from embodirl.demos.experts import CONTROL_MODES, EXPERTS
     from embodirl.demos.lerobot.layout import VIDEO_CODECS
     from embodirl.envs.maniskill.simulator import check_config
+    from embodirl.envs.registry import env_config
 
     unknown = sorted(set(cfg) - set(KEYS))
     if unknown:
         raise ConfigError(unknown[0], f"is not a demos key; config/demos.yaml lists them ({', '.join(KEYS[:-1])})")
+    demos = DemosConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DemosConfig)})
     for key in ("num_episodes", "seed"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < (1 if key == "num_episodes" else 0):
-            raise ConfigError(key, f"must be an integer >= {1 if key == 'num_episodes' else 0}, got {cfg[key]!r}")
-    attempts = cfg["max_attempts"]
-    if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < cfg["num_episodes"]):
-        raise ConfigError("max_attempts", f"must be null or an integer >= num_episodes ({cfg['num_episodes']}), "
-                          f"got {cfg['max_attempts']!r}")
-    if cfg["video_codec"] not in VIDEO_CODECS:
-        raise ConfigError("video_codec", f"'{cfg['video_codec']}' is not supported; choose one of {', '.join(VIDEO_CODECS)}")
+        value = getattr(demos, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "num_episodes" else 0):
+            raise ConfigError(key, f"must be an integer >= {1 if key == 'num_episodes' else 0}, got {value!r}")
+    attempts = demos.max_attempts
+    if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < demos.num_episodes):
+        raise ConfigError("max_attempts", f"must be null or an integer >= num_episodes ({demos.num_episodes}), "
+                          f"got {attempts!r}")
+    if demos.video_codec not in VIDEO_CODECS:
+        raise ConfigError("video_codec", f"'{demos.video_codec}' is not supported; choose one of {', '.join(VIDEO_CODECS)}")
     for key in ("stop_at_success", "overwrite", "progress_bar"):
-        if not isinstance(cfg[key], bool):
-            raise ConfigError(key, f"must be true or false, got {cfg[key]!r}")
-    env = dict(cfg["env"]["train"])
-    if env.get("adapter") != "maniskill":
-        raise ConfigError("env", f"demos are generated for ManiSkill env options only; '{env.get('adapter')}' is not one")
-    if env["task"] not in EXPERTS:
-        raise ConfigError("env.task", f"no demonstration expert for {env['task']}; experts exist for {', '.join(EXPERTS)}")
-    if env["control_mode"] not in CONTROL_MODES:
+        if not isinstance(getattr(demos, key), bool):
+            raise ConfigError(key, f"must be true or false, got {getattr(demos, key)!r}")
+    env = env_config(demos.env.train, "env")
+    if env.adapter != "maniskill":
+        raise ConfigError("env", f"demos are generated for ManiSkill env options only; '{env.adapter}' is not one")
+    if env.task not in EXPERTS:
+        raise ConfigError("env.task", f"no demonstration expert for {env.task}; experts exist for {', '.join(EXPERTS)}")
+    if env.control_mode not in CONTROL_MODES:
         raise ConfigError("env.control_mode", f"the experts act in {', '.join(CONTROL_MODES)}, not "
-                          f"'{env['control_mode']}'; use env.control_mode={CONTROL_MODES[0]}")
-    check_config(env)
-    out = Path(cfg["output_dir"])
-    if out.exists() and any(out.iterdir()) and not cfg["overwrite"]:
+                          f"'{env.control_mode}'; use env.control_mode={CONTROL_MODES[0]}")
+    demos.env = check_config(env)
+    out = Path(demos.output_dir)
+    if out.exists() and any(out.iterdir()) and not demos.overwrite:
         raise ConfigError("output_dir", f"{out} already exists and is not empty; choose another output_dir or overwrite=true")
-    return env
+    return demos
 
 
 def _folder_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def generate(cfg: Mapping, env_cfg: Mapping) -> dict:
-    """Run the expert until ``num_episodes`` successes (or ``max_attempts``); write the dataset. Returns the summary."""
+def generate(demos: DemosConfig) -> dict:
+    """Run the expert until ``num_episodes`` successes (or ``max_attempts``); write the dataset. Returns the summary.
+    ``demos``: the validated config (:func:`validate`)."""
     from tqdm import tqdm
 
     from embodirl.demos.experts import EXPERTS
     from embodirl.demos.lerobot.writer import LeRobotWriter
     from embodirl.envs.maniskill.simulator import ManiSkillSimEnv
 
-    n_target, seed0 = int(cfg["num_episodes"]), int(cfg["seed"])
-    max_attempts = cfg["max_attempts"] if cfg["max_attempts"] is not None else 2 * n_target + 10
-    env_cfg = dict(env_cfg)
-    env_cfg["num_init_states"] = None                       # attempts name their init state themselves
-    out = Path(cfg["output_dir"])
+    n_target, seed0 = demos.num_episodes, demos.seed
+    max_attempts = demos.max_attempts if demos.max_attempts is not None else 2 * n_target + 10
+    # attempts name their init state themselves
+    env_cfg = dataclasses.replace(demos.env, num_init_states=None)
+    out = Path(demos.output_dir)
     start = time.time()
     env = ManiSkillSimEnv(env_cfg, seed=seed0)
     spec, base = env.spec, env.unwrapped
     rgb = env.settings.obs_mode == "rgb"
     cameras = {c: spec.image_size for c in spec.camera_names} if rgb else {}
     writer = LeRobotWriter(out, fps=int(base.control_freq), cameras=cameras, action_dim=spec.action_dim,
-                           state_dim=spec.state_dim, robot_type=str(base.robot_uids), video_codec=cfg["video_codec"],
-                           overwrite=bool(cfg["overwrite"]))
+                           state_dim=spec.state_dim, robot_type=str(base.robot_uids), video_codec=demos.video_codec,
+                           overwrite=demos.overwrite)
     instruction = spec.task_descriptions[0]
     attempts, lengths = 0, []
-    bar = tqdm(total=n_target, desc=f"demos {spec.name}", unit="demo", disable=not cfg["progress_bar"])
+    bar = tqdm(total=n_target, desc=f"demos {spec.name}", unit="demo", disable=not demos.progress_bar)
     try:
         while len(lengths) < n_target and attempts < max_attempts:
             init_state = seed0 + attempts
@@ -138,7 +161,7 @@ def generate(cfg: Mapping, env_cfg: Mapping) -> dict:
                 actions.append(action)
                 result = env.step_chunk(action[None])
                 obs, success = result.obs, success or result.success
-                if (success and cfg["stop_at_success"]) or result.truncated or (result.terminated and not success):
+                if (success and demos.stop_at_success) or result.truncated or (result.terminated and not success):
                     break
             if not success:
                 continue
@@ -161,7 +184,7 @@ def generate(cfg: Mapping, env_cfg: Mapping) -> dict:
                "mean_episode_length": float(np.mean(lengths)) if lengths else 0.0, "minutes": minutes,
                "demos_per_minute": len(lengths) / minutes if minutes > 0 else 0.0,
                "cameras": list(cameras), "image_size": list(spec.image_size) if rgb else None,
-               "control_mode": env.settings.control_mode, "video_codec": cfg["video_codec"],
+               "control_mode": env.settings.control_mode, "video_codec": demos.video_codec,
                "dataset_bytes": _folder_bytes(out), "seed": seed0}
     (out / "meta" / "generation.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -169,17 +192,16 @@ def generate(cfg: Mapping, env_cfg: Mapping) -> dict:
 
 def main(overrides: Sequence[str]) -> int:
     """The CLI entry: compose, validate (ConfigError before any simulator starts), generate. Exit status."""
-    cfg = compose(overrides)
-    env_cfg = validate(cfg)
+    demos = validate(compose(overrides))
     from embodirl import runtime
 
     runtime.configure()
-    summary = generate(cfg, env_cfg)
+    summary = generate(demos)
     print(f"embodirl demos: {summary['episodes']} demos of {summary['task']} in {summary['attempts']} attempts "
           f"(expert success {summary['expert_success_rate']:.0%}), {summary['frames']} frames, "
-          f"{summary['demos_per_minute']:.1f} demos/min, {summary['dataset_bytes'] / 1e6:.1f} MB -> {cfg['output_dir']}")
-    if summary["episodes"] < int(cfg["num_episodes"]):
-        print(f"embodirl demos: only {summary['episodes']} of {cfg['num_episodes']} episodes succeeded within "
+          f"{summary['demos_per_minute']:.1f} demos/min, {summary['dataset_bytes'] / 1e6:.1f} MB -> {demos.output_dir}")
+    if summary["episodes"] < demos.num_episodes:
+        print(f"embodirl demos: only {summary['episodes']} of {demos.num_episodes} episodes succeeded within "
               f"{summary['attempts']} attempts (max_attempts)")
         return 1
     return 0

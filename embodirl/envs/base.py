@@ -174,3 +174,15 @@ class CommonEnvConfig:
     init_state_ids: list[int] | None = required()
     num_trials_per_task: int = num(1)
     video: VideoConfig = section(VideoConfig)
+
+    @property
+    def task_subset(self) -> list[int] | None:
+        """The task ids this group's episodes are drawn from (an adapter's ``task_ids`` key); None or empty: every
+        task of the env's table."""
+        return None
+
+    @property
+    def statistics_key(self) -> str | None:
+        """The name a checkpoint's action statistics are kept under for this env (a dataset or suite name, as
+        OpenVLA-OFT's ``unnorm_key``); None: the env names none."""
+        return None

@@ -1,7 +1,8 @@
 """Simulator adapters by name, imported lazily (LIBERO is imported only when a LIBERO env is chosen).
 
 An env config (one YAML under ``config/env/``) names its adapter with ``adapter: <name>``. An adapter
-is a class registered with :func:`register_adapter` that provides
+is a class registered with :func:`register_adapter` (with its config class) that provides, each taking the env group
+as an instance of that class (:func:`env_config` converts a composed node once),
 
 * ``check_config(cfg) -> None`` - cheap checks run before any worker starts (unknown task ids,
   suites, cameras, missing assets); raises :class:`embodirl.errors.ConfigError` /
@@ -11,16 +12,15 @@ is a class registered with :func:`register_adapter` that provides
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import Any
 
-from embodirl.plain import to_plain
 from embodirl.registry import LazyRegistry
 
 ADAPTERS = LazyRegistry("simulator adapter", "env.adapter", {
     "libero": "embodirl.envs.libero.simulator",
     "maniskill": "embodirl.envs.maniskill.adapter",
     "toy": "embodirl.envs.toy",
-})
+}, common="embodirl.envs.base.CommonEnvConfig")
 register_adapter = ADAPTERS.register
 available_adapters = ADAPTERS.available
 
@@ -29,13 +29,18 @@ def get_adapter(name: str, key: str = "env.adapter"):
     return ADAPTERS.get(name, key)
 
 
-def check_env_config(cfg: Mapping, key: str = "env") -> None:
-    adapter = get_adapter(cfg.get("adapter"), f"{key}.adapter")
-    adapter.check_config(to_plain(cfg))
+def env_config(node: Any, key: str = "env"):
+    """An env group as its adapter's typed config (:class:`~embodirl.envs.base.CommonEnvConfig` or the subclass the
+    adapter registered with), converted once; an instance passes through. The adapters and workers run on it."""
+    return ADAPTERS.typed(node, key)
 
 
-def make_env(cfg: Mapping, *, num_envs: int | None = None, seed: int = 0, env_offset: int = 0):
-    """Build the :class:`~embodirl.envs.base.ChunkVectorEnv` an env config describes."""
-    plain = to_plain(cfg)
-    adapter = get_adapter(plain.get("adapter"))
-    return adapter.make(plain, num_envs=num_envs or plain["num_envs"], seed=seed, env_offset=env_offset)
+def check_env_config(cfg: Any, key: str = "env") -> None:
+    env = env_config(cfg, key)
+    get_adapter(env.adapter, f"{key}.adapter").check_config(env)
+
+
+def make_env(cfg: Any, *, num_envs: int | None = None, seed: int = 0, env_offset: int = 0):
+    """Build the :class:`~embodirl.envs.base.ChunkVectorEnv` an env group (typed, or a mapping of it) describes."""
+    env = env_config(cfg)
+    return get_adapter(env.adapter).make(env, num_envs=num_envs or env.num_envs, seed=seed, env_offset=env_offset)

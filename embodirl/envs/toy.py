@@ -108,9 +108,10 @@ CRASH_AT_CHUNK = 2
 
 
 class ToySimEnv(SimEnv):
-    """TEST FIXTURE: one toy reach scene (see module docstring). ``cfg`` is the env config dict."""
+    """TEST FIXTURE: one toy reach scene (see module docstring). ``cfg``: the typed :class:`ToyEnvConfig` (or a
+    mapping of it)."""
 
-    def __init__(self, cfg: Mapping, seed: int = 0):
+    def __init__(self, cfg, seed: int = 0):
         env = ToyAdapter.check_config(cfg)
         self.num_tasks = env.num_tasks
         self.task_ids = list(env.task_ids or range(self.num_tasks))
@@ -266,6 +267,10 @@ class ToyEnvConfig(CommonEnvConfig):
     crash_init_state: int | None = num(0, null=True)
     num_init_states: int = num(1)
 
+    @property
+    def task_subset(self) -> list[int] | None:
+        return self.task_ids
+
 
 @register_adapter("toy", config=ToyEnvConfig)
 class ToyAdapter:
@@ -308,7 +313,7 @@ class ToyAdapter:
         return [(task, init) for task in tasks for init in trials]
 
     @classmethod
-    def make(cls, cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0) -> ProcessVectorEnv:
+    def make(cls, cfg, *, num_envs: int, seed: int, env_offset: int = 0) -> ProcessVectorEnv:
         env = cls.check_config(cfg)
         factories = [functools.partial(ToySimEnv, env, seed=seed + env_offset + i) for i in range(num_envs)]
-        return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset, processes=env.processes)
+        return ProcessVectorEnv.from_config(factories, env, env_offset=env_offset, processes=env.processes)

@@ -18,13 +18,15 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import imageio.v2 as imageio
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
+
+from embodirl.envs.base import VideoConfig
 
 log = logging.getLogger(__name__)
 
@@ -177,12 +179,12 @@ class VideoRecorder:
         self._episode_index = {i: 0 for i in self.env_ids}
 
     @classmethod
-    def for_env(cls, venv, out_dir: str | os.PathLike, video_cfg: Mapping, *, env_offset: int = 0, step: int | None = 0
+    def for_env(cls, venv, out_dir: str | os.PathLike, video: VideoConfig, *, env_offset: int = 0, step: int | None = 0
                 ) -> VideoRecorder:
-        """A recorder of ``venv.record_env_ids`` named after ``venv.spec`` with an env config's ``video``
-        settings (``fps``, ``overlay``)."""
+        """A recorder of ``venv.record_env_ids`` named after ``venv.spec`` with an env group's typed ``video``
+        section (``fps``, ``overlay``)."""
         return cls(out_dir, env_ids=venv.record_env_ids, env_name=venv.spec.name,
-                   task_descriptions=venv.spec.task_descriptions, fps=video_cfg["fps"], overlay=video_cfg["overlay"],
+                   task_descriptions=venv.spec.task_descriptions, fps=video.fps, overlay=video.overlay,
                    env_offset=env_offset, step=step)
 
     # -- frames in -------------------------------------------------------------------------------

@@ -194,3 +194,5 @@ class CommonModelConfig:
     path: str | None = required()
     action_chunk: int = num(1)
     value_type: str | None = one_of(D.REWARD_TYPES, null=True)     # null: no value head
+    dtype: str = required()                  # parameter dtype (a policy narrows the choices)
+    device: str | None = required()          # where the weights are created (null: cpu; meta: no memory)

@@ -1,13 +1,14 @@
 """Policies by name (``model.name`` in the config), imported lazily.
 
 A policy builder is registered with :func:`register_policy` and called as
-``builder(model_cfg: dict, env_spec: EnvSpec) -> Policy``; ``check_config(model_cfg)`` (optional
-attribute of the builder) runs cheap checks before any worker starts.
+``builder(model, env_spec: EnvSpec) -> Policy`` with ``model`` an instance of the config class it registered with
+(:func:`model_config` converts a composed node once); ``check_config(model)`` (optional attribute of the builder)
+runs cheap checks before any worker starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import Any
 
 from embodirl.registry import LazyRegistry
 
@@ -15,7 +16,7 @@ POLICIES = LazyRegistry("policy", "model.name", {
     "openvla_oft": "embodirl.models.openvla_oft",
     "pi0": "embodirl.models.pi0",
     "state_mlp": "embodirl.models.state_policy",
-})
+}, common="embodirl.models.base.CommonModelConfig")
 register_policy = POLICIES.register
 available_policies = POLICIES.available
 
@@ -24,8 +25,12 @@ def get_policy_builder(name: str, key: str = "model.name"):
     return POLICIES.get(name, key)
 
 
-def make_policy(model_cfg: Mapping, env_spec):
-    from embodirl.plain import to_plain
+def model_config(node: Any):
+    """The ``model`` group as its policy's typed config (:class:`~embodirl.models.base.CommonModelConfig` or the
+    subclass the policy registered with), converted once; an instance passes through."""
+    return POLICIES.typed(node, "model")
 
-    plain = to_plain(model_cfg)
-    return get_policy_builder(plain["name"])(plain, env_spec)
+
+def make_policy(model_cfg: Any, env_spec):
+    model = model_config(model_cfg)
+    return get_policy_builder(model.name)(model, env_spec)

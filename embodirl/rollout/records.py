@@ -35,14 +35,11 @@ from embodirl import data as D
 OBS_FIELDS = (D.IMAGES, D.STATE, D.TASK_ID)
 POLICY_FIELDS = (D.ACTION_CHUNK, D.ACTION_TOKENS, D.ACTION_SAMPLE, D.ACTION_CHAIN, D.LOGPROB_BEHAVIOR, D.VALUE)
 
-def decisions_per_episode(cfg, env_key: str = "env.train") -> int:
-    """T: decisions per rollout (``rollout.max_decisions`` or ceil(max_episode_steps / H))."""
-    from omegaconf import OmegaConf
-
-    H = int(cfg.model.action_chunk)
-    steps = int(OmegaConf.select(cfg, f"{env_key}.max_episode_steps"))
-    explicit = cfg.rollout.get("max_decisions")
-    return int(explicit) if explicit else math.ceil(steps / H)
+def decisions_per_episode(cfg) -> int:
+    """T: decisions per training rollout of the typed config ``cfg`` (``rollout.max_decisions`` or
+    ceil(env.train.max_episode_steps / H))."""
+    explicit = cfg.rollout.max_decisions
+    return explicit if explicit else math.ceil(cfg.env.train.max_episode_steps / cfg.model.action_chunk)
 
 _DTYPES = {
     D.IMAGES: np.uint8, D.STATE: np.float32, D.TASK_ID: np.int64, D.ACTION_CHUNK: np.float32,

@@ -10,12 +10,13 @@ Without it the adapter chooses each start (``None``) unless the caller passes ex
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from embodirl.envs.base import EnvSpec
+from embodirl.envs.base import CommonEnvConfig, EnvSpec
+from embodirl.envs.registry import env_config
 from embodirl.errors import ConfigError
 
 NO_START = -1   # "the adapter's choice" in an int64 start array (ProcessVectorEnv reads < 0 as None)
@@ -61,20 +62,22 @@ def group_ids(num_slots: int, group_size: int, slot_offset: int = 0) -> np.ndarr
     return (np.arange(num_slots, dtype=np.int64) + slot_offset) // max(int(group_size), 1)
 
 
-def allowed_tasks(env_cfg: Mapping, spec: EnvSpec) -> list[int]:
-    """Task ids the env config trains on (``task_ids``; default: the whole task table)."""
-    ids = env_cfg.get("task_ids")
-    return [int(t) for t in ids] if ids else list(range(len(spec.task_descriptions)))
+def allowed_tasks(env: CommonEnvConfig, spec: EnvSpec) -> list[int]:
+    """Task ids the env group trains on (its ``task_subset``; default: the whole task table)."""
+    ids = env.task_subset
+    return list(ids) if ids else list(range(len(spec.task_descriptions)))
 
 
-def plan_starts(env_cfg: Mapping, spec: EnvSpec, num_slots: int, group_size: int, rng: np.random.Generator,
+def plan_starts(env_cfg, spec: EnvSpec, num_slots: int, group_size: int, rng: np.random.Generator,
                 ) -> EpisodeStarts:
-    """Starts for one rollout of ``num_slots`` slots (see module docstring)."""
-    if not env_cfg.get("use_fixed_reset_state_ids", False) or group_size <= 1:
+    """Starts for one rollout of ``num_slots`` slots (see module docstring); ``env_cfg``: the env group, typed (or a
+    mapping of it, converted here)."""
+    env = env_config(env_cfg)
+    if not env.use_fixed_reset_state_ids or group_size <= 1:
         return EpisodeStarts.unset(num_slots)
     if num_slots % group_size:
         raise ConfigError("algorithm.group_size", f"{num_slots} env slots do not hold whole groups of {group_size}")
-    tasks = allowed_tasks(env_cfg, spec)
+    tasks = allowed_tasks(env, spec)
     num_groups = num_slots // group_size
     task_per_group = np.asarray([tasks[i] for i in rng.integers(len(tasks), size=num_groups)], np.int64)  # (groups,)
     if spec.num_init_states:

@@ -152,11 +152,11 @@ def is_model_checkpoint(path: str | Path) -> bool:
     return not is_checkpoint(path) and (path / MODEL_CONFIG).is_file()
 
 
-def eval_model_path(runner_cfg) -> str | None:
+def eval_model_path(runner) -> str | None:
     """For evaluation only: ``runner.resume_dir`` when it names a model checkpoint (e.g. a public
-    OpenVLA-OFT directory), which then loads as ``model.path``; else None."""
-    resume_dir = runner_cfg.get("resume_dir")
-    if not runner_cfg.get("only_eval") or resume_dir in (None, "", "auto", DISABLE):
+    OpenVLA-OFT directory), which then loads as ``model.path``; else None. ``runner``: the typed section."""
+    resume_dir = runner.resume_dir
+    if not runner.only_eval or resume_dir in (None, "", "auto", DISABLE):
         return None
     return str(Path(str(resume_dir)).expanduser()) if is_model_checkpoint(str(resume_dir)) else None
 

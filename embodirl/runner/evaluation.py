@@ -30,21 +30,23 @@ full sweep whichever slot it lands in (its record keeps the sweep's seed).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig
 
 from embodirl import data as D
+from embodirl.envs.base import CommonEnvConfig
 from embodirl.envs.registry import get_adapter
 from embodirl.errors import ConfigError
-from embodirl.plain import to_plain
 from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
+from embodirl.schema import Config, run_config
 from embodirl.schema.sections import EVAL_PROTOCOLS  # parallel (the adapters' seeding) | oft (OFT's LIBERO seeding)
+from embodirl.schema.sections import Runner as RunnerSection
 
 log = logging.getLogger(__name__)
 
@@ -53,42 +55,42 @@ log = logging.getLogger(__name__)
 OFT_SEEDING = {"libero": ("scene_seeding", "oft")}
 
 
-def check_eval_protocol(runner_cfg: Mapping, eval_env_cfg: Mapping) -> None:
+def check_eval_protocol(runner: RunnerSection, eval_env: CommonEnvConfig) -> None:
     """``runner.eval_protocol`` names a protocol the evaluation env supports (one ConfigError sentence)."""
-    protocol = runner_cfg.get("eval_protocol", EVAL_PROTOCOLS[0])
+    protocol = runner.eval_protocol
     if protocol not in EVAL_PROTOCOLS:
         raise ConfigError("runner.eval_protocol", f"'{protocol}' is not one of {', '.join(EVAL_PROTOCOLS)}")
-    if protocol == "oft" and eval_env_cfg.get("adapter") not in OFT_SEEDING:
+    if protocol == "oft" and eval_env.adapter not in OFT_SEEDING:
         raise ConfigError("runner.eval_protocol", f"oft reproduces OpenVLA-OFT's LIBERO evaluation; env.eval uses "
-                                                  f"the '{eval_env_cfg.get('adapter')}' adapter, so use parallel")
+                                                  f"the '{eval_env.adapter}' adapter, so use parallel")
 
 
-def protocol_env_cfg(env_cfg: Mapping, protocol: str | None, num_envs: int | None = None) -> dict:
-    """``env_cfg`` as ``runner.eval_protocol`` runs it (``oft``: the adapter's OFT seeding switched on), with
-    ``runner.eval_num_envs`` simulators when set. An episode's outcome does not depend on which slot or batch
+def protocol_env_cfg(env: CommonEnvConfig, protocol: str | None, num_envs: int | None = None) -> CommonEnvConfig:
+    """``env`` (a typed env group) as ``runner.eval_protocol`` runs it (``oft``: the adapter's OFT seeding switched
+    on), with ``runner.eval_num_envs`` simulators when set. An episode's outcome does not depend on which slot or batch
     runs it (scenes are seeded from (task, init state), actions are greedy), so the sweep's per-episode
     results are the same at any number of simulators, returns up to float rounding (another batch size may sum
     in another order; ``tests/runner/test_eval_report.py``)."""
-    out = dict(env_cfg)
+    changes = {}
     if protocol == "oft":
-        key, value = OFT_SEEDING[out["adapter"]]
-        out[key] = value
+        key, value = OFT_SEEDING[env.adapter]
+        changes[key] = value
     if num_envs is not None:
-        out["num_envs"] = int(num_envs)
-    return out
+        changes["num_envs"] = num_envs
+    return dataclasses.replace(env, **changes)
 
 
-def check_eval_num_envs(runner_cfg: Mapping) -> None:
+def check_eval_num_envs(runner: RunnerSection) -> None:
     """``runner.eval_num_envs``: null (``env.eval.num_envs``) or a positive number of simulators."""
-    n = runner_cfg.get("eval_num_envs")
+    n = runner.eval_num_envs
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ConfigError("runner.eval_num_envs", f"must be null (env.eval.num_envs) or a positive number of "
                                                   f"simulators, got {n!r}")
 
 
-def check_eval_episodes(runner_cfg: Mapping) -> list[int] | None:
+def check_eval_episodes(runner: RunnerSection) -> list[int] | None:
     """``runner.eval_episodes``: null or a list of sweep indices (``episode_ix`` in ``eval_info.json``)."""
-    ids = runner_cfg.get("eval_episodes")
+    ids = runner.eval_episodes
     if ids is None:
         return None
     if isinstance(ids, int) and not isinstance(ids, bool):
@@ -111,33 +113,33 @@ def select_episodes(schedule: list[tuple[int, int]], ids: list[int] | None) -> l
     return [(j, *schedule[j]) for j in ids]
 
 
-def eval_schedule(env_cfg: Mapping, num_tasks: int) -> list[tuple[int, int]]:
+def eval_schedule(env: CommonEnvConfig, num_tasks: int) -> list[tuple[int, int]]:
     """Ordered ``(task_id, init_state_id)`` pairs of the sweep."""
-    adapter = get_adapter(env_cfg["adapter"])
+    adapter = get_adapter(env.adapter)
     if hasattr(adapter, "eval_schedule"):
-        return list(adapter.eval_schedule(env_cfg))
-    tasks = env_cfg.get("task_ids") or range(num_tasks)
-    trials = env_cfg.get("init_state_ids") or range(int(env_cfg["num_trials_per_task"]))
+        return list(adapter.eval_schedule(env))
+    tasks = env.task_subset or range(num_tasks)
+    trials = env.init_state_ids or range(env.num_trials_per_task)
     return [(int(t), int(k)) for t in tasks for k in trials]
 
 
-def eval_env_cfg(cfg: DictConfig) -> dict:
-    """``env.eval`` as evaluation runs it: ``runner.eval_protocol``'s seeding and ``runner.eval_num_envs``
+def eval_env_cfg(cfg: Config) -> CommonEnvConfig:
+    """``env.eval`` (typed) as evaluation runs it: ``runner.eval_protocol``'s seeding and ``runner.eval_num_envs``
     simulators, one episode per slot (no auto-reset), ``runner.eval_episodes_per_task`` trials per task when
-    set, the first ``runner.eval_num_videos`` slots recorded (every slot with ``runner.eval_episodes``)."""
+    set, the first ``runner.eval_num_videos`` slots recorded (every slot with ``runner.eval_episodes``). ``cfg``: the
+    typed config (a composed one is converted)."""
+    cfg = run_config(cfg)
     r = cfg.runner
-    env_cfg = protocol_env_cfg(to_plain(cfg.env.eval), r.get("eval_protocol"), r.get("eval_num_envs"))
-    env_cfg["auto_reset"] = False
-    if r.eval_episodes_per_task is not None:
-        env_cfg["num_trials_per_task"] = int(r.eval_episodes_per_task)
-    num_videos = min(int(r.eval_num_videos), int(env_cfg["num_envs"]))
+    env = protocol_env_cfg(cfg.env.eval, r.eval_protocol, r.eval_num_envs)
+    trials = env.num_trials_per_task if r.eval_episodes_per_task is None else r.eval_episodes_per_task
+    num_videos = min(r.eval_num_videos, env.num_envs)
     if check_eval_episodes(r) is not None:               # chosen episodes: every one with its video
-        num_videos = int(env_cfg["num_envs"])
-    env_cfg["video"] = {**(env_cfg.get("video") or {}), "enabled": num_videos > 0, "env_ids": list(range(num_videos))}
-    return env_cfg
+        num_videos = env.num_envs
+    video = dataclasses.replace(env.video, enabled=num_videos > 0, env_ids=list(range(num_videos)))
+    return dataclasses.replace(env, auto_reset=False, num_trials_per_task=trials, video=video)
 
 
-def run_sweep(groups, cfg: DictConfig, *, out_dir: str | Path, seed: int) -> dict:
+def run_sweep(groups, cfg: Config, *, out_dir: str | Path, seed: int) -> dict:
     """The evaluation sweep on ``groups``' evaluation env workers (:meth:`WorkerGroups.evaluate
     <embodirl.workers.groups.WorkerGroups.evaluate>`: the training collector with the inference workers'
     evaluation sampling), in batches of the evaluation env's ``num_envs`` slots; returns the ``eval_info``
@@ -145,12 +147,13 @@ def run_sweep(groups, cfg: DictConfig, *, out_dir: str | Path, seed: int) -> dic
     ``runner.eval_episodes``: every chosen episode) straight into ``out_dir/videos``."""
     t_start = time.perf_counter()
     out_dir = Path(out_dir).resolve()                    # the workers' cwd may differ
-    env_cfg = eval_env_cfg(cfg)
+    cfg = run_config(cfg)
+    env = eval_env_cfg(cfg)
     spec = groups.eval_spec()
     chosen = check_eval_episodes(cfg.runner)
-    schedule = select_episodes(eval_schedule(env_cfg, len(spec.task_descriptions)), chosen)
-    N = int(env_cfg["num_envs"])
-    num_videos = len(env_cfg["video"]["env_ids"])
+    schedule = select_episodes(eval_schedule(env, len(spec.task_descriptions)), chosen)
+    N = env.num_envs
+    num_videos = len(env.video.env_ids)
     results: list[EpisodeResult] = []
     reruns = 0
     for start in range(0, len(schedule), N):

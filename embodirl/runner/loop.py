@@ -28,6 +28,7 @@ complete checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -35,13 +36,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from embodirl import checkpoint_layout as layout
 from embodirl import data as D
 from embodirl import runtime
 from embodirl.actor.actor import prepare_batch
-from embodirl.algorithms.section import algorithm_of
 from embodirl.envs.video import step_folder
 from embodirl.errors import ConfigError, NonFiniteUpdate, RunFailed
 from embodirl.models.registry import make_policy
@@ -55,8 +55,7 @@ from embodirl.runner.eval_report import plot_learning_curve, plot_success, print
 from embodirl.runner.evaluation import eval_env_cfg, run_sweep
 from embodirl.runner.guard import ROLLBACK, STOP, CollapseGuard
 from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
-from embodirl.schema import to_object
-from embodirl.schema.sections import Guard
+from embodirl.schema import Config, EnvGroups, run_config
 from embodirl.workers.groups import WorkerGroups
 
 log = logging.getLogger(__name__)
@@ -119,11 +118,11 @@ def collection_metrics(batch, stats: RolloutStats, H: int, collect_s: float) -> 
 class Runner:
     """Owns one run's components and its output folder (see module docstring)."""
 
-    def __init__(self, cfg: DictConfig):
-        self.cfg = cfg
-        self.algorithm = algorithm_of(cfg.algorithm)   # the typed section the algorithms run on
+    def __init__(self, cfg: Config):
+        self.cfg = cfg = run_config(cfg)        # the typed config (a composed one is converted here, once)
+        self.algorithm = cfg.algorithm          # the typed section the algorithms run on
         self.out = Path(cfg.runner.output_dir)
-        self.seed = int(cfg.runner.seed)
+        self.seed = cfg.runner.seed
         # the clock of the printed curve starts when the `embodirl` command's process did (interpreter start,
         # imports and config composition included); used as a library, when this object is made
         started = runtime.command_started
@@ -136,13 +135,13 @@ class Runner:
     # --- shared pieces -------------------------------------------------------------------------------
     def _write_config(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
+        (self.out / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))   # the typed config as YAML
 
     def _logger(self, resume_step: int | None) -> MetricsLogger:
         lc = self.cfg.runner.logger
         return MetricsLogger(self.out, console=lc.console, tensorboard=lc.tensorboard, wandb=lc.wandb,
                              wandb_mode=lc.wandb_mode, project=lc.project, run_name=self.cfg.runner.experiment_name,
-                             config=OmegaConf.to_container(self.cfg), resume_step=resume_step)
+                             config=dataclasses.asdict(self.cfg), resume_step=resume_step)
 
     def _evaluate(self, groups: WorkerGroups, step: int, out_dir: Path) -> dict:
         info = run_sweep(groups, self.cfg, out_dir=out_dir, seed=self.seed + 7919)
@@ -155,9 +154,8 @@ class Runner:
         model_path = ckpt.eval_model_path(self.cfg.runner)
         if model_path is not None:
             # runner.resume_dir names a model checkpoint (e.g. a public OpenVLA-OFT one): load it as model.path
-            with open_dict(self.cfg):
-                self.cfg.model.path = model_path
-                self.cfg.runner.resume_dir = layout.DISABLE
+            self.cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, path=model_path),
+                                           runner=dataclasses.replace(self.cfg.runner, resume_dir=layout.DISABLE))
         self._write_config()
         seed_everything(self.seed)
         with self._workers(train=False) as groups:
@@ -237,7 +235,7 @@ class Runner:
         from embodirl.workers.actor_group import ActorRankDied
 
         self._write_config()
-        restarts = int(self.cfg.runner.get("max_restarts", 0) or 0)
+        restarts = self.cfg.runner.max_restarts
         for attempt in range(restarts + 1):
             seed_everything(self.seed)
             try:
@@ -258,7 +256,7 @@ class Runner:
 
     def _train(self, groups: WorkerGroups) -> None:
         cfg, r = self.cfg, self.cfg.runner
-        self.guard = CollapseGuard(to_object(Guard, r.guard, "runner.guard"))
+        self.guard = CollapseGuard(r.guard)
         actors = groups.make_actors()
         starts_rng = np.random.default_rng(self.seed)
         start_step, env_steps = 0, 0.0
@@ -280,11 +278,11 @@ class Runner:
         groups.sync_weights(full=True)
         self._write_placement(groups, actors)
         logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
-        logger.log_hparams(OmegaConf.to_container(cfg, resolve=True))
-        H = int(cfg.model.action_chunk)
+        logger.log_hparams(dataclasses.asdict(cfg))
+        H = cfg.model.action_chunk
         kl_active = self.algorithm.kl_active
-        offload = bool(cfg.actor.get("enable_offload", False))
-        max_steps = int(r.max_steps)
+        offload = cfg.actor.enable_offload
+        max_steps = r.max_steps
         progress = None
         if r.progress_bar:
             from tqdm import tqdm
@@ -350,9 +348,9 @@ class Runner:
                     progress.update(1)
                 if self.guard.enabled:
                     self._guard_check(self.guard.after_step(metrics), step, actors, groups, logger)
-                if r.val_check_interval and step % int(r.val_check_interval) == 0:
+                if r.val_check_interval and step % r.val_check_interval == 0:
                     evaluate(step)
-                if r.save_interval and (step % int(r.save_interval) == 0 or step == max_steps):
+                if r.save_interval and (step % r.save_interval == 0 or step == max_steps):
                     save(step)
         finally:
             if progress is not None:
@@ -379,21 +377,20 @@ class Runner:
         """``rollout.rollout_epoch`` rollouts -> one batch ``[N, T]`` and their summed timings; the first
         is recorded when this step is a training-video step."""
         cfg = self.cfg
-        env_cfg = OmegaConf.to_container(cfg.env.train, resolve=True)
-        interval = int(cfg.runner.train_video_interval or 0)
+        interval = cfg.runner.train_video_interval
         video_dir = self.out / "videos" / "train" if interval and step % interval == 0 else None
         batches, stats = [], RolloutStats()
         # algorithm.filter_groups.resample: draw rollouts until the step has a full batch of informative groups
         keeper = InformativeGroups.from_config(self.algorithm, num_slots=groups.num_slots,
-                                               rollout_epoch=int(cfg.rollout.rollout_epoch))
+                                               rollout_epoch=cfg.rollout.rollout_epoch)
         greedy_baseline = self.algorithm.estimator.greedy_baseline
         epoch, ticker = 0, Ticker()
-        while keeper is not None or epoch < int(cfg.rollout.rollout_epoch):
+        while keeper is not None or epoch < cfg.rollout.rollout_epoch:
             if epoch and ticker.due():   # a step of many rollouts (the 7B recipe's 16) says where it is
                 most = cfg.rollout.rollout_epoch if keeper is None else f"at most {keeper.max_rollouts}"
                 log.info("[step %d] collecting rollout %d of %s, %.1f min so far", step, epoch + 1, most,
                          ticker.elapsed / 60)
-            starts = plan_starts(env_cfg, groups.spec, groups.num_slots, self.algorithm.group_size, starts_rng)
+            starts = plan_starts(cfg.env.train, groups.spec, groups.num_slots, self.algorithm.group_size, starts_rng)
             seed = self.seed + 1_000_003 * step + 7_919 * epoch
             batch = groups.collect(starts, seed=seed, video_dir=video_dir if epoch == 0 else None, step=step)
             for key in ("env_s", "infer_s", "wait_s", "recollected_rows", "shm_batches", "object_store_batches"):
@@ -473,16 +470,15 @@ class Runner:
         return path
 
 
-def worker_config(cfg: DictConfig) -> DictConfig:
-    """The config the worker groups are built from: ``env.train`` with the configured video envs selected
+def worker_config(cfg: Config) -> Config:
+    """The typed config the worker groups are built from: ``env.train`` with the configured video envs selected
     when training videos are asked for (rendered only during a recorded rollout), ``env.eval`` as
-    evaluation runs it (:func:`~embodirl.runner.evaluation.eval_env_cfg`)."""
-    worker_cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    if int(cfg.runner.train_video_interval or 0) > 0:
-        video = OmegaConf.to_container(worker_cfg.env.train).get("video") or {}
-        worker_cfg.env.train.video = {**video, "enabled": True}
-    worker_cfg.env.eval = eval_env_cfg(cfg)
-    return worker_cfg
+    evaluation runs it (:func:`~embodirl.runner.evaluation.eval_env_cfg`). A composed config is converted first."""
+    cfg = run_config(cfg)
+    train = cfg.env.train
+    if cfg.runner.train_video_interval > 0:
+        train = dataclasses.replace(train, video=dataclasses.replace(train.video, enabled=True))
+    return dataclasses.replace(cfg, env=EnvGroups(train=train, eval=eval_env_cfg(cfg)))
 
 
 def _last_line(exc: BaseException) -> str:
@@ -491,9 +487,10 @@ def _last_line(exc: BaseException) -> str:
     return (lines[-1] if lines else type(exc).__name__).rstrip(".")
 
 
-def run(cfg: DictConfig):
+def run(cfg: Config):
+    """Train or evaluate (``runner.only_eval``) with the typed config (a composed one is converted)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runner = Runner(cfg)
-    if cfg.runner.only_eval:
+    if runner.cfg.runner.only_eval:
         return runner.run_eval()
     return runner.run_train()

@@ -4,14 +4,13 @@ live here, not in :mod:`embodirl.schema`, so that the schema depends on nothing 
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
 from embodirl.runner.checkpoint import eval_model_path, resume_source
 from embodirl.runner.evaluation import check_eval_episodes, check_eval_num_envs, check_eval_protocol
 
 
-def check(cfg: DictConfig) -> None:
-    """Raise :class:`~embodirl.errors.ConfigError` (one sentence naming the key) on the first violation."""
+def check(cfg) -> None:
+    """Raise :class:`~embodirl.errors.ConfigError` (one sentence naming the key) on the first violation; ``cfg``: the
+    typed config (:func:`embodirl.schema.run_config`)."""
     check_eval_protocol(cfg.runner, cfg.env.eval)
     check_eval_episodes(cfg.runner)
     check_eval_num_envs(cfg.runner)

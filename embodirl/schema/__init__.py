@@ -10,7 +10,8 @@ composed config (also a plain one, as a sweep job hands it over) and raises one
 
 1. types and unknown keys (also keys added with ``+``), section by section;
 2. ranges and choice lists of every field;
-3. each section's cross-field rules (``rules`` next to its fields), then the env and model rules.
+3. each section's cross-field rules (``rules`` next to its fields), then the env and model rules, on the typed config
+   (:func:`run_config`: the object the code then runs on).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from embodirl.schema.envs import env_rules, env_schema
 from embodirl.schema.models import model_rules, model_schema
 from embodirl.schema.sections import SECTIONS, Actor, Cluster, EnvWorkers, Rollout, Runner
 
-__all__ = ["SCHEMA_NAME", "SECTIONS", "Config", "add_section", "check", "check_types",
-           "error", "register", "to_object", "typed", "unknown_key"]
+__all__ = ["SCHEMA_NAME", "SECTIONS", "Config", "EnvGroups", "add_section", "check", "check_types",
+           "error", "register", "run_config", "to_object", "typed", "unknown_key"]
 
 SCHEMA_NAME = "embodirl_schema"
 
@@ -50,6 +51,14 @@ class Config:
     cluster: Cluster = section(Cluster)
     env: Any = required()
     model: Any = required()
+
+
+@dataclass
+class EnvGroups:
+    """``env`` of the typed config: the training and evaluation env groups, each its adapter's config class."""
+
+    train: Any
+    eval: Any
 
 
 #: top-level sections another command adds to config.yaml's (``embodirl sft``'s ``sft``, ``data``): name -> schema
@@ -119,8 +128,7 @@ def typed(schema: type, node: Any, prefix: str = "", *, closed: bool = True) -> 
     :class:`ConfigError` naming it. An open schema types only the keys it declares."""
     if not closed:
         names = {f.name for f in dataclasses.fields(schema)}
-        node = {k: v for k, v in (OmegaConf.to_container(node) if isinstance(node, DictConfig) else dict(node)).items()
-                if k in names}
+        node = {k: node[k] for k in node if k in names}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
     except OmegaConfBaseException as exc:
@@ -141,13 +149,31 @@ def to_object(schema: type, node: Any, prefix: str = ""):
     return instance(schema, typed(schema, node, prefix), prefix)
 
 
+def run_config(cfg: Any) -> Config:
+    """A composed and validated config as the typed object the code runs on: every section its schema dataclass,
+    ``env.train``/``env.eval`` their adapters' config classes and ``model`` its policy's (:class:`EnvGroups`,
+    :func:`embodirl.envs.registry.env_config`, :func:`embodirl.models.registry.model_config`). Converted once, where a
+    command takes the config; a :class:`Config` passes through. Sections another command adds (``sft``, ``data``)
+    are that command's to convert."""
+    from embodirl.envs.registry import env_config
+    from embodirl.models.registry import model_config
+
+    if isinstance(cfg, Config):
+        return cfg
+    sections = {name: to_object(schema, getattr(cfg, name), name) for name, schema in SECTIONS.items()}
+    env = EnvGroups(train=env_config(cfg.env.train, "env.train"), eval=env_config(cfg.env.eval, "env.eval"))
+    return Config(**sections, env=env, model=model_config(cfg.model))
+
+
 @dataclass
 class Context:
-    """What several sections' rules need: the device placement and what follows from it."""
+    """What several sections' rules need: the device placement and what follows from it; and the typed config they
+    were checked on (:func:`run_config`)."""
 
     placement: Any
     dp: int
     use_ray: bool
+    config: Config
 
 
 def check_types(cfg: DictConfig) -> None:
@@ -162,7 +188,7 @@ def check_types(cfg: DictConfig) -> None:
         if name in cfg:
             typed(schema, cfg[name], name)
             check_fields(schema, cfg[name], name)
-    if not isinstance(cfg.get("env"), DictConfig | dict) or set(cfg.env.keys()) != {"train", "eval"}:
+    if not isinstance(getattr(cfg, "env", None), DictConfig | dict) or set(cfg.env.keys()) != {"train", "eval"}:
         raise ConfigError("env", "must hold exactly train and eval (an env option fills both)")
     for name, schema in SECTIONS.items():
         check_fields(schema, cfg[name], name)
@@ -176,16 +202,22 @@ def check_types(cfg: DictConfig) -> None:
 
 
 def check(cfg: DictConfig, *, num_devices: int | None = None, accelerator: str | None = None) -> Context:
-    """Types, ranges, choices and cross-field rules of a composed config (see the module docstring)."""
+    """Types, ranges, choices and cross-field rules of a composed config (see the module docstring). The rules of
+    the sections declared here read the typed config; those of a section another command adds, the composed one."""
     from embodirl.placement import data_parallel_size, placement_from_config, use_ray
 
     check_types(cfg)
-    placement = placement_from_config(cfg.cluster, num_devices, accelerator)
-    ctx = Context(placement=placement, dp=data_parallel_size(cfg, placement), use_ray=use_ray(cfg))
-    for name, schema in [*SECTIONS.items(), *EXTRA_SECTIONS.items()]:
+    run = run_config(cfg)
+    placement = placement_from_config(run.cluster, num_devices, accelerator)
+    ctx = Context(placement=placement, dp=data_parallel_size(run, placement), use_ray=use_ray(run), config=run)
+    for schema in SECTIONS.values():
+        rules = getattr(schema, "rules", None)
+        if rules is not None:
+            rules(run, ctx)
+    for name, schema in EXTRA_SECTIONS.items():
         rules = getattr(schema, "rules", None) if name in cfg else None
         if rules is not None:
             rules(cfg, ctx)
-    env_rules(cfg)
-    model_rules(cfg)
+    env_rules(run)
+    model_rules(run)
     return ctx

@@ -25,16 +25,19 @@ def env_schema(node: Any, key: str) -> tuple[type, bool]:
 
 
 def env_rules(cfg) -> None:
-    """Rules between the env groups and the model: a chunk must fit in an episode, and evaluation drives the
-    robot through the controller the policy was trained with (its action space)."""
-    train_mode, eval_mode = cfg.env.train.get("control_mode"), cfg.env.eval.get("control_mode")
-    if "control_mode" in cfg.env.train and "control_mode" in cfg.env.eval and train_mode != eval_mode:
+    """Rules between the env groups and the model (``cfg``: the typed config): a chunk must fit in an episode, and
+    evaluation drives the robot through the controller the policy was trained with (its action space), where both
+    groups' adapters have one (``control_mode``)."""
+    train_mode = getattr(cfg.env.train, "control_mode", None)
+    eval_mode = getattr(cfg.env.eval, "control_mode", None)
+    both = hasattr(cfg.env.train, "control_mode") and hasattr(cfg.env.eval, "control_mode")
+    if both and train_mode != eval_mode:
         raise ConfigError("env.eval.control_mode", f"is {eval_mode} but env.train.control_mode is {train_mode}; the "
                                                    f"policy acts in the training action space, so set both "
                                                    f"(env.eval.control_mode={train_mode})")
-    H = int(cfg.model.action_chunk)
-    for env_key in ("env.train", "env.eval"):
-        steps = int(cfg.env[env_key.split(".")[1]].max_episode_steps)
+    H = cfg.model.action_chunk
+    for env_key, env in (("env.train", cfg.env.train), ("env.eval", cfg.env.eval)):
+        steps = env.max_episode_steps
         if H > steps:
             raise ConfigError("model.action_chunk", f"the chunk of {H} actions is longer than {env_key}.max_episode_steps "
                                                     f"= {steps}")

@@ -26,10 +26,10 @@ def model_schema(node: Any) -> tuple[type, bool]:
 
 
 def model_rules(cfg) -> None:
-    """Rules between the model, the algorithm and the disk."""
+    """Rules between the model, the algorithm and the disk (``cfg``: the typed config)."""
     from embodirl.algorithms.estimators import uses_critic
 
-    adv_type, value_type = cfg.algorithm.adv_type, cfg.model.get("value_type")
+    adv_type, value_type = cfg.algorithm.adv_type, cfg.model.value_type
     critic = uses_critic(adv_type)
     if critic and value_type is None:
         raise ConfigError("model.value_type", f"adv_type={adv_type} needs a value head: set model.value_type to "
@@ -37,7 +37,7 @@ def model_rules(cfg) -> None:
     if cfg.algorithm.reward_type == "action_level" and value_type == "chunk_level" and critic:
         raise ConfigError("model.value_type", "action_level rewards with GAE need action_level values; set "
                                               "model.value_type=action_level")
-    path = cfg.model.get("path")
+    path = cfg.model.path
     if path:
         local = Path(str(path)).expanduser()
         if not local.exists() and (str(path).startswith((".", "/", "~")) or not _HUB_ID.match(str(path))):

@@ -11,8 +11,6 @@ schedules, rollout backends).
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from embodirl.algorithms.section import Algorithm
 from embodirl.config_fields import num, one_of, required, section
 from embodirl.errors import ConfigError
@@ -126,7 +124,8 @@ class Rollout:
         import math
 
         if cfg.rollout.merge_lora:
-            if not (cfg.model.get("lora") or {}).get("enabled", False):
+            lora = getattr(cfg.model, "lora", None)      # the policies with adapters declare a lora section
+            if lora is None or not lora.enabled:
                 _fail("rollout.merge_lora", f"model {cfg.model.name} has no LoRA adapter to merge; set "
                                             "rollout.merge_lora=false")
             if not ctx.use_ray:
@@ -235,7 +234,7 @@ class Actor:
             _fail("actor.global_batch_size", f"the rollout batch env.train.num_envs x rollout.rollout_epoch = "
                                              f"{rollout_batch} trajectories is not divisible by actor.global_batch_size "
                                              f"= {global_bs}")
-        if actor.compile and cfg.model.get("gradient_checkpointing"):
+        if actor.compile and getattr(cfg.model, "gradient_checkpointing", False):   # a key OpenVLA-OFT's model has
             _fail("actor.compile", "compiles the blocks under transformers' own checkpointing wrapper, which "
                                    "model.gradient_checkpointing switches on; checkpoint the same blocks with "
                                    "actor.fsdp.gradient_checkpointing=true instead")
@@ -271,10 +270,12 @@ class Cluster:
     @staticmethod
     def rules(cfg, ctx) -> None:
         if cfg.cluster.use_ray is False:
-            for key in ("env_workers.num_workers", "rollout.num_workers", "cluster.num_nodes", "actor.cpu_world_size"):
-                if int(OmegaConf.select(cfg, key)) > 1:
+            for key, value in (("env_workers.num_workers", cfg.env_workers.num_workers),
+                               ("rollout.num_workers", cfg.rollout.num_workers), ("cluster.num_nodes", cfg.cluster.num_nodes),
+                               ("actor.cpu_world_size", cfg.actor.cpu_world_size)):
+                if value > 1:
                     _fail("cluster.use_ray", f"false runs every worker in this process, but {key} = "
-                                             f"{OmegaConf.select(cfg, key)} needs Ray; set cluster.use_ray=auto or {key}=1")
+                                             f"{value} needs Ray; set cluster.use_ray=auto or {key}=1")
 
 
 #: the sections of config.yaml that this module types, in the order their rules run

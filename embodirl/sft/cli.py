@@ -13,7 +13,6 @@ def main(overrides: Sequence[str]) -> int:
     from embodirl.demos.lerobot.reader import LeRobotDataset
     from embodirl.envs.registry import make_env
     from embodirl.errors import ConfigError
-    from embodirl.plain import to_plain
     from embodirl.sft import compose as sft_compose
 
     cfg = sft_compose.compose(overrides)
@@ -25,7 +24,7 @@ def main(overrides: Sequence[str]) -> int:
         raise ConfigError("data.path", str(exc)) from None
     runtime.configure()
     runtime.set_torch_threads(cfg.runner.torch_threads)
-    probe = make_env(to_plain(cfg.env.train), num_envs=1, seed=int(cfg.runner.seed))
+    probe = make_env(cfg.env.train, num_envs=1, seed=cfg.runner.seed)   # the env group, converted to its typed config
     spec = probe.spec
     probe.close()
     camera_keys = sft_compose.check_dataset(cfg, dataset, spec)

@@ -119,8 +119,10 @@ def check(cfg: DictConfig) -> None:
 
 def _check_common(cfg: DictConfig, s) -> None:
     from embodirl.placement import data_parallel_size, placement_from_config
+    from embodirl.schema import to_object
+    from embodirl.schema.sections import Cluster
 
-    ranks = data_parallel_size(cfg, placement_from_config(cfg.cluster))
+    ranks = data_parallel_size(cfg, placement_from_config(to_object(Cluster, cfg.cluster, "cluster")))
     if ranks != 1:
         raise ConfigError("actor.cpu_world_size", f"gives {ranks} actor ranks, but embodirl sft runs one actor "
                                                   "rank in this process for now; set it to 1 (one GPU)")
@@ -137,9 +139,13 @@ def _check_common(cfg: DictConfig, s) -> None:
 def trained_chunk(cfg: DictConfig) -> tuple[int, str]:
     """The chunk length SFT trains and the key that sets it: π0 learns the whole chunk its network predicts
     (``model.chunk_size``, of which RL runs ``model.action_chunk``), OpenVLA-OFT the chunk it runs."""
-    if cfg.model.get("chunk_size") is not None:
-        return int(cfg.model.chunk_size), "model.chunk_size"
-    return int(cfg.model.action_chunk), "model.action_chunk"
+    from embodirl.models.registry import model_config
+
+    model = model_config(cfg.model)
+    chunk_size = getattr(model, "chunk_size", None)      # a key of π0's config class
+    if chunk_size is not None:
+        return chunk_size, "model.chunk_size"
+    return model.action_chunk, "model.action_chunk"
 
 
 def check_dataset(cfg: DictConfig, dataset, spec) -> list[str]:
@@ -152,7 +158,9 @@ def check_dataset(cfg: DictConfig, dataset, spec) -> list[str]:
         raise ConfigError("data.path", f"{path} holds {dataset.action_dim}-D actions but env {spec.name or 'env.train'} "
                                        f"takes {spec.action_dim}-D actions; record the demos in this env "
                                        "(`embodirl demos env=...`) or choose the env they were recorded in")
-    model_dim = cfg.model.get("action_dim")
+    from embodirl.models.registry import model_config
+
+    model_dim = getattr(model_config(cfg.model), "action_dim", None)     # a key of OpenVLA-OFT's config class
     if model_dim is not None and int(model_dim) != dataset.action_dim:
         raise ConfigError("model.action_dim", f"is {model_dim} but {path} holds {dataset.action_dim}-D actions; set "
                                               "it to null (the env's)")

@@ -40,7 +40,12 @@ STATISTICS_FILE = "dataset_statistics.json"
 def unnorm_key(cfg: DictConfig, spec) -> str:
     """The statistics entry's name: ``model.unnorm_key``, else the env's name - what the policy looks up when
     ``model.unnorm_key`` is null, so ``embodirl train|eval model.path=<checkpoint>`` in this env need no flag."""
-    return str(cfg.model.get("unnorm_key") or spec.name or cfg.env.train.get("task") or "dataset")
+    from embodirl.envs.registry import env_config
+    from embodirl.models.registry import model_config
+
+    # keys of OpenVLA-OFT's model and of ManiSkill's env config classes
+    return str(getattr(model_config(cfg.model), "unnorm_key", None) or spec.name
+               or getattr(env_config(cfg.env.train, "env.train"), "task", None) or "dataset")
 
 
 def actor_options(cfg: DictConfig) -> dict:

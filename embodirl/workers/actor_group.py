@@ -26,12 +26,11 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import torch
-from omegaconf import DictConfig
 
 from embodirl import data as D
 from embodirl.actor import sharding
-from embodirl.placement import data_parallel_size
-from embodirl.plain import to_plain
+from embodirl.placement import data_parallel_size, placement_from_config
+from embodirl.schema import Config, run_config
 from embodirl.workers.actor_worker import ActorWorker
 from embodirl.workers.transport import pack_trajectory
 from embodirl.workers.worker_set import WorkerDied, WorkerSet
@@ -55,18 +54,19 @@ class ActorGroup:
 
     # --- construction -------------------------------------------------------------------------------
     @classmethod
-    def local(cls, cfg: DictConfig | Mapping, spec, *, policy=None) -> ActorGroup:
-        """One rank in this process (no process group); ``policy``: a module shared with inference."""
+    def local(cls, cfg: Config, spec, *, policy=None) -> ActorGroup:
+        """One rank in this process (no process group); ``policy``: a module shared with inference. ``cfg``: the
+        typed config (a composed one is converted here)."""
         workers = WorkerSet(ActorWorker, remote=False)
-        workers.start(0, to_plain(cfg), spec, policy=policy)
+        workers.start(0, run_config(cfg), spec, policy=policy)
         return cls(workers, infos=[workers.call(0, ActorWorker.setup)])
 
     @classmethod
-    def remote_group(cls, cfg: DictConfig, spec, *, placement=None, process_vars: Mapping[str, str] | None = None
+    def remote_group(cls, cfg: Config, spec, *, placement=None, process_vars: Mapping[str, str] | None = None
                      ) -> ActorGroup:
-        """N ranks as Ray workers (see module docstring)."""
-        plain = to_plain(cfg)
-        N = data_parallel_size(cfg, _placement(cfg))
+        """N ranks as Ray workers (see module docstring); each receives the typed config (dataclasses pickle)."""
+        cfg = run_config(cfg)
+        N = data_parallel_size(cfg, placement_from_config(cfg.cluster))
 
         def options_for(rank: int) -> dict:
             options = {"max_concurrency": 1}
@@ -79,7 +79,7 @@ class ActorGroup:
 
         workers = WorkerSet(ActorWorker, remote=True, options_for=options_for)
         for r in range(N):
-            workers.start(r, plain, spec, rank=r, world_size=N, process_vars=dict(process_vars or {}))
+            workers.start(r, cfg, spec, rank=r, world_size=N, process_vars=dict(process_vars or {}))
         group = cls(workers, infos=[{} for _ in range(N)])
         try:
             address, port = group._gather([workers.submit(0, ActorWorker.rendezvous)], "rendezvous")[0]
@@ -194,8 +194,3 @@ class ActorGroup:
         # killed at once when a peer died: the survivors wait in a collective and cannot close
         self.workers.close(wait_s=0.0 if kill else 30.0)
 
-
-def _placement(cfg: DictConfig):
-    from embodirl.placement import placement_from_config
-
-    return placement_from_config(cfg.cluster)

@@ -27,6 +27,8 @@ import torch
 
 from embodirl.actor import fsdp
 from embodirl.actor.actor import Actor
+from embodirl.schema import Config
+from embodirl.schema.sections import Rollout
 from embodirl.workers import process_env
 from embodirl.workers.parking import HostParking
 from embodirl.workers.weight_sync import WeightPublisher
@@ -53,22 +55,22 @@ def free_port() -> int:
 
 class ActorWorker:
     """Args:
-        cfg: the whole composed config as plain dicts (``algorithm``, ``actor``, ``model``, ``rollout``,
-            ``runner``).
+        cfg: the typed config (:func:`embodirl.schema.run_config`; its ``algorithm``, ``actor``, ``model``,
+            ``rollout`` and ``runner`` sections), pickled as it is to a Ray worker.
         env_spec: the training env's spec (task table, action bounds).
         rank / world_size: this rank and the group's size.
         process_vars: the driver's environment variables (Ray workers; see :mod:`.process_env`).
         policy: an existing policy object (in-process: the one the driver's inference also uses).
     """
 
-    def __init__(self, cfg: Mapping, env_spec, *, rank: int = 0, world_size: int = 1,
+    def __init__(self, cfg: Config, env_spec, *, rank: int = 0, world_size: int = 1,
                  process_vars: Mapping[str, str] | None = None, policy=None):
         if process_vars is not None:
             process_env.adopt(process_vars)
             from embodirl import runtime
 
-            runtime.set_torch_threads(cfg["runner"].get("torch_threads", "auto"))
-        self.cfg = dict(cfg)
+            runtime.set_torch_threads(cfg.runner.torch_threads)
+        self.cfg = cfg
         self.spec = env_spec
         self.rank, self.world_size = int(rank), int(world_size)
         self._policy = policy
@@ -99,10 +101,10 @@ class ActorWorker:
         cfg = self.cfg
         policy = self._policy
         if policy is None:
-            policy = build_policy(cfg["model"], self.spec, int(cfg["runner"]["seed"]))
-        self.actor = Actor(policy, {"algorithm": cfg["algorithm"], "actor": cfg["actor"]},
-                               task_table=self.spec.task_descriptions,
-                               temperature=_temperature(cfg["rollout"]), device=device)
+            policy = build_policy(cfg.model, self.spec, cfg.runner.seed)
+        self.actor = Actor(policy, cfg,     # the actor reads the typed algorithm and actor sections
+                           task_table=self.spec.task_descriptions,
+                           temperature=_temperature(cfg.rollout), device=device)
         if self.rank == 0:
             self.outbox = WeightOutbox(process_env.describe()["node_id"], device=device)
         return self.info()
@@ -209,7 +211,7 @@ class ActorWorker:
         policy = self.policy
         if self.actor.use_fsdp:
             live = policy
-            policy = build_policy(self.cfg["model"], self.spec, int(self.cfg["runner"]["seed"]))
+            policy = build_policy(self.cfg.model, self.spec, self.cfg.runner.seed)
             policy.load_trainable_state_dict(tensors)
             if live.statistics is not None:
                 policy.set_statistics(live.statistics)
@@ -253,9 +255,8 @@ class ActorWorker:
                 log.debug("destroying the process group: %s", exc)
 
 
-def _temperature(rollout_cfg: Mapping) -> float:
-    value = rollout_cfg.get("temperature")
-    return 1.0 if value is None else float(value)
+def _temperature(rollout: Rollout) -> float:
+    return 1.0 if rollout.temperature is None else float(rollout.temperature)
 
 
 def _unpacked(shard):

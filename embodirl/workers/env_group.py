@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from embodirl import data as D
-from embodirl.plain import to_plain
+from embodirl.envs.registry import env_config
 from embodirl.rollout.starts import EpisodeStarts, plan_starts
 from embodirl.workers import recovery
 from embodirl.workers.env_worker import EnvWorker
@@ -25,11 +25,11 @@ from embodirl.workers.worker_set import WorkerSet
 class EnvWorkerGroup:
     """K env workers, each connected to its inference worker (see module docstring)."""
 
-    def __init__(self, env_cfg: Mapping, layout: RolloutLayout, *, remote: bool, return_value: bool, seed: int = 0,
+    def __init__(self, env_cfg, layout: RolloutLayout, *, remote: bool, return_value: bool, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, placement=None,
                  process_vars: Mapping[str, str] | None = None, mode: str = TRAIN,
                  max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None):
-        self.env_cfg = to_plain(env_cfg)
+        self.env_cfg = env_config(env_cfg)     # the typed env group (a mapping of it is converted once)
         self.layout = layout
         self.inference: InferenceGroup | None = None
         self.mode = mode

@@ -46,15 +46,16 @@ class EnvWorker:
             collection's ``stats.crashed_slots``, instead of ending the collection (evaluation).
     """
 
-    def __init__(self, env_cfg: Mapping, *, num_stages: int, envs_per_stage: int, num_decisions: int,
+    def __init__(self, env_cfg, *, num_stages: int, envs_per_stage: int, num_decisions: int,
                  slot_offset: int = 0, group_size: int = 1, return_value: bool = False, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, process_vars: Mapping[str, str] | None = None,
                  env_builder: Callable | None = None, keep_lost_episodes: bool = False):
         process_env.adopt(process_vars)
         if env_builder is None:
             from embodirl.envs.registry import make_env as env_builder  # after adopt(): runtime set up
+        from embodirl.envs.registry import env_config
 
-        self.env_cfg = dict(env_cfg)
+        self.env_cfg = env_config(env_cfg)     # the typed env group (a mapping of it is converted once)
         self.S, self.B, self.T = int(num_stages), int(envs_per_stage), int(num_decisions)
         self.slot_offset = int(slot_offset)
         self.group_size = int(group_size)
@@ -130,7 +131,7 @@ class EnvWorker:
             self.client.close()
         self.client = client
         self.collector = RolloutCollector(self.envs, client, num_decisions=self.T,
-                                          auto_reset=bool(self.env_cfg.get("auto_reset", False)),
+                                          auto_reset=self.env_cfg.auto_reset,
                                           return_value=self.return_value, group_size=self.group_size,
                                           slot_offset=self.slot_offset, seed=self.seed,
                                           keep_lost_episodes=self.keep_lost_episodes)
@@ -184,8 +185,7 @@ class EnvWorker:
         from embodirl.envs.video import VideoRecorder
 
         self._set_recording(True)
-        video_cfg = self.env_cfg.get("video") or {}
-        return [VideoRecorder.for_env(env, video_dir, video_cfg, env_offset=self.slot_offset + s * self.B, step=step)
+        return [VideoRecorder.for_env(env, video_dir, self.env_cfg.video, env_offset=self.slot_offset + s * self.B, step=step)
                 if ids else None for s, (env, ids) in enumerate(zip(self.envs, self._record_ids))]
 
     def transport_info(self) -> dict:

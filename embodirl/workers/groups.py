@@ -42,14 +42,12 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from embodirl.algorithms.estimators import uses_critic
 from embodirl.channel import segments
 from embodirl.placement import use_ray
-from embodirl.plain import to_plain
 from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import EpisodeStarts
+from embodirl.schema import Config, run_config
 from embodirl.workers import process_env, recovery
 from embodirl.workers.env_group import EnvWorkerGroup
 from embodirl.workers.env_worker import EnvWorker
@@ -66,20 +64,19 @@ CLOSE_WAIT_ON_ERROR_S = 5.0  # after an exception or Ctrl-C the workers may be b
 SYNC_PATHS = {"shm": "sync/shm_workers", "object_store": "sync/object_store_workers", "cuda_ipc": "sync/cuda_ipc_workers"}
 
 
-def trainable_dtype(cfg: DictConfig, train: bool) -> str | None:
+def trainable_dtype(cfg: Config, train: bool) -> str | None:
     """The dtype a rollout copy holds its trainable tensors in: the one the actor ranks compute them in
     (training), so that the rollout's log-probs are the actor's; evaluation only: the policy's own."""
     from embodirl.actor.fsdp import actor_compute_dtype
 
-    model_dtype = cfg.model.get("dtype") or "float32"
-    return actor_compute_dtype(to_plain(cfg.actor.fsdp), str(model_dtype)) if train else None
+    return actor_compute_dtype(cfg.actor.fsdp, cfg.model.dtype or "float32") if train else None
 
 
 class WorkerGroups:
     """The run's workers (see module docstring). Build it with :meth:`from_config`; the evaluation env workers
     (``env.eval``) are made on first use and served by the same inference workers with evaluation sampling."""
 
-    def __init__(self, cfg: DictConfig, *, remote: bool, train: bool):
+    def __init__(self, cfg: Config, *, remote: bool, train: bool):
         self.cfg = cfg
         self.remote = remote
         self.train = train
@@ -89,15 +86,15 @@ class WorkerGroups:
         self.actors = None                            # the actor ranks (an ActorGroup), from make_actors()
         self.policy = None                            # the driver's policy object, if it holds one
         self.stats = RolloutStats()                   # the last training collection's timings
-        self.rollout_offload = bool(cfg.rollout.get("enable_offload", False))
-        self.env_offload = bool(cfg.env_workers.get("enable_offload", False))
+        self.rollout_offload = cfg.rollout.enable_offload
+        self.env_offload = cfg.env_workers.enable_offload
         self.placement = None
         self.process_vars = None
         self._owns_ray = False
         self._transport_logged = False
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, *, remote: bool | None = None, policy=None, policy_for=None,
+    def from_config(cls, cfg: Config, *, remote: bool | None = None, policy=None, policy_for=None,
                     use_placement_groups: bool = True, train: bool = True) -> WorkerGroups:
         """Build the training env workers and the inference workers from a composed config (placement:
         ``cluster.component_placement``). ``remote``: Ray workers (default: ``cluster.use_ray``); Ray is started
@@ -105,7 +102,9 @@ class WorkerGroups:
         unless given one: ``policy`` (an existing policy object), or ``policy_for(env_spec)`` called once the env
         spec is known (the driver's policy, kept as :attr:`policy`; in this process the inference workers act with it,
         on Ray they get a copy unless ``model.path`` names a checkpoint each loads itself). ``train=False``
-        builds the evaluation env workers instead of the training ones (evaluation only)."""
+        builds the evaluation env workers instead of the training ones (evaluation only). ``cfg``: the typed config (a
+        composed one is converted here)."""
+        cfg = run_config(cfg)
         groups = cls(cfg, remote=use_ray(cfg) if remote is None else bool(remote), train=train)
         try:
             groups._build(policy, policy_for, use_placement_groups)
@@ -123,8 +122,8 @@ class WorkerGroups:
 
             from embodirl.workers.ray_cluster import init_ray, ray_address
 
-            self._owns_ray = not ray.is_initialized() and ray_address(cfg.cluster) is None
-            init_ray(cfg.cluster)
+            self._owns_ray = not ray.is_initialized() and ray_address(cfg.cluster.ray_address) is None
+            init_ray(cfg.cluster.ray_address)
             self.process_vars = process_env.forwarded()
             if use_placement_groups:
                 from embodirl.workers.placement_groups import create_placement_groups
@@ -139,7 +138,7 @@ class WorkerGroups:
         spec = (self.env or self.eval_env).spec
         if policy_for is not None:
             self.policy = policy = policy_for(spec)
-            if self.remote and cfg.model.get("path"):
+            if self.remote and cfg.model.path:
                 policy = None          # each Ray worker loads the checkpoint itself
         elif policy is not None:
             self.policy = policy
@@ -147,10 +146,10 @@ class WorkerGroups:
         self.inference = InferenceGroup(
             cfg.model, spec, num_workers=layout.num_inference_workers, backend=rollout_cfg.backend,
             sampling=sampling_from_config(rollout_cfg, cfg.runner.eval_greedy), remote=self.remote,
-            placement=self.placement, process_vars=self.process_vars, policy=policy, seed=int(cfg.runner.seed),
-            init_seed=int(cfg.runner.seed), weight_source=self._full_weights if self.remote else None,
-            trainable_dtype=trainable_dtype(cfg, self.train), merge_lora=bool(rollout_cfg.merge_lora),
-            compile_blocks=bool(rollout_cfg.compile))
+            placement=self.placement, process_vars=self.process_vars, policy=policy, seed=cfg.runner.seed,
+            init_seed=cfg.runner.seed, weight_source=self._full_weights if self.remote else None,
+            trainable_dtype=trainable_dtype(cfg, self.train), merge_lora=rollout_cfg.merge_lora,
+            compile_blocks=rollout_cfg.compile)
         for group in (self.env, self.eval_env):
             if group is not None:
                 group.attach(self.inference)
@@ -341,13 +340,13 @@ class WorkerGroups:
         self.close(CLOSE_WAIT_S if exc_type is None else CLOSE_WAIT_ON_ERROR_S)
 
 
-def _env_group(cfg: DictConfig, env_key: str, layout: RolloutLayout, *, remote: bool, placement, process_vars,
+def _env_group(cfg: Config, env_key: str, layout: RolloutLayout, *, remote: bool, placement, process_vars,
                placement_offset: int = 0) -> EnvWorkerGroup:
     train = env_key == "env.train"
-    channel = cfg.rollout.get("channel") or {}
-    return_value = train and cfg.model.get("value_type") is not None and uses_critic(cfg.algorithm.adv_type)
-    return EnvWorkerGroup(OmegaConf.select(cfg, env_key), layout, remote=remote, return_value=return_value,
-                          seed=int(cfg.runner.seed) + (0 if train else EVAL_SEED_OFFSET),
-                          use_shm=bool(channel.get("shm", True)), queue_size=int(channel.get("queue_size", 4)),
+    channel = cfg.rollout.channel
+    return_value = train and cfg.model.value_type is not None and uses_critic(cfg.algorithm.adv_type)
+    return EnvWorkerGroup(cfg.env.train if train else cfg.env.eval, layout, remote=remote, return_value=return_value,
+                          seed=cfg.runner.seed + (0 if train else EVAL_SEED_OFFSET),
+                          use_shm=channel.shm, queue_size=channel.queue_size,
                           placement=placement, process_vars=process_vars, mode=TRAIN if train else EVAL,
                           env_placement_offset=placement_offset)

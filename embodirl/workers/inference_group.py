@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from embodirl.plain import to_plain
+from embodirl.models.registry import model_config
 from embodirl.workers.inference_worker import InferenceWorker
 from embodirl.workers.layout import placement_options
 from embodirl.workers.weight_sync import WeightPublisher
@@ -24,11 +24,11 @@ class InferenceGroup:
     object (no copy, no weight transfer: the actor's updates are its weights) on its device, and samples
     with the driver's generators; a Ray worker gets a copy and seeds its own (``seed + r + R*restarts``)."""
 
-    def __init__(self, model_cfg: Mapping, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
+    def __init__(self, model_cfg, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
                  remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
                  seed: int | None = None, init_seed: int | None = None, weight_source=None,
                  trainable_dtype: str | None = None, merge_lora: bool = False, compile_blocks: bool = False):
-        self.model_cfg = to_plain(model_cfg)
+        self.model_cfg = model_config(model_cfg)   # the typed model section (a mapping of it is converted once)
         self.env_spec = env_spec
         self.backend = backend
         self.sampling = dict(sampling)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, OmegaConf
-
 from embodirl.errors import ConfigError
 from embodirl.rollout.records import decisions_per_episode
 
@@ -41,15 +39,15 @@ class RolloutLayout:
         return k % self.num_inference_workers
 
 
-def layout_from_config(cfg: DictConfig, env_key: str = "env.train") -> RolloutLayout:
-    """The layout a composed config asks for (``env_key``: ``env.train`` or ``env.eval``).
+def layout_from_config(cfg, env_key: str = "env.train") -> RolloutLayout:
+    """The layout the typed config asks for (``env_key``: ``env.train`` or ``env.eval``).
 
     Evaluation gets its own env workers: as many as training has when they divide ``env.eval.num_envs``
     (else one), without pipelining, each episode run to its time limit (``rollout.max_decisions`` is a
     training horizon)."""
-    env_cfg = OmegaConf.select(cfg, env_key)
-    N = int(env_cfg.num_envs)
-    K, S = int(cfg.env_workers.num_workers), int(cfg.rollout.pipeline_stage_num)
+    env = cfg.env.train if env_key == "env.train" else cfg.env.eval
+    N = env.num_envs
+    K, S = cfg.env_workers.num_workers, cfg.rollout.pipeline_stage_num
     if env_key != "env.train":
         S = 1
         K = K if N % K == 0 else 1
@@ -57,20 +55,20 @@ def layout_from_config(cfg: DictConfig, env_key: str = "env.train") -> RolloutLa
         raise ConfigError(f"{env_key}.num_envs", f"{N} envs cannot be split over env_workers.num_workers x "
                                                  f"rollout.pipeline_stage_num = {K} x {S}")
     if env_key == "env.train":
-        T = decisions_per_episode(cfg, env_key)
+        T = decisions_per_episode(cfg)
     else:
-        T = math.ceil(int(env_cfg.max_episode_steps) / int(cfg.model.action_chunk))
-    G = int(cfg.algorithm.group_size) if env_key == "env.train" else 1
-    return RolloutLayout(K, S, N // (K * S), int(cfg.rollout.num_workers), T, G)
+        T = math.ceil(env.max_episode_steps / cfg.model.action_chunk)
+    G = cfg.algorithm.group_size if env_key == "env.train" else 1
+    return RolloutLayout(K, S, N // (K * S), cfg.rollout.num_workers, T, G)
 
 
-def plan_from_config(cfg: DictConfig, layout: RolloutLayout, eval_layout: RolloutLayout | None = None):
+def plan_from_config(cfg, layout: RolloutLayout, eval_layout: RolloutLayout | None = None):
     """The placement plan for this layout (and the evaluation env workers, placed after the training
     ones) plus the actor's ranks (``actor``)."""
     from embodirl.placement import data_parallel_size, placement_from_config
     from embodirl.workers.placement_groups import plan_placement
 
-    num_nodes = int(cfg.cluster.num_nodes)
+    num_nodes = cfg.cluster.num_nodes
     placement = placement_from_config(cfg.cluster)
     num_env = layout.num_env_workers + (eval_layout.num_env_workers if eval_layout is not None else 0)
     workers = {"env": num_env, "rollout": layout.num_inference_workers,

@@ -15,13 +15,12 @@ from collections.abc import Mapping
 log = logging.getLogger(__name__)
 
 
-def ray_address(cluster_cfg: Mapping | None = None) -> str | None:
-    """The cluster to join: ``cluster.ray_address``, else ``RAY_ADDRESS``, else None (start one)."""
-    address = (cluster_cfg or {}).get("ray_address")
-    return str(address) if address else (os.environ.get("RAY_ADDRESS") or None)
+def ray_address(configured: str | None = None) -> str | None:
+    """The cluster to join: ``configured`` (``cluster.ray_address``), else ``RAY_ADDRESS``, else None (start one)."""
+    return str(configured) if configured else (os.environ.get("RAY_ADDRESS") or None)
 
 
-def init_ray(cluster_cfg: Mapping | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None,
+def init_ray(configured_address: str | None = None, *, num_cpus: int | None = None, num_gpus: int | None = None,
              **kwargs) -> dict:
     """Start or join Ray (idempotent). Returns ``ray.cluster_resources()``."""
     import ray
@@ -33,7 +32,7 @@ def init_ray(cluster_cfg: Mapping | None = None, *, num_cpus: int | None = None,
     segments.own_run()   # the driver owns the run's shared memory: swept however it exits
     if ray.is_initialized():
         return ray.cluster_resources()
-    address = ray_address(cluster_cfg)
+    address = ray_address(configured_address)
     options = dict(include_dashboard=False, log_to_driver=True, configure_logging=False)
     options.update(kwargs)
     if address:

@@ -31,7 +31,6 @@ def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:
     from embodirl.actor import fsdp
     from embodirl.actor.actor import Actor, prepare_batch
     from embodirl.config import compose
-    from embodirl.plain import to_plain
     from embodirl.workers.actor_worker import build_policy
     from embodirl.workers.groups import WorkerGroups
 
@@ -44,13 +43,13 @@ def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:
                 spec = groups.env.spec
                 policy = groups.inference.workers[0].backend.policy
                 dtypes = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad})
-                actor = Actor(build_policy(to_plain(cfg.model), spec, int(cfg.runner.seed)),
+                actor = Actor(build_policy(cfg.model, spec, int(cfg.runner.seed)),
                                   {"algorithm": cfg.algorithm, "actor": cfg.actor}, task_table=spec.task_descriptions)
                 # two steps: the second starts from trained adapters (the first from LoRA's B = 0, which adds nothing)
                 for _ in range(2):
                     version, tensors = actor.publish_weights(full=True)
                     groups.load_weights(tensors, version)
-                    prepared, _ = prepare_batch(groups.collect(), to_plain(cfg.algorithm))
+                    prepared, _ = prepare_batch(groups.collect(), cfg.algorithm)
                     metrics = actor.update(prepared)
                 results[str(recompute)] = {"error": float(metrics["actor/first_step_ratio_error"]),
                                            "fsdp": actor.use_fsdp, "rollout_trainable_dtypes": dtypes}

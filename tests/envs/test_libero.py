@@ -154,22 +154,22 @@ def test_suite_facts_match_the_package():
 
     for suite, num_tasks in SUITE_NUM_TASKS.items():
         assert len(libero_task_map[suite]) == num_tasks
-        info = suite_info(libero_cfg(suite))
+        info = suite_info(LiberoAdapter.check_config(libero_cfg(suite)))
         assert len(info.descriptions) == len(info.bddl_files) == len(info.num_init_states) == num_tasks
         assert all(path.is_file() for path in info.bddl_files)
         assert min(info.num_init_states) >= 50
-    assert suite_info(libero_cfg("libero_object")).descriptions[SOUP_TASK] == \
+    assert suite_info(LiberoAdapter.check_config(libero_cfg("libero_object"))).descriptions[SOUP_TASK] == \
         "pick up the alphabet soup and place it in the basket"
 
 
 def test_eval_schedule_is_task_major_and_trial_k_uses_init_state_k():
     cfg = libero_cfg("libero_spatial")
-    schedule = eval_schedule(cfg)
+    schedule = eval_schedule(LiberoAdapter.check_config(cfg))
     assert len(schedule) == 10 * 50
     assert schedule[:3] == [(0, 0), (0, 1), (0, 2)] and schedule[50] == (1, 0) and schedule[-1] == (9, 49)
     assert LiberoAdapter.eval_schedule({**cfg, "task_ids": [7, 2], "num_trials_per_task": 2}) == \
         [(7, 0), (7, 1), (2, 0), (2, 1)]
-    assert eval_schedule({**cfg, "task_ids": [4], "init_state_ids": [9, 3]}) == [(4, 9), (4, 3)]
+    assert LiberoAdapter.eval_schedule({**cfg, "task_ids": [4], "init_state_ids": [9, 3]}) == [(4, 9), (4, 3)]
 
 
 def test_gripper_convention_matches_openvla_oft():

@@ -8,6 +8,7 @@ import imageio.v2 as imageio
 import numpy as np
 import yaml
 
+from embodirl.envs.base import VideoConfig
 from embodirl.envs.toy import ToySimEnv, oracle_actions
 from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.envs.video import (
@@ -72,7 +73,7 @@ def test_caption_draws_text_under_an_enlarged_frame():
 
 def test_recorder_writes_one_file_per_episode(tmp_path):
     with toy_venv(3, record=[0, 2], auto_reset=True) as venv:
-        rec = VideoRecorder.for_env(venv, tmp_path, dict(fps=10, overlay=True), step=7)
+        rec = VideoRecorder.for_env(venv, tmp_path, VideoConfig(enabled=True, env_ids=[0, 2], fps=10, overlay=True), step=7)
         obs, info = venv.reset(seed=0, task_ids=[0, 1, 2], init_state_ids=[0, 1, 2])
         rec.on_reset(info)
         expected = {}        # file -> frames (reset frame + one per executed step)

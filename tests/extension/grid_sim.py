@@ -23,9 +23,9 @@ class GridEnvConfig(CommonEnvConfig):
 
 
 class GridSim(SimEnv):
-    def __init__(self, cfg: dict, seed: int):
-        self.step_size = float(cfg["step_size"])
-        self.spec = EnvSpec(action_dim=1, max_episode_steps=int(cfg["max_episode_steps"]),
+    def __init__(self, env: GridEnvConfig, seed: int):
+        self.step_size = env.step_size
+        self.spec = EnvSpec(action_dim=1, max_episode_steps=env.max_episode_steps,
                             task_descriptions=["reach the goal"], camera_names=[], image_size=None, state_dim=2,
                             num_init_states=[16], name="grid")
         self.rng = np.random.default_rng(seed)
@@ -64,6 +64,6 @@ class GridAdapter:
         pass
 
     @staticmethod
-    def make(cfg, *, num_envs: int, seed: int, env_offset: int = 0):
-        factories = [functools.partial(GridSim, dict(cfg), seed + env_offset + i) for i in range(num_envs)]
+    def make(cfg: GridEnvConfig, *, num_envs: int, seed: int, env_offset: int = 0):
+        factories = [functools.partial(GridSim, cfg, seed + env_offset + i) for i in range(num_envs)]
         return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset, processes=False)

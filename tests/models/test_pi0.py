@@ -4,6 +4,7 @@ policy that wrote it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,8 +14,7 @@ from embodirl import data as D
 from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
 from embodirl.models.pi0 import flow
-from embodirl.models.registry import make_policy
-from embodirl.plain import to_plain
+from embodirl.models.registry import make_policy, model_config
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=24, task_descriptions=["reach the red square", "push the cube left"],
                camera_names=["main", "wrist"], image_size=(64, 64), state_dim=5, name="spec")
@@ -147,8 +147,9 @@ def test_a_saved_checkpoint_loads_with_from_pretrained_and_acts_the_same(compose
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     plain = PI0ForConditionalGeneration.from_pretrained(str(folder))
     assert plain.config.chunk_size == policy.chunk_size
-    loaded = make_policy({**to_plain(cfg.model), "path": str(folder), "flow": {**to_plain(cfg.model.flow),
-                                                                                 "method": "flow_noise"}}, SPEC)
+    model = model_config(cfg.model)
+    loaded = make_policy(dataclasses.replace(model, path=str(folder),
+                                             flow=dataclasses.replace(model.flow, method="flow_noise")), SPEC)
     assert loaded.statistics == stats
     obs, noise = _obs(), _noise(policy, 4)
     a = policy.act(obs, SamplingParams(greedy=True), return_value=True, noise=noise)
@@ -168,11 +169,12 @@ def test_bad_pi0_input_is_one_sentence(compose_cfg, tmp_path):
     cfg = compose_cfg("model=pi0_tiny", "model.expert.num_hidden_layers=3")
     with pytest.raises(ConfigError, match="model.expert.num_hidden_layers"):
         get_policy_builder("pi0").check_config(cfg.model)
+    at_tmp = dataclasses.replace(model_config(compose_cfg("model=pi0_tiny").model), path=str(tmp_path))
     with pytest.raises(ConfigError, match="model.path"):
-        get_policy_builder("pi0").check_config({**to_plain(compose_cfg("model=pi0_tiny").model), "path": str(tmp_path)})
+        get_policy_builder("pi0").check_config(at_tmp)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="model.path"):
-        make_policy({**to_plain(compose_cfg("model=pi0_tiny").model), "path": str(tmp_path)}, SPEC)
+        make_policy(at_tmp, SPEC)
     long = EnvSpec(**{**SPEC.__dict__, "task_descriptions": [" ".join(["word"] * 40)]})
     with pytest.raises(ConfigError, match="model.max_prompt_tokens"):
         _policy(compose_cfg, spec=long)

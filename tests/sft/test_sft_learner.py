@@ -4,6 +4,7 @@ continuous head; the statistics set on the ranks reach the exported checkpoint."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from embodirl.envs.base import EnvSpec
 from embodirl.models.openvla_oft.hf_checkpoint import MARKER, TOKENS_TRAINED
+from embodirl.schema import run_config
 from embodirl.workers.actor_group import ActorGroup
 
 SPEC = EnvSpec(action_dim=4, max_episode_steps=16, task_descriptions=["push the cube"], camera_names=["base"],
@@ -109,7 +111,9 @@ def test_l1_head_option_trains_the_regression_head_and_marks_untrained_tokens(co
     actors.export(tmp_path / "l1", 8, {TOKENS_TRAINED: False})
     actors.close()
     assert list((tmp_path / "l1").glob("action_head--8_checkpoint.pt"))
-    run_cfg = {"model": {"use_l1_regression": None}, "runner": {"only_eval": False}, "algorithm": {"adv_type": "grpo"},
-               "env": {"train": {}, "eval": {}}}
+    run = run_config(cfg)       # token RL (grpo) from the export, with use_l1_regression left to the checkpoint
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, use_l1_regression=None),
+                              runner=dataclasses.replace(run.runner, only_eval=False),
+                              algorithm=dataclasses.replace(run.algorithm, adv_type="grpo"))
     with pytest.raises(ConfigError, match="embodirl sft"):
-        check_run(run_cfg, str(tmp_path / "l1"))
+        check_run(run, str(tmp_path / "l1"))

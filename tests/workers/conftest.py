@@ -26,5 +26,5 @@ def ray_local(_ray_session):
 
     if not ray.is_initialized():
         os.environ.pop("RAY_ADDRESS", None)   # the tests want their own Ray, not a cluster the shell points at
-        init_ray({}, num_cpus=os.cpu_count() or 1)
+        init_ray(None, num_cpus=os.cpu_count() or 1)
     return ray

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from embodirl import data as D
-from embodirl.plain import to_plain
+from embodirl.envs.registry import env_config
+from embodirl.models.registry import model_config
 from embodirl.workers import process_env
 from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.inference_worker import EVAL, InferenceWorker, sampling_from_config
@@ -23,21 +24,21 @@ def test_stream_carries_final_value_requests(ray_local, compose_cfg):
                       use_shm=True, queue_size=1)
     rollout_kwargs = dict(backend=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout), init_seed=0)
 
-    local_env = EnvWorker(to_plain(cfg.env.train), **env_kwargs)
-    local_rollout = InferenceWorker(to_plain(cfg.model), local_env.spec(), **rollout_kwargs)
+    local_env = EnvWorker(env_config(cfg.env.train), **env_kwargs)
+    local_rollout = InferenceWorker(model_config(cfg.model), local_env.spec(), **rollout_kwargs)
     local_env.connect_local(local_rollout, mode=EVAL)
     want = local_env.collect(seed=5)
     local_env.close()
     local_rollout.close()
 
     variables = process_env.forwarded()
-    env = ray_local.remote(EnvWorker).options(num_cpus=0).remote(to_plain(cfg.env.train), process_vars=variables,
+    env = ray_local.remote(EnvWorker).options(num_cpus=0).remote(env_config(cfg.env.train), process_vars=variables,
                                                                  **env_kwargs)
     rollout = None
     try:
         spec = ray_local.get(env.spec.remote())
         rollout = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
-            to_plain(cfg.model), spec, process_vars=variables, **rollout_kwargs)
+            model_config(cfg.model), spec, process_vars=variables, **rollout_kwargs)
         ray_local.get(env.connect_remote.remote(rollout, same_node=True, mode=EVAL))
         got = unpack_trajectory(ray_local.get(env.collect.remote(seed=5, packed=True)))
         assert ray_local.get(env.transport_info.remote())["shm"]

@@ -13,10 +13,10 @@ from embodirl.workers.ray_cluster import ray_address
 
 def test_address_precedence(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert ray_address({"ray_address": None}) is None                       # start a private Ray
+    assert ray_address(None) is None                       # start a private Ray
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert ray_address({"ray_address": None}) == "10.0.0.1:6379"
-    assert ray_address({"ray_address": "head:6379"}) == "head:6379"        # the config key wins
+    assert ray_address(None) == "10.0.0.1:6379"
+    assert ray_address("head:6379") == "head:6379"        # the config key wins
 
 
 def test_a_second_driver_joins_the_running_cluster(ray_local):
@@ -24,7 +24,7 @@ def test_a_second_driver_joins_the_running_cluster(ray_local):
     code = textwrap.dedent("""
         import json, ray
         from embodirl.workers.ray_cluster import init_ray
-        init_ray({"ray_address": None})
+        init_ray(None)
         print(json.dumps({"gcs": ray.get_runtime_context().gcs_address,
                           "nodes": len(ray.nodes())}), flush=True)
     """)
@@ -46,7 +46,7 @@ def test_without_an_address_a_run_starts_its_own_ray_beside_a_running_head():
         code = textwrap.dedent("""
             import json, ray
             from embodirl.workers.ray_cluster import init_ray
-            init_ray({"ray_address": None}, num_cpus=1)
+            init_ray(None, num_cpus=1)
             print(json.dumps({"gcs": ray.get_runtime_context().gcs_address}), flush=True)
             ray.shutdown()
         """)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from embodirl.plain import to_plain
+from embodirl.envs.registry import env_config
+from embodirl.models.registry import model_config
 from embodirl.workers import process_env
 from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.inference_worker import InferenceWorker, sampling_from_config
@@ -20,13 +21,13 @@ def test_last_stats_count_the_batches_of_each_collection_by_path(ray_local, comp
     variables = process_env.forwarded()
     # no CPU reserved: the two actors fit beside whatever else the test session's Ray holds
     env = ray_local.remote(EnvWorker).options(num_cpus=0).remote(
-        to_plain(cfg.env.train), num_stages=STAGES, envs_per_stage=ENVS, num_decisions=DECISIONS,
+        env_config(cfg.env.train), num_stages=STAGES, envs_per_stage=ENVS, num_decisions=DECISIONS,
         use_shm=use_shm, process_vars=variables)
     rollout = None
     try:
         spec = ray_local.get(env.spec.remote())
         rollout = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
-            to_plain(cfg.model), spec, backend=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout),
+            model_config(cfg.model), spec, backend=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout),
             process_vars=variables, seed=0)
         env_node, rollout_node = (ray_local.get(a.info.remote())["node_id"] for a in (env, rollout))
         assert env_node == rollout_node

@@ -48,6 +48,7 @@ vector env then replaces the sub-env.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -59,8 +60,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from embodirl import runtime
-from embodirl.config_fields import num, required
-from embodirl.envs.base import REWARD_TYPES, ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
+from embodirl.config_fields import instance, num, required
+from embodirl.envs.base import ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
 from embodirl.envs.libero import paths as libero_paths
 from embodirl.envs.libero.patches import (
     EEF_POS,
@@ -145,34 +146,34 @@ def scene_seed(task_id: int, init_state_id: int) -> int:
 # one simulator
 # --------------------------------------------------------------------------------------------------
 class LiberoSimEnv(SimEnv):
-    """One LIBERO simulator serving the tasks of ``cfg["task_ids"]`` (see the module docstring).
+    """One LIBERO simulator serving the tasks of ``task_ids`` (see the module docstring).
 
     Scenes are built on the first reset into a task and kept (``max_cached_tasks`` of them, least
     recently used closed first: a scene holds about 0.6-1 GB with its renderer).
 
     Args:
-        cfg: a LIBERO env config (``config/env/_libero_base.yaml`` keys), a plain mapping.
+        cfg: a LIBERO env group, the typed :class:`LiberoEnvConfig` (or a mapping of it, converted once).
         seed: seeds the choice of task / init state when :meth:`reset` is not told them.
     """
 
-    def __init__(self, cfg: Mapping, seed: int = 0):
+    def __init__(self, cfg, seed: int = 0):
         runtime.configure()                     # before robosuite / mujoco are imported
-        LiberoAdapter.check_config(cfg)
-        self.cfg = dict(cfg)
-        self.suite = suite_info(cfg)
-        self.task_ids = task_pool(cfg)
-        self.camera_names = list(cfg["cameras"] or [])
+        env = LiberoAdapter.check_config(cfg)
+        self.cfg = env
+        self.suite = suite_info(env)
+        self.task_ids = task_pool(env)
+        self.camera_names = list(env.cameras)
         self._rs_cameras = [CAMERAS[c] for c in self.camera_names]
-        self.image_size = (int(cfg["image_size"][0]), int(cfg["image_size"][1]))    # (h, w)
-        self.max_episode_steps = int(cfg["max_episode_steps"])
-        self.num_settle_steps = int(cfg["num_settle_steps"])
-        self.stop_on_success = not bool(cfg["ignore_terminations"])
-        self.max_cached_tasks = int(cfg["max_cached_tasks"])
-        self.fixed_starts = bool(cfg["use_fixed_reset_state_ids"])
-        self.scene_seeding = cfg.get("scene_seeding", SCENE_SEEDINGS[0])
+        self.image_size = (env.image_size[0], env.image_size[1])    # (h, w)
+        self.max_episode_steps = env.max_episode_steps
+        self.num_settle_steps = env.num_settle_steps
+        self.stop_on_success = not env.ignore_terminations
+        self.max_cached_tasks = env.max_cached_tasks
+        self.fixed_starts = env.use_fixed_reset_state_ids
+        self.scene_seeding = env.scene_seeding
         #: scene_seeding oft: task -> (trials whose resets have drawn, numpy RNG state after them)
         self._oft_rng: dict[int, tuple[int, tuple]] = {}
-        self._init_pool = cfg.get("init_state_ids")
+        self._init_pool = env.init_state_ids
         self.spec = EnvSpec(
             action_dim=ACTION_DIM, max_episode_steps=self.max_episode_steps,
             task_descriptions=list(self.suite.descriptions), camera_names=list(self.camera_names),
@@ -374,13 +375,14 @@ class LiberoSimEnv(SimEnv):
 # --------------------------------------------------------------------------------------------------
 # adapter
 # --------------------------------------------------------------------------------------------------
-def _make_sim_env(cfg: dict, seed: int) -> LiberoSimEnv:
-    return LiberoSimEnv(cfg, seed=seed)
+def _make_sim_env(env: LiberoEnvConfig, seed: int) -> LiberoSimEnv:
+    return LiberoSimEnv(env, seed=seed)
 
 
 @dataclass
 class LiberoEnvConfig(CommonEnvConfig):
-    """``adapter: libero`` (config/env/_libero_base.yaml)."""
+    """``adapter: libero`` (config/env/_libero_base.yaml): the types of its keys; the adapter registers it as its
+    config class, and the simulators run on an instance of it (:meth:`LiberoAdapter.check_config`)."""
 
     suite: str = required()
     task_ids: list[int] | None = required()
@@ -391,67 +393,72 @@ class LiberoEnvConfig(CommonEnvConfig):
     max_cached_tasks: int = num(1)
     scene_seeding: str = required()
 
+    @property
+    def task_subset(self) -> list[int] | None:
+        return self.task_ids
+
+    @property
+    def statistics_key(self) -> str:
+        """OpenVLA-OFT keeps a LIBERO checkpoint's action statistics under the suite's name."""
+        return self.suite
+
 
 @register_adapter("libero", config=LiberoEnvConfig)
 class LiberoAdapter:
     """``adapter: libero``: one :class:`LiberoSimEnv` per sub-process of a ProcessVectorEnv."""
 
     @staticmethod
-    def check_config(cfg: Mapping) -> None:
-        """Cheap checks before any worker starts; one-sentence ConfigError / AssetsMissing."""
-        suite = cfg.get("suite")
+    def check_config(cfg) -> LiberoEnvConfig:
+        """The env group as the typed :class:`LiberoEnvConfig` (a mapping is converted once: types, ranges and
+        choices), with the cheap checks that need LIBERO's tables run before any worker starts; one-sentence
+        ConfigError / AssetsMissing."""
+        env = instance(LiberoEnvConfig, cfg, "env")
+        suite = env.suite
         if suite not in SUITE_NUM_TASKS:
             raise ConfigError("suite", f"unknown LIBERO suite '{suite}'; available: {', '.join(SUITE_NUM_TASKS)}")
         num_tasks = SUITE_NUM_TASKS[suite]
-        task_ids = cfg.get("task_ids")
+        task_ids = env.task_ids
         if task_ids is not None:
-            bad = [t for t in task_ids if not 0 <= int(t) < num_tasks]
+            bad = [t for t in task_ids if not 0 <= t < num_tasks]
             if bad or not task_ids:
                 raise ConfigError("task_ids", f"{suite} has task ids 0..{num_tasks - 1} (null for all), got "
                                               f"{list(task_ids)}")
-        unknown = [c for c in cfg.get("cameras") or [] if c not in CAMERAS]
+        unknown = [c for c in env.cameras if c not in CAMERAS]
         if unknown:
             raise ConfigError("cameras", f"unknown LIBERO camera(s) {unknown}; available: {', '.join(CAMERAS)}")
-        size = cfg.get("image_size")
-        if not size or len(size) != 2 or min(int(s) for s in size) < 1:
+        size = env.image_size
+        if len(size) != 2 or min(size) < 1:
             raise ConfigError("image_size", f"must be [height, width] with positive sizes, got {size}")
-        for key, low in (("max_episode_steps", 1), ("num_settle_steps", 0), ("num_trials_per_task", 1),
-                         ("max_cached_tasks", 1)):
-            value = cfg.get(key)
-            if not isinstance(value, int) or value < low:
-                raise ConfigError(key, f"must be an integer >= {low}, got {value!r}")
-        if cfg.get("scene_seeding", SCENE_SEEDINGS[0]) not in SCENE_SEEDINGS:
+        if env.scene_seeding not in SCENE_SEEDINGS:
             raise ConfigError("scene_seeding", f"must be one of {', '.join(SCENE_SEEDINGS)}, got "
-                                               f"{cfg.get('scene_seeding')!r}")
-        if cfg.get("reward_type") not in REWARD_TYPES:
-            raise ConfigError("reward_type", f"must be one of {', '.join(REWARD_TYPES)}, got {cfg.get('reward_type')!r}")
-        info = suite_info(cfg)                      # AssetsMissing when the asset folder is absent
-        counts = {info.num_init_states[t] for t in task_pool(cfg)}
+                                               f"{env.scene_seeding!r}")
+        info = suite_info(env)                      # AssetsMissing when the asset folder is absent
+        counts = {info.num_init_states[t] for t in task_pool(env)}
         limit = min(counts)
-        init_ids = cfg.get("init_state_ids")
+        init_ids = env.init_state_ids
         if init_ids is not None:
-            bad = [i for i in init_ids if not 0 <= int(i) < limit]
+            bad = [i for i in init_ids if not 0 <= i < limit]
             if bad or not init_ids:
                 raise ConfigError("init_state_ids", f"{suite} tasks have init states 0..{limit - 1}, got {list(init_ids)}")
-        elif cfg["num_trials_per_task"] > limit:
+        elif env.num_trials_per_task > limit:
             raise ConfigError("num_trials_per_task", f"{suite} tasks have {limit} init states, so at most {limit} "
-                                                     f"trials per task, got {cfg['num_trials_per_task']}")
+                                                     f"trials per task, got {env.num_trials_per_task}")
+        return env
 
     @staticmethod
-    def eval_schedule(cfg: Mapping) -> list[tuple[int, int]]:
+    def eval_schedule(cfg) -> list[tuple[int, int]]:
         """Ordered ``(task_id, init_state_id)`` pairs of an evaluation sweep (see :func:`eval_schedule`)."""
-        return eval_schedule(cfg)
+        return eval_schedule(instance(LiberoEnvConfig, cfg, "env"))
 
     @classmethod
-    def make(cls, cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0):
+    def make(cls, cfg, *, num_envs: int, seed: int, env_offset: int = 0):
         """``num_envs`` LIBERO simulators, one process each, as a ProcessVectorEnv."""
         from embodirl.envs.vector.vector_env import ProcessVectorEnv
 
-        cls.check_config(cfg)
-        plain = dict(cfg)
+        env = cls.check_config(cfg)
         # sub-processes resolve the asset folder themselves: pass on the one found here
-        plain["assets_path"] = str(libero_paths.resolve_assets_dir(cfg.get("assets_path")))
-        factories = [functools.partial(_make_sim_env, plain, seed + env_offset + i) for i in range(num_envs)]
-        return ProcessVectorEnv.from_config(factories, plain, env_offset=env_offset)
+        env = dataclasses.replace(env, assets_path=str(libero_paths.resolve_assets_dir(env.assets_path)))
+        factories = [functools.partial(_make_sim_env, env, seed + env_offset + i) for i in range(num_envs)]
+        return ProcessVectorEnv.from_config(factories, env, env_offset=env_offset)
 
 

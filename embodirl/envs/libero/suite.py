@@ -7,7 +7,6 @@ import contextlib
 import functools
 import io
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,21 +55,21 @@ def _suite_info(suite: str, assets: str) -> SuiteInfo:
     )
 
 
-def suite_info(cfg: Mapping) -> SuiteInfo:
-    """The suite an env config names (assets resolved as :mod:`libero_paths` says)."""
-    assets = libero_paths.resolve_assets_dir(cfg.get("assets_path"))
-    return _suite_info(cfg["suite"], str(assets))
+def suite_info(env) -> SuiteInfo:
+    """The suite an env group (the typed ``LiberoEnvConfig``, :mod:`.simulator`) names (assets resolved as
+    :mod:`libero_paths` says)."""
+    assets = libero_paths.resolve_assets_dir(env.assets_path)
+    return _suite_info(env.suite, str(assets))
 
 
-def task_pool(cfg: Mapping) -> list[int]:
-    """Task ids the config uses (``task_ids``; null = the whole suite)."""
-    ids = cfg.get("task_ids")
-    return [int(t) for t in ids] if ids is not None else list(range(SUITE_NUM_TASKS[cfg["suite"]]))
+def task_pool(env) -> list[int]:
+    """Task ids the env group uses (``task_ids``; null = the whole suite)."""
+    return list(env.task_ids) if env.task_ids is not None else list(range(SUITE_NUM_TASKS[env.suite]))
 
 
-def eval_schedule(cfg: Mapping) -> list[tuple[int, int]]:
+def eval_schedule(env) -> list[tuple[int, int]]:
     """The evaluation sweep as ordered ``(task_id, init_state_id)`` pairs: for every task of the pool,
     trial k uses init state k (``num_trials_per_task`` trials), or the listed ``init_state_ids``."""
-    explicit = cfg.get("init_state_ids")
-    trials = [int(i) for i in explicit] if explicit is not None else list(range(int(cfg["num_trials_per_task"])))
-    return [(task, init) for task in task_pool(cfg) for init in trials]
+    explicit = env.init_state_ids
+    trials = list(explicit) if explicit is not None else list(range(env.num_trials_per_task))
+    return [(task, init) for task in task_pool(env) for init in trials]

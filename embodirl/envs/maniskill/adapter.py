@@ -7,7 +7,6 @@ Kept apart from both, which it chooses between, so that neither imports the othe
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 
 from embodirl.envs.maniskill.simulator import GPU_BACKEND, ManiSkillEnvConfig, check_config, make_sim_env, resolve_sim_backend
 from embodirl.envs.registry import register_adapter
@@ -18,24 +17,23 @@ class ManiSkillAdapter:
     """``adapter: maniskill`` (config/env/_maniskill_base.yaml)."""
 
     @staticmethod
-    def check_config(cfg: Mapping) -> None:
+    def check_config(cfg) -> None:
         """Unknown task id (with close matches), unsupported obs/reward/control mode or camera (with
         the choices), the GPU simulator without CUDA: :class:`ConfigError`; missing downloadable data:
         :class:`~embodirl.errors.AssetsMissing` with the command that fetches it."""
         check_config(cfg)
 
     @staticmethod
-    def make(cfg: Mapping, *, num_envs: int, seed: int, env_offset: int = 0):
+    def make(cfg, *, num_envs: int, seed: int, env_offset: int = 0):
         """``num_envs`` ManiSkill scenes; sub-env ``i`` draws random init states with seed
         ``seed + env_offset + i``."""
         settings = check_config(cfg)
-        cfg = dict(cfg)
         if resolve_sim_backend(settings.sim_backend) == GPU_BACKEND:
             from embodirl.envs.maniskill.gpu import ManiSkillGPUEnv
 
-            return ManiSkillGPUEnv(cfg, num_envs=num_envs, seed=seed + env_offset, env_offset=env_offset)
+            return ManiSkillGPUEnv(settings, num_envs=num_envs, seed=seed + env_offset, env_offset=env_offset)
         from embodirl.envs.vector.vector_env import ProcessVectorEnv
 
-        factories = [functools.partial(make_sim_env, cfg, seed + env_offset + i) for i in range(num_envs)]
-        return ProcessVectorEnv.from_config(factories, cfg, env_offset=env_offset,
+        factories = [functools.partial(make_sim_env, settings, seed + env_offset + i) for i in range(num_envs)]
+        return ProcessVectorEnv.from_config(factories, settings, env_offset=env_offset,
                                             preload=("embodirl.envs.maniskill.preload",))

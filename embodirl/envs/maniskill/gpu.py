@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from embodirl.envs.base import REWARD_TYPES, ChunkVectorEnv
+from embodirl.envs.base import ChunkVectorEnv
 from embodirl.envs.maniskill.simulator import (
     CPU_BACKEND,
     TASK_ID,
@@ -121,17 +121,15 @@ class ManiSkillGPUEnv(ChunkVectorEnv):
         backend = sim_backend or resolve_sim_backend(self.settings.sim_backend)
         if backend == CPU_BACKEND and num_envs != 1:
             raise ValueError("PhysX-CPU holds one scene per process: use num_envs=1 or ProcessVectorEnv")
-        if cfg["reward_type"] not in REWARD_TYPES:
-            raise ValueError(f"reward_type must be one of {REWARD_TYPES}, got {cfg['reward_type']!r}")
+        env = self.settings
         self.num_envs = B = int(num_envs)
-        self.auto_reset = bool(cfg["auto_reset"])
-        self.ignore_terminations = bool(cfg["ignore_terminations"])
-        self.reward_coef = float(cfg["reward_coef"])
-        self.use_rel_reward = bool(cfg["use_rel_reward"])
-        self.reward_type = cfg["reward_type"]
-        video = cfg.get("video") or {}
-        self.record_env_ids = sorted(g - env_offset for g in (video.get("env_ids") or [])
-                                     if video.get("enabled") and 0 <= g - env_offset < B)
+        self.auto_reset = env.auto_reset
+        self.ignore_terminations = env.ignore_terminations
+        self.reward_coef = env.reward_coef
+        self.use_rel_reward = env.use_rel_reward
+        self.reward_type = env.reward_type             # one of REWARD_TYPES (the schema's choice list)
+        self.record_env_ids = sorted(g - env_offset for g in env.video.env_ids
+                                     if env.video.enabled and 0 <= g - env_offset < B)
 
         self._env = make_maniskill_env(self.settings, num_envs=B, sim_backend=backend)
         self._base = self._env.unwrapped

@@ -328,7 +328,7 @@ class ManiSkillSimEnv(SimEnv):
 
     def __init__(self, cfg: Mapping, seed: int = 0):
         self.settings = settings_of(cfg)
-        self.stop_at_termination = not bool(cfg["ignore_terminations"])
+        self.stop_at_termination = not self.settings.ignore_terminations
         self._env = make_maniskill_env(self.settings, num_envs=1, sim_backend=CPU_BACKEND)
         self._base = self._env.unwrapped
         self._convert = ObsConverter(self._base, self.settings)

@@ -82,7 +82,7 @@ from multiprocessing.connection import wait as wait_connections
 import cloudpickle
 import numpy as np
 
-from embodirl.envs.base import REWARD_TYPES, ChunkVectorEnv, EnvSpec, SimEnv
+from embodirl.envs.base import REWARD_TYPES, ChunkVectorEnv, CommonEnvConfig, EnvSpec, SimEnv
 from embodirl.envs.vector.episodes import NO_INIT_STATE, ResetOut
 from embodirl.envs.vector.recovery import DEFAULT_MAX_RESTARTS, HangLimits, Recovery, SubEnvSlot
 from embodirl.envs.vector.subproc import START_METHODS, LocalSubEnv, ProcessSubEnv, SubEnvFailure
@@ -171,21 +171,20 @@ class ProcessVectorEnv(ChunkVectorEnv):
                                  f"{self.spec.action_dim}/{self.spec.max_episode_steps}")
 
     @classmethod
-    def from_config(cls, env_fns: Sequence[Callable[[], SimEnv]], cfg: dict, *, env_offset: int = 0,
+    def from_config(cls, env_fns: Sequence[Callable[[], SimEnv]], env: CommonEnvConfig, *, env_offset: int = 0,
                     **kwargs) -> ProcessVectorEnv:
-        """Build from an env config's shared keys (``auto_reset``, ``ignore_terminations``,
+        """Build from an env group's shared keys (the typed config: ``auto_reset``, ``ignore_terminations``,
         ``reward_coef``, ``use_rel_reward``, ``reward_type``, ``step_timeout_s``, ``video.enabled``/``video.env_ids``).
         ``video.env_ids`` are global env indices; this batch holds envs ``env_offset ..
         env_offset + len(env_fns) - 1`` and records those among them. ``kwargs`` (``processes``,
         ``start_method``, ``max_restarts``, ...) pass through."""
-        video = cfg.get("video") or {}
         record = []
-        if video.get("enabled"):
-            record = [g - env_offset for g in video.get("env_ids") or [] if 0 <= g - env_offset < len(env_fns)]
-        kwargs.setdefault("step_timeout", cfg.get("step_timeout_s"))     # env.step_timeout_s (null: wait)
-        return cls(env_fns, auto_reset=cfg["auto_reset"], ignore_terminations=cfg["ignore_terminations"],
-                   reward_coef=cfg["reward_coef"], use_rel_reward=cfg["use_rel_reward"],
-                   reward_type=cfg["reward_type"], record_env_ids=record, **kwargs)
+        if env.video.enabled:
+            record = [g - env_offset for g in env.video.env_ids if 0 <= g - env_offset < len(env_fns)]
+        kwargs.setdefault("step_timeout", env.step_timeout_s)     # env.step_timeout_s (null: wait)
+        return cls(env_fns, auto_reset=env.auto_reset, ignore_terminations=env.ignore_terminations,
+                   reward_coef=env.reward_coef, use_rel_reward=env.use_rel_reward,
+                   reward_type=env.reward_type, record_env_ids=record, **kwargs)
 
     # -- public helpers --------------------------------------------------------------------------
     @property

@@ -17,7 +17,6 @@ Registered as policy ``openvla_oft`` (``model.name``). Files, along the dataflow
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 from embodirl.errors import ConfigError
@@ -32,16 +31,16 @@ __all__ = ["OpenVLAOFTPolicy", "build_policy", "build_openvla_oft"]
 
 
 @register_policy("openvla_oft", config=OpenVLAOFTConfig)
-def build_openvla_oft(model_cfg: Mapping, env_spec) -> OpenVLAOFTPolicy:
+def build_openvla_oft(model_cfg, env_spec) -> OpenVLAOFTPolicy:
     """Registry builder: ``builder(model_cfg, env_spec) -> Policy``."""
     return build_policy(model_cfg, env_spec)
 
 
-def _check_config(model_cfg: Mapping) -> None:
+def _check_config(model_cfg) -> None:
     """Cheap checks before any worker starts (no weights are built, nothing is downloaded)."""
-    build_config(configure(model_cfg), None)
-    for key in ("path", "base_path"):
-        value = model_cfg.get(key)
+    model = configure(model_cfg)
+    build_config(model, None)
+    for key, value in (("path", model.path), ("base_path", model.base_path)):
         if value and not Path(value).expanduser().exists() and not HUB_ID.fullmatch(str(value)):
             raise ConfigError(f"model.{key}", f"'{value}' is neither an existing directory nor a hub id (owner/name)")
 

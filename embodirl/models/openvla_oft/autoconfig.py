@@ -31,13 +31,15 @@ still to be downloaded is configured by :func:`configure` with ``download=True``
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from embodirl.config_fields import instance
 from embodirl.errors import ConfigError
 from embodirl.models.normalization import NO_NOOPS_SUFFIX, STATS_FILENAME
+from embodirl.models.openvla_oft.schema import OpenVLAOFTConfig
 
 CONFIG_FILE = "config.json"
 NUM_IMAGES_KEY = "num_images_in_input"
@@ -131,65 +133,63 @@ def inspect(path: str, *, download: bool = False) -> CheckpointContents | None:
                               tokens_trained=trained if isinstance(trained, bool) else None)
 
 
-def apply(model_cfg: Mapping, contents: CheckpointContents) -> dict:
-    """``model_cfg`` with the null keys of the table above filled from ``contents``; an explicit value that
+def apply(model: OpenVLAOFTConfig, contents: CheckpointContents) -> OpenVLAOFTConfig:
+    """``model`` with the null keys of the table above filled from ``contents``; an explicit value that
     contradicts the checkpoint raises :class:`ConfigError` naming the key and the file."""
-    out = dict(model_cfg)
     d = contents.directory
     head, proprio = contents.action_head, contents.proprio_projector
-    l1 = out.get("use_l1_regression")
+    l1 = model.use_l1_regression
     if l1 is True and head is None:
         raise ConfigError("model.use_l1_regression", f"is true but {d} has no {ACTION_HEAD}--<step>_checkpoint.pt "
                                                      f"(the checkpoint decodes action tokens); {AUTO}")
     if l1 is False and head is not None and not contents.tokens_trained:
         raise ConfigError("model.use_l1_regression", f"is false but {head} is the L1 action head {d} was trained to "
                                                      f"act with (its action tokens were never trained); {AUTO}")
-    use_proprio = out.get("use_proprio")
+    use_proprio = model.use_proprio
     if use_proprio is True and proprio is None:
         raise ConfigError("model.use_proprio", f"is true but {d} has no {PROPRIO}--<step>_checkpoint.pt (the "
                                                f"checkpoint was trained without the proprio token); {AUTO}")
     if use_proprio is False and proprio is not None:
         raise ConfigError("model.use_proprio", f"is false but {proprio} holds the proprio projector {d} was "
                                                f"trained with; {AUTO}")
-    images = out.get(NUM_IMAGES_KEY)
+    images = model.num_images_in_input
     if images is not None and contents.recorded_images is not None and int(images) != contents.recorded_images:
         raise ConfigError(f"model.{NUM_IMAGES_KEY}", f"is {images} but {d / CONFIG_FILE} records "
                                                      f"{NUM_IMAGES_KEY}={contents.recorded_images}; {AUTO}")
-    out["use_l1_regression"] = head is not None and l1 is not False
-    out["use_proprio"] = proprio is not None
-    if images is None:
-        out[NUM_IMAGES_KEY] = contents.num_images
-    return out
+    return dataclasses.replace(model, use_l1_regression=head is not None and l1 is not False,
+                               use_proprio=proprio is not None,
+                               num_images_in_input=contents.num_images if images is None else images)
 
 
-def configure(model_cfg: Mapping, *, download: bool = False) -> dict:
-    """:func:`apply` for ``model_cfg['path']`` (unchanged without a path, or for a hub id not cached and
-    ``download`` off)."""
-    path = model_cfg.get("path")
-    contents = inspect(str(path), download=download) if path else None
-    return apply(model_cfg, contents) if contents is not None else dict(model_cfg)
+def configure(model_cfg, *, download: bool = False) -> OpenVLAOFTConfig:
+    """The typed ``model`` section (a DictConfig or mapping of it is converted once) with :func:`apply` for its
+    ``path`` (unchanged without a path, or for a hub id not cached and ``download`` off)."""
+    model = instance(OpenVLAOFTConfig, model_cfg, "model")
+    contents = inspect(str(model.path), download=download) if model.path else None
+    return apply(model, contents) if contents is not None else model
 
 
-def check_run(run_cfg: Mapping, model_path: str | None) -> None:
-    """The checks that need the run config: ``run_cfg`` is the whole plain config, ``model_path`` the
-    checkpoint the model loads (``model.path``, or for evaluation a model checkpoint in ``runner.resume_dir``)."""
+def check_run(run, model_path: str | None) -> None:
+    """The checks that need the run config: ``run`` is the whole typed config (:func:`embodirl.schema.run_config`),
+    ``model_path`` the checkpoint the model loads (``model.path``, or for evaluation a model checkpoint in
+    ``runner.resume_dir``)."""
     if not model_path:
         return
-    model = {**dict(run_cfg["model"]), "path": model_path}
+    model = dataclasses.replace(run.model, path=model_path)
     contents = inspect(model_path)
     if contents is None:
         return
-    training = not run_cfg["runner"].get("only_eval", False)
-    adv = run_cfg["algorithm"].get("adv_type")
+    training = not run.runner.only_eval
+    adv = run.algorithm.adv_type
     if training and contents.action_head is not None and contents.tokens_trained:
-        if model.get("use_l1_regression") is not False:
+        if model.use_l1_regression is not False:
             raise ConfigError("model.use_l1_regression", f"{contents.directory} has trained action tokens and OFT's L1 "
                                                          f"head ({contents.action_head.name}), and RL "
                                                          f"(algorithm.adv_type={adv}) samples the tokens; set "
                                                          "model.use_l1_regression=false so the policy acts through "
                                                          "them")
     elif training and contents.action_head is not None:
-        key = "model.use_l1_regression" if model.get("use_l1_regression") is False else "model.path"
+        key = "model.use_l1_regression" if model.use_l1_regression is False else "model.path"
         raise ConfigError(key, f"{contents.directory} acts through OFT's L1 regression head "
                                f"({contents.action_head.name}), so its action tokens were never trained and RL over "
                                f"them (algorithm.adv_type={adv}) would start from an untrained token policy; train "
@@ -200,15 +200,15 @@ def check_run(run_cfg: Mapping, model_path: str | None) -> None:
                                         f"trained, so RL over them (algorithm.adv_type={adv}) would start from an "
                                         f"untrained token policy; train them first with `{SFT_COMMAND}`")
     apply(model, contents)
-    _check_unnorm_key(run_cfg, model, contents)
+    _check_unnorm_key(run, model, contents)
 
 
-def _check_unnorm_key(run_cfg: Mapping, model: Mapping, contents: CheckpointContents) -> None:
+def _check_unnorm_key(run, model: OpenVLAOFTConfig, contents: CheckpointContents) -> None:
     if contents.statistics_file is None:
         return
-    explicit = model.get("unnorm_key")
+    explicit = model.unnorm_key
     keys = [explicit] if explicit else [
-        suite for split in ("train", "eval") if (suite := (run_cfg["env"].get(split) or {}).get("suite"))]
+        key for group in (run.env.train, run.env.eval) if (key := group.statistics_key)]
     available = set(contents.statistics_keys)
     for key in dict.fromkeys(keys):
         if key in available or key + NO_NOOPS_SUFFIX in available:

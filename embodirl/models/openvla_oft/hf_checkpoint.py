@@ -265,7 +265,7 @@ def _load_heads(core: torch.nn.Module, cfg: OFTConfig, directory: Path, loaded: 
 
 # --- saving ----------------------------------------------------------------------------------------
 def save(core: torch.nn.Module, cfg: OFTConfig, directory: str | os.PathLike, *, step: int,
-         model_cfg: Mapping, statistics: Mapping | None, tokenizer, image_config: Mapping,
+         model_cfg, statistics: Mapping | None, tokenizer, image_config: Mapping,
          source: LoadedCheckpoint | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
          marker: Mapping | None = None) -> Path:
     """Write the checkpoint layout described in the module docstring; atomic (temp dir + rename).
@@ -301,7 +301,7 @@ def _write(core, cfg: OFTConfig, out: Path, final: Path, *, step, model_cfg, sta
     config[MARKER] = {"format_version": FORMAT_VERSION, "step": int(step),
                       "adapter": LIVE_ADAPTER if has_adapter else None,
                       "tokenizer": "files" if tokenizer is not None else HASH_TOKENIZER,
-                      "model": dict(model_cfg)}
+                      "model": dataclasses.asdict(model_cfg)}     # the typed model section, as JSON
     inherited = ((source.config.get(MARKER) or {}) if source is not None else {}).get(TOKENS_TRAINED)
     if inherited is not None:
         config[MARKER][TOKENS_TRAINED] = inherited

@@ -35,6 +35,7 @@ from embodirl.models.openvla_oft.lora import ADAPTER_NAME, apply_lora, peft_para
 from embodirl.models.openvla_oft.modeling import OpenVLAOFT, build_model
 from embodirl.models.openvla_oft.resolve import OFTConfig, build_config
 from embodirl.models.openvla_oft.sampling import log_prob_and_entropy, sample
+from embodirl.models.openvla_oft.schema import OpenVLAOFTConfig
 from embodirl.models.openvla_oft.weights import canonical_parameters
 from embodirl.models.processor import (
     DINO_MEAN,
@@ -59,7 +60,7 @@ class OpenVLAOFTPolicy(Policy):
 
     action_field = D.ACTION_TOKENS
 
-    def __init__(self, cfg: OFTConfig, core: OpenVLAOFT, *, model_cfg: Mapping,
+    def __init__(self, cfg: OFTConfig, core: OpenVLAOFT, *, model_cfg: OpenVLAOFTConfig,
                  loaded: hf_checkpoint.LoadedCheckpoint | None = None, task_descriptions: list[str] | None = None):
         super().__init__()
         self.task_descriptions = list(task_descriptions or [])
@@ -67,7 +68,7 @@ class OpenVLAOFTPolicy(Policy):
         self.action_chunk = cfg.model.action_chunk
         self.action_dim = cfg.action_dim
         self.value_type = cfg.model.value_type
-        self.model_cfg = dict(model_cfg)
+        self.model_cfg = model_cfg      # the typed model section as configured (written into config.json)
         self._loaded = loaded
         self.vla = apply_lora(core, cfg.model.lora) if cfg.model.lora.enabled else core
         if loaded is not None:
@@ -330,15 +331,15 @@ class OpenVLAOFTPolicy(Policy):
                          max_shard_bytes=max_shard_bytes, marker=marker)
 
 
-def build_policy(model_cfg: Mapping, env_spec=None, *, device: torch.device | str | None = None) -> OpenVLAOFTPolicy:
-    """The policy a ``model`` config describes: random init (``path: null``) or a checkpoint.
+def build_policy(model_cfg, env_spec=None, *, device: torch.device | str | None = None) -> OpenVLAOFTPolicy:
+    """The policy a ``model`` config (the typed :class:`OpenVLAOFTConfig`, or a DictConfig or mapping of it)
+    describes: random init (``path: null``) or a checkpoint.
 
-    ``device`` (default: ``model_cfg['device']``, else CPU) is where the weights are created; ``"meta"``
+    ``device`` (default: ``model.device``, else CPU) is where the weights are created; ``"meta"``
     builds the structure without memory (random init only)."""
-    if model_cfg.get("path"):  # a hub id is downloaded here, then its files configure the model
-        model_cfg = configure(model_cfg, download=True)
-    cfg = build_config(model_cfg, env_spec)
-    device = device or model_cfg.get("device") or "cpu"
+    model = configure(model_cfg, download=True)    # a hub id is downloaded here, then its files configure the model
+    cfg = build_config(model, env_spec)
+    device = device or model.device or "cpu"
     if cfg.model.path is not None and torch.device(device).type == "meta":
         raise ConfigError("model.device", "a checkpoint cannot be loaded onto the meta device")
     if cfg.model.path is not None:
@@ -346,6 +347,6 @@ def build_policy(model_cfg: Mapping, env_spec=None, *, device: torch.device | st
                  "L1 regression head" if cfg.use_l1_regression else "action tokens",
                  "proprio token" if cfg.use_proprio else "no proprio token", cfg.num_images_in_input)
     core = build_model(cfg, device, init_weights=cfg.model.path is None)
-    loaded = hf_checkpoint.load_base(core, cfg, model_cfg.get("base_path")) if cfg.model.path is not None else None
+    loaded = hf_checkpoint.load_base(core, cfg, model.base_path) if cfg.model.path is not None else None
     tasks = list(env_spec.task_descriptions) if env_spec is not None else None
-    return OpenVLAOFTPolicy(cfg, core, model_cfg=model_cfg, loaded=loaded, task_descriptions=tasks)
+    return OpenVLAOFTPolicy(cfg, core, model_cfg=model, loaded=loaded, task_descriptions=tasks)

@@ -22,6 +22,7 @@ import torch
 
 from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
+from embodirl.models.registry import model_config
 
 
 class RolloutBackend(abc.ABC):
@@ -31,7 +32,7 @@ class RolloutBackend(abc.ABC):
     value_type: str | None = None
 
     def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, device: str | None = None):
-        self.model_cfg = dict(model_cfg)
+        self.model_cfg = model_config(model_cfg)   # the typed model section (a mapping of it is converted once)
         self.env_spec = env_spec
 
     @abc.abstractmethod
