@@ -14,6 +14,7 @@ simulator adapters) that is filled on import.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -132,6 +133,14 @@ def check_finite(node: Any, prefix: str = "") -> None:
         raise ConfigError(prefix, f"must be a finite number, got {node}")
 
 
+@functools.cache
+def template(schema: type):
+    """``OmegaConf.structured(schema)``, built once per section class: merging onto it copies it, so every merge
+    starts from the same untouched template (building one costs a few milliseconds, and a run converts its sections
+    several times while it checks and starts)."""
+    return OmegaConf.structured(schema)
+
+
 def instance(schema: type, node: Any, prefix: str):
     """``node`` (a section of a composed config: a DictConfig or a plain mapping, as a worker process receives it) as
     an instance of its dataclass ``schema``, with its types, ranges and choices checked (one
@@ -140,7 +149,7 @@ def instance(schema: type, node: Any, prefix: str):
     if isinstance(node, schema):
         return node
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        merged = OmegaConf.merge(template(schema), node)
     except OmegaConfBaseException as exc:
         key = str(getattr(exc, "full_key", "") or "")
         raise ConfigError(f"{prefix}.{key}" if key else prefix, str(exc).splitlines()[0].strip()) from None

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from embodirl.algorithms.section import Algorithm
-from embodirl.config_fields import check_fields, check_finite, instance, required, section
+from embodirl.config_fields import check_fields, check_finite, instance, required, section, template
 from embodirl.errors import ConfigError
 from embodirl.schema.envs import env_rules, env_schema
 from embodirl.schema.models import model_rules, model_schema
@@ -130,7 +130,7 @@ def typed(schema: type, node: Any, prefix: str = "", *, closed: bool = True) -> 
         names = {f.name for f in dataclasses.fields(schema)}
         node = {k: node[k] for k in node if k in names}
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        merged = OmegaConf.merge(template(schema), node)
     except OmegaConfBaseException as exc:
         raise error(exc, schema, prefix) from None
     missing = sorted(OmegaConf.missing_keys(merged))
@@ -160,7 +160,7 @@ def run_config(cfg: Any) -> Config:
 
     if isinstance(cfg, Config):
         return cfg
-    sections = {name: to_object(schema, getattr(cfg, name), name) for name, schema in SECTIONS.items()}
+    sections = {name: instance(schema, getattr(cfg, name), name) for name, schema in SECTIONS.items()}
     env = EnvGroups(train=env_config(cfg.env.train, "env.train"), eval=env_config(cfg.env.eval, "env.eval"))
     return Config(**sections, env=env, model=model_config(cfg.model))
 
