@@ -1,5 +1,9 @@
 """A whole run (driver + Ray env and inference workers with shared-memory rings) killed mid-rollout with
-SIGKILL or Ctrl-C leaves no entry of its run in /dev/shm."""
+SIGKILL or Ctrl-C leaves no entry of its run in /dev/shm.
+
+After the driver dies, the driver's janitor sweeps at once, but a worker keeps its segments until Ray ends it
+(its raylet notices the dead driver) and the worker's own janitor runs; on two loaded cores that took over 30 s
+once, so the deadline says "eventually, within two minutes", not how fast."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import pytest
 from embodirl.channel import segments
 
 START_TIMEOUT_S = 300.0
-CLEANUP_DEADLINE_S = 30.0
+CLEANUP_DEADLINE_S = 120.0
 
 _DRIVER = textwrap.dedent("""
     from embodirl.config import compose
