@@ -140,9 +140,9 @@ def test_eval_protocol_oft_switches_the_evaluation_env_only():
 
     cfg = compose(["env=libero_goal", "runner.eval_protocol=oft"])
     validate(cfg, check_envs=False, num_devices=2, accelerator="cpu")
-    assert eval_env_cfg(cfg)["scene_seeding"] == "oft"
+    assert eval_env_cfg(cfg).scene_seeding == "oft"
     assert cfg.env.train.scene_seeding == cfg.env.eval.scene_seeding == "per_start"
-    assert eval_env_cfg(compose(["env=libero_goal"]))["scene_seeding"] == "per_start"
+    assert eval_env_cfg(compose(["env=libero_goal"])).scene_seeding == "per_start"
     with pytest.raises(ConfigError, match="runner.eval_protocol: oft reproduces OpenVLA-OFT's LIBERO"):
         validate(compose(["runner.eval_protocol=oft"]), check_envs=False, num_devices=2, accelerator="cpu")
     with pytest.raises(ConfigError, match="runner.eval_protocol: 'fast' is not one of parallel, oft"):
