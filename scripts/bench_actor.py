@@ -116,17 +116,17 @@ def compose_cfg(model: str, args, extra=()):
                     "runner.seed=0", "runner.torch_threads=1", *extra])
 
 
-def prepared_batch(plain: dict, spec, args):
+def prepared_batch(cfg, spec, args):
     """The policy's own sampled batch (tests/actor/helpers.oft_batch) -> advantages, on CPU. The policy is
     built as the actor ranks build theirs (same seed), so the first update starts at ratio 1."""
     from embodirl.actor.actor import prepare_batch
     from embodirl.workers.actor_worker import build_policy
     from tests.actor.helpers import oft_batch
 
-    policy = build_policy(plain["model"], spec, int(plain["runner"]["seed"]))
+    policy = build_policy(cfg.model, spec, cfg.runner.seed)
     with torch.no_grad():
         batch = oft_batch(policy, N=args.trajectories, T=args.decisions, seed=SEED)
-    return prepare_batch(batch, plain["algorithm"])[0]
+    return prepare_batch(batch, cfg.algorithm)[0]
 
 
 # --- part 1: the actor, 1 vs 2 ranks ----------------------------------------------------------------------
@@ -155,12 +155,12 @@ def rank_memory(worker) -> dict:
 def time_group(mode: str, world: int, args, spec) -> dict:
     import ray
 
-    from embodirl.plain import to_plain
+    from embodirl.schema import run_config
     from embodirl.workers import process_env
     from embodirl.workers.actor_group import ActorGroup
 
     cfg = compose_cfg("openvla_oft_tiny", args, [f"actor.cpu_world_size={world}", *MODES[mode]])
-    prepared = prepared_batch(to_plain(cfg), spec, args)
+    prepared = prepared_batch(run_config(cfg), spec, args)
     start = time.perf_counter()
     group = ActorGroup.remote_group(cfg, spec, process_vars=process_env.forwarded())
     try:
@@ -281,7 +281,7 @@ def part_placement(args) -> list[str]:
 # --- part 3: the full-size preset, one rank in this process ----------------------------------------------------
 def part_full(args, *, compiled: bool) -> list[str]:
     from embodirl.actor.actor import prepare_batch
-    from embodirl.plain import to_plain
+    from embodirl.schema import run_config
     from embodirl.workers.actor_worker import ActorWorker, build_policy, free_port
     from tests.actor.helpers import oft_batch, oft_spec
 
@@ -296,7 +296,7 @@ def part_full(args, *, compiled: bool) -> list[str]:
              f"actor.compile={str(compiled).lower()}"]
     if cuda:
         extra.append("model.device=cuda")      # random weights created on the GPU, not in host memory
-    plain = to_plain(compose_cfg(args.model, args, extra))
+    cfg = run_config(compose_cfg(args.model, args, extra))
     spec = oft_spec()
     device = torch.device("cuda:0" if cuda else "cpu")
 
@@ -314,13 +314,13 @@ def part_full(args, *, compiled: bool) -> list[str]:
         phases[name] = time.perf_counter() - start
         return result
 
-    policy = timed("build policy (random init)", lambda: build_policy(plain["model"], spec, SEED))
+    policy = timed("build policy (random init)", lambda: build_policy(cfg.model, spec, SEED))
     numel = sum(p.numel() for p in policy.parameters())
     with torch.no_grad():
         batch = timed("sample the batch (policy.act)",
                       lambda: oft_batch(policy, N=args.trajectories, T=args.decisions, seed=SEED).to("cpu"))
-    prepared = prepare_batch(batch, plain["algorithm"])[0]
-    worker = ActorWorker(plain, spec, rank=0, world_size=1, policy=policy)
+    prepared = prepare_batch(batch, cfg.algorithm)[0]
+    worker = ActorWorker(cfg, spec, rank=0, world_size=1, policy=policy)
     timed("process group + FSDP2 set-up", lambda: worker.setup("127.0.0.1", free_port()))
     try:
         if cuda:

@@ -19,7 +19,7 @@ from embodirl.config import compose
 from embodirl.envs.maniskill.gpu import ManiSkillGPUEnv, end_flags, group_by_init_state, transform_rewards
 from embodirl.envs.maniskill.simulator import ManiSkillSimEnv, check_config, make_sim_env
 from embodirl.envs.maniskill.tasks import instruction
-from embodirl.envs.registry import check_env_config, make_env
+from embodirl.envs.registry import check_env_config, env_config, make_env
 from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import AssetsMissing, ConfigError
 
@@ -399,7 +399,7 @@ def test_batched_backend_matches_process_vector_env(overrides):
     PhysX-CPU with B=1, against ProcessVectorEnv + ManiSkillSimEnv on the same scripted actions."""
     cfg = ms_cfg("maniskill_pushcube", obs_mode="rgb", image_size=[48, 48], **overrides)
     gpu = ManiSkillGPUEnv(cfg, num_envs=1, seed=3, sim_backend="physx_cpu")
-    ref = ProcessVectorEnv.from_config([functools.partial(make_sim_env, cfg, 3)], cfg, processes=False)
+    ref = ProcessVectorEnv.from_config([functools.partial(make_sim_env, cfg, 3)], env_config(cfg), processes=False)
     try:
         assert gpu.spec == ref.spec
         obs_g, info_g = gpu.reset(init_state_ids=np.array([2]))
