@@ -31,6 +31,7 @@ from embodirl.errors import ConfigError
 from embodirl.models.base import SamplingParams
 from embodirl.models.pi0.policy import check_checkpoint
 from embodirl.models.registry import make_policy
+from tests.models import test_pi0 as pi0_tests  # the π0 tests' policy, observation and noise helpers
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=24, task_descriptions=["reach the red square", "push the cube left"],
                camera_names=["main"], image_size=(64, 64), state_dim=5, name="spec")
@@ -144,21 +145,14 @@ def _expected_statistics(stats: dict) -> dict:
 
 
 def _policy(compose_cfg, *overrides, spec=SPEC):
-    cfg = compose_cfg("model=pi0_tiny", *overrides)
-    torch.manual_seed(0)
-    return make_policy(cfg.model, spec), cfg
+    return pi0_tests._policy(compose_cfg, *overrides, spec=spec)
 
 
 def _obs(batch=4, seed=1, spec=SPEC):
-    g = torch.Generator().manual_seed(seed)
-    return {D.IMAGES: torch.randint(0, 256, (batch, len(spec.camera_names), 3, 64, 64), dtype=torch.uint8, generator=g),
-            D.STATE: torch.randn(batch, spec.state_dim, generator=g),
-            D.TASK_ID: torch.arange(batch) % len(spec.task_descriptions)}
+    return pi0_tests._obs(batch, seed, spec=spec)
 
 
-def _noise(policy, batch, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, policy.chunk_size, policy.max_action_dim, generator=g)
+_noise = pi0_tests._noise
 
 
 def _load(compose_cfg, folder, *overrides, spec=SPEC):
