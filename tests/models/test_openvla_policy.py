@@ -72,10 +72,24 @@ def test_greedy_chunk_is_the_decoded_tokens(policy):
     assert torch.equal(a[D.ACTION_CHUNK], policy.action_normalizer.unnormalize(decoded))
 
 
+def test_greedy_decoding_over_the_action_bins_is_their_argmax(policy):
+    """``model.greedy_decoding=action_bins``: the mode of the distribution RL samples and trains, the argmax of
+    the action-bin logits alone (RLinf's predict_action_batch masks the other ids to -inf)."""
+    obs = observation()
+    out = make(greedy_decoding="action_bins").act(obs, SamplingParams(greedy=True))   # same weights (seed 0)
+    with torch.no_grad():
+        logits = policy.core(**policy.prepare_inputs(obs)).action_logits               # (B, L, bins)
+    tokens = policy.action_tokenizer.index_to_ids(logits.argmax(-1))
+    assert torch.equal(out[D.ACTION_TOKENS], tokens)
+    ofts = policy.act(obs, SamplingParams(greedy=True))
+    assert not torch.equal(ofts[D.ACTION_TOKENS], tokens)     # a random model: non-action ids win the full argmax
+
+
 def test_greedy_decoding_is_ofts_argmax_over_the_whole_vocabulary(policy):
-    """openvla-oft's predict_action: argmax over all 32064 logits, bin = clip(32000 - id - 1, 0, 254), the bin
-    centre of numpy's linspace edges - written out here with numpy. A random model's winners are mostly
-    non-action ids, which that formula sends to the end bins (an argmax over the action ids alone would not)."""
+    """The default (``model.greedy_decoding=vocabulary``), openvla-oft's predict_action: argmax over all 32064
+    logits, bin = clip(32000 - id - 1, 0, 254), the bin centre of numpy's linspace edges - written out here with
+    numpy. A random model's winners are mostly non-action ids, which that formula sends to the end bins (an
+    argmax over the action ids alone would not)."""
     import numpy as np
 
     obs = observation()

@@ -179,10 +179,10 @@ class OpenVLAOFT(nn.Module):
 
     def greedy_action_ids(self, action_hidden: torch.Tensor) -> torch.Tensor:
         """OFT's greedy decoding (``_regression_or_discrete_prediction`` of openvla-oft's
-        ``modeling_prismatic.py``): the argmax over the *whole* vocabulary, not only the action ids, then
-        ``clip(32000 - id - 1, 0, num_bins - 2)`` as the bin. A non-action winner thus becomes the nearest
-        end bin; here it is clamped to the nearest action id, which decodes to that same bin and keeps the
-        returned tokens inside the action vocabulary. ``(B, L, D)`` -> int64 ids ``(B, L)``."""
+        ``modeling_prismatic.py``; ``model.greedy_decoding=vocabulary``): the argmax over the *whole* vocabulary,
+        not only the action ids, then ``clip(32000 - id - 1, 0, num_bins - 2)`` as the bin. A non-action winner
+        thus becomes the nearest end bin; here it is clamped to the nearest action id, which decodes to that same
+        bin and keeps the returned tokens inside the action vocabulary. ``(B, L, D)`` -> int64 ids ``(B, L)``."""
         tok = self.action_tokenizer
         ids = self.language_model.lm_head(action_hidden).argmax(dim=-1)  # (B, L) over all vocabulary ids
         return ids.clamp(tok.first_id, tok.end_id - 1)

@@ -176,9 +176,8 @@ class OpenVLAOFTPolicy(Policy):
             tokens = tok.encode(normalized.reshape(B, L))                              # (B, L)
             temperature = 1.0 if sampling.deterministic else sampling.temperature
             logprob, _ = log_prob_and_entropy(out.action_logits, tok.ids_to_index(tokens), temperature, False)
-        elif sampling.deterministic:
-            # OFT's evaluation (also rollout.temperature=0): argmax over the whole vocabulary, clipped into the
-            # action bins (modeling.py)
+        elif sampling.deterministic and self.cfg.model.greedy_decoding == "vocabulary":
+            # OFT's evaluation: argmax over the whole vocabulary, clipped into the action bins (modeling.py)
             tokens = self.core.greedy_action_ids(out.action_hidden)                   # (B, L)
             logprob, _ = log_prob_and_entropy(out.action_logits, tok.ids_to_index(tokens), 1.0, False)
             normalized = tok.decode(tokens).reshape(B, H, A)                           # (B, H, A)

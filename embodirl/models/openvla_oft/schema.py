@@ -6,8 +6,11 @@ the env and a checkpoint into the network's :class:`~embodirl.models.openvla_oft
 from dataclasses import dataclass
 from typing import Any
 
-from embodirl.config_fields import num, required, section
+from embodirl.config_fields import num, one_of, required, section
 from embodirl.models.base import CommonModelConfig
+
+#: ``model.greedy_decoding``: the argmax over the action bins, or over the whole vocabulary (OFT's evaluation)
+GREEDY_DECODINGS = ("action_bins", "vocabulary")
 
 
 @dataclass
@@ -69,6 +72,7 @@ class OpenVLAOFTConfig(CommonModelConfig):
     use_proprio: bool | None = required()
     proprio_dim: int | None = num(1, null=True)
     use_l1_regression: bool | None = required()
+    greedy_decoding: str = one_of(GREEDY_DECODINGS)
     value_head: ValueHead = section(ValueHead)
     center_crop: bool = required()
     image_size: int = num(1)
