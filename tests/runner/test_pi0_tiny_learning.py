@@ -10,9 +10,11 @@ chain and GRPO. What differs:
   velocity is small, so the point wanders), and GRPO gets no signal from groups that all fail;
 * ``actor.fsdp.full_finetune=true`` at lr 3e-4: the whole 0.3-million-parameter network trains.
 
-Measured on a loaded 2-core machine (runner.seed 1): 60 steps in 20-30 s each. Sampled success over the first 3 steps
-and the last 10: Flow-SDE 0.02 -> 0.63, Flow-Noise 0.08 -> 0.61 (Flow-Noise is at 0.56 by step 5, hence the short
-first window).
+Measured on a loaded 2-core machine, 60 steps in 20-30 s each. The first step's sampled success is the untrained
+policy's (its rollouts come before any update): 0.00-0.06 for runner.seed 1-3 and both methods. It learns fast (one
+Flow-Noise seed was at 0.44 by step 2), so the test compares the last 10 steps with that first step alone: 0.61-0.71
+over seeds 1-3 and both methods, against the bar of 0.4 and first + 0.3. The test runs seed 1; RL on another CPU
+follows another trajectory from it, which the margins cover.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import pytest
 from embodirl.runner.metrics_logger import read_metrics
 
 STEPS = 60
-FIRST, LAST = 3, 10
+FIRST, LAST = 1, 10
 SETTINGS = [
     "env=toy_reach", "model=pi0_tiny", "algorithm=grpo", "cluster.use_ray=false",
     "env.train.use_fixed_reset_state_ids=true", "env.train.num_envs=16",
