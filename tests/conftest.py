@@ -24,4 +24,3 @@ def compose_cfg():
     from embodirl.config import compose
 
     return lambda *overrides: compose(list(overrides))
-

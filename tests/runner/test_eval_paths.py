@@ -92,3 +92,8 @@ def test_top_k_is_honoured_by_both_evaluation_paths(tmp_path):
             for path, top_k in (("local", "1"), ("ray", "1"), ("local", "null"))}
     assert_same_report(without_timing(runs["local", "1"]), without_timing(runs["ray", "1"]))
     assert returns(runs["local", "null"]) != returns(runs["local", "1"])
+    # greedy over the action bins (model.greedy_decoding=action_bins) is that top bin too; OFT's greedy over the
+    # whole vocabulary (the default) is not, for an untrained model
+    bins = evaluate(tmp_path, "local_bins", *TINY_VLA, "cluster.use_ray=false", "model.greedy_decoding=action_bins")
+    vocabulary = evaluate(tmp_path, "local_vocabulary", *TINY_VLA, "cluster.use_ray=false")
+    assert returns(bins) == returns(runs["local", "1"]) != returns(vocabulary)
