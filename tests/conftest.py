@@ -24,3 +24,47 @@ def compose_cfg():
     from embodirl.config import compose
 
     return lambda *overrides: compose(list(overrides))
+
+
+# --- scheduling: the costliest test files start first --------------------------------------------------------------
+# bin/test runs two pytest-xdist workers with `--dist loadfile --no-loadscope-reorder`: a file runs on one worker,
+# and files are handed out in collection order. xdist's own order (most tests first) put the single-test chains
+# (SFT -> RL, the default job: 2-5 minutes each) last, where one worker ran them alone while the other idled. Sorting
+# files by their measured seconds, longest first, is the classic longest-processing-time rule. tests/durations.json
+# holds those seconds (per file: setup, call and teardown of every test); `EMBODIRL_RECORD_DURATIONS=1 bin/test`
+# updates it from the run. A file it does not list (a new one) goes first, where a long test costs least.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def _file_costs() -> dict[str, float]:
+    import json
+
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def pytest_collection_modifyitems(config, items):
+    costs = _file_costs()
+    if costs:
+        items.sort(key=lambda item: -costs.get(item.nodeid.split("::", 1)[0], float("inf")))   # stable in a file
+
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _seconds[path] = _seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # the controller (or a run without workers) sees every report; a worker only its own
+    if os.environ.get("EMBODIRL_RECORD_DURATIONS") == "1" and not hasattr(session.config, "workerinput") and _seconds:
+        import json
+
+        merged = {**_file_costs(), **{p: round(s, 1) for p, s in _seconds.items()}}   # a partial run updates its files
+        merged = {p: s for p, s in merged.items() if (ROOT / p).is_file()}               # and drops removed ones
+        ranked = dict(sorted(merged.items(), key=lambda kv: -kv[1]))
+        DURATIONS.write_text(json.dumps(ranked, indent=1) + "\n")
