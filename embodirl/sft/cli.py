@@ -22,6 +22,7 @@ def main(overrides: Sequence[str]) -> int:
         dataset = LeRobotDataset(cfg.data.path, action_chunk=sft_compose.trained_chunk(cfg)[0])
     except DatasetError as exc:
         raise ConfigError("data.path", str(exc)) from None
+    sft_compose.check_chunk(cfg, dataset)
     runtime.configure()
     runtime.set_torch_threads(cfg.runner.torch_threads)
     probe = make_env(cfg.env.train, num_envs=1, seed=cfg.runner.seed)   # the env group, converted to its typed config

@@ -148,6 +148,16 @@ def trained_chunk(cfg: DictConfig) -> tuple[int, str]:
     return model.action_chunk, "model.action_chunk"
 
 
+def check_chunk(cfg: DictConfig, dataset) -> None:
+    """The trained chunk against the dataset's shortest episode: needs no simulator, so the CLI checks it before
+    it starts the one that tells the env's spec."""
+    H, key = trained_chunk(cfg)
+    shortest = int(min(dataset.episode_lengths))
+    if H > shortest:
+        raise ConfigError(key, f"is {H} but the shortest episode of {cfg.data.path} has {shortest} frames; "
+                               "use a chunk no longer than the episodes")
+
+
 def check_dataset(cfg: DictConfig, dataset, spec) -> list[str]:
     """Dataset against env and model: action dim, cameras, proprio, chunk length. Returns the dataset's
     camera keys in the env's camera order (the images the policy sees)."""
@@ -164,11 +174,7 @@ def check_dataset(cfg: DictConfig, dataset, spec) -> list[str]:
     if model_dim is not None and int(model_dim) != dataset.action_dim:
         raise ConfigError("model.action_dim", f"is {model_dim} but {path} holds {dataset.action_dim}-D actions; set "
                                               "it to null (the env's)")
-    H, key = trained_chunk(cfg)
-    shortest = int(min(dataset.episode_lengths))
-    if H > shortest:
-        raise ConfigError(key, f"is {H} but the shortest episode of {path} has {shortest} frames; "
-                               "use a chunk no longer than the episodes")
+    check_chunk(cfg, dataset)
     wanted = [camera_key(name) for name in spec.camera_names]
     missing = [k for k in wanted if k not in dataset.camera_keys]
     if missing or not wanted:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -183,23 +184,27 @@ def test_default_path_stays_in_process_and_writes_training_videos(tmp_path):
 
 
 def test_ray_path_resumes_with_the_learners_weights(tmp_path):
-    common = [*TOY, "cluster.use_ray=true", "runner.experiment_name=toy_ray"]
+    # an uninterrupted 3-step run (checkpoints at steps 2 and 3); then the same run as if it had been killed after
+    # its step-2 checkpoint: the same command continues from step_2 and must repeat step 3 exactly
+    common = [*TOY, "cluster.use_ray=true", "runner.max_steps=3"]
     run = os.urandom(3).hex()
-    output = cli(["train", *common, "runner.max_steps=2"], tmp_path, f"a{run}")
+    output = cli(["train", *common, "runner.experiment_name=toy_ray_straight"], tmp_path, f"a{run}")
     assert "1 of 1 env workers stream observations through shared memory" in output
-    output = cli(["train", *common, "runner.max_steps=3"], tmp_path, f"b{run}")
+    straight_dir, resumed_dir = tmp_path / "outputs" / "toy_ray_straight", tmp_path / "outputs" / "toy_ray"
+    shutil.copytree(straight_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "step_3")
+    output = cli(["train", *common, "runner.experiment_name=toy_ray"], tmp_path, f"b{run}")
     assert "resumed from" in output
-    records = read_metrics(tmp_path / "outputs" / "toy_ray" / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3]
+    records = read_metrics(resumed_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]                   # the killed run's step 3 is dropped
     # the resumed run's inference workers start from the checkpoint's weights at its version
     assert [r["actor/version"] for r in records] == [1.0, 2.0, 3.0]
     assert [r["rollout/weight_version"] for r in records] == [0.0, 1.0, 2.0]
     assert all(key in r for r in records for key in TIME_KEYS)
-    # the inference worker's sampler continues from the checkpoint: step 3 equals an uninterrupted run's
-    assert (tmp_path / "outputs" / "toy_ray" / "checkpoints" / "step_2" / "runner" / "worker_rng.json").exists()
-    cli(["train", *TOY, "cluster.use_ray=true", "runner.experiment_name=toy_ray_straight", "runner.max_steps=3",
-         "runner.save_interval=0"], tmp_path, f"c{run}")
-    straight = read_metrics(tmp_path / "outputs" / "toy_ray_straight" / "metrics.jsonl")
+    # the inference worker's sampler continues from the checkpoint: step 3 equals the uninterrupted run's
+    assert (resumed_dir / "checkpoints" / "step_2" / "runner" / "worker_rng.json").exists()
+    assert (resumed_dir / "checkpoints" / "step_3" / "COMPLETE").is_file()     # written by the resumed run
+    straight = read_metrics(straight_dir / "metrics.jsonl")
     for key in ("train/return", "train/success_rate", "actor/pg_loss", "critic/value_loss", "actor/approx_kl"):
         assert [r.get(key) for r in straight] == [r.get(key) for r in records], key
 

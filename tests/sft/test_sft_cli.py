@@ -6,6 +6,7 @@ sentence and exit status 2."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -54,10 +55,17 @@ def test_bad_input_is_one_sentence_with_exit_2(tmp_path, args, fragment):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory):
+    """Two expert episodes recorded by ``embodirl demos`` (both chains below train on them)."""
+    root = tmp_path_factory.mktemp("demos")
+    cli(["demos", *ENV, "num_episodes=2", "progress_bar=false", f"output_dir={root / 'ds'}"], root)
+    return root / "ds"
+
+
 @pytest.mark.slow
-def test_demos_sft_eval_train_and_resume(tmp_path):
-    ds = tmp_path / "ds"
-    cli(["demos", *ENV, "num_episodes=2", "progress_bar=false", f"output_dir={ds}"], tmp_path)
+def test_demos_sft_eval_train_and_resume(tmp_path, demos):
+    ds = demos
     dataset = LeRobotDataset(ds, action_chunk=8)
 
     # dataset against env / model: one sentence before the run starts
@@ -69,8 +77,8 @@ def test_demos_sft_eval_train_and_resume(tmp_path):
 
     # straight run: 4 steps, checkpoints at 2 and 4, an evaluation in the simulator at step 4
     a = tmp_path / "a"
-    out = cli(["sft", *SMALL, *SFT, *EVAL, f"data.path={ds}", "runner.max_steps=4", "runner.val_check_interval=4",
-               f"runner.output_dir={a}"], tmp_path)
+    straight_run = ["sft", *SMALL, *SFT, *EVAL, f"data.path={ds}", "runner.max_steps=4", "runner.val_check_interval=4"]
+    out = cli([*straight_run, f"runner.output_dir={a}"], tmp_path)
     model = a / "checkpoints" / "step_4" / "model"
     assert f"model.path={model}" in out.stdout
     stats = json.loads((model / "dataset_statistics.json").read_text())
@@ -86,15 +94,19 @@ def test_demos_sft_eval_train_and_resume(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(0.0 <= r["sft/token_accuracy"] <= 1.0 and r["sft/action_l1"] >= 0 for r in records)
     assert any(r.get("eval/episodes") == 2 for r in read_metrics(a / "metrics.jsonl"))
-    assert (a / "eval" / "step_4" / "eval_info.json").is_file()
+    # the step-4 evaluation is `embodirl eval model.path=<model>`'s run of the exported folder (embodirl/sft/loop.py)
+    assert json.loads((a / "eval" / "step_4" / "eval_info.json").read_text())["overall"]["n_episodes"] == 2
     assert list(a.glob("**/events.out.tfevents.*")), "no TensorBoard events"
 
-    # resumed run: 2 steps, then the same command to 4 continues from step_2 and ends where the straight run did
+    # resumed run: the straight run as if it had been killed after its step-2 checkpoint; the same command
+    # continues from step_2 (its metrics after step 2 dropped) and ends where the straight run did
     b = tmp_path / "b"
-    cli(["sft", *SMALL, *SFT, f"data.path={ds}", "runner.max_steps=2", f"runner.output_dir={b}"], tmp_path)
-    cli(["sft", *SMALL, *SFT, f"data.path={ds}", "runner.max_steps=4", f"runner.output_dir={b}"], tmp_path)
-    resumed = {r["step"]: r["sft/loss"] for r in read_metrics(b / "metrics.jsonl") if "sft/loss" in r}
-    assert sorted(resumed) == [1, 2, 3, 4]
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "step_4")
+    cli([*straight_run, f"runner.output_dir={b}"], tmp_path)
+    resumed_records = [r for r in read_metrics(b / "metrics.jsonl") if "sft/loss" in r]
+    assert [r["step"] for r in resumed_records] == [1, 2, 3, 4]          # the killed run's steps 3-4 are dropped
+    resumed = {r["step"]: r["sft/loss"] for r in resumed_records}
     for r in records:
         assert resumed[r["step"]] == pytest.approx(r["sft/loss"], rel=1e-5), (r["step"], resumed, records)
     adapter = "lora_adapter/adapter_model.safetensors"
@@ -103,9 +115,7 @@ def test_demos_sft_eval_train_and_resume(tmp_path):
     for name in straight:
         np.testing.assert_allclose(straight[name].numpy(), again[name].numpy(), rtol=1e-5, atol=1e-7)
 
-    # the checkpoint loads with no other flag: evaluation, and one GRPO step of token RL from it
-    cli(["eval", *SMALL, *EVAL, f"model.path={model}", f"runner.output_dir={tmp_path / 'eval'}"], tmp_path)
-    assert json.loads((tmp_path / "eval" / "eval_info.json").read_text())["overall"]["n_episodes"] == 2
+    # the checkpoint loads with no other flag: one GRPO step of token RL from it
     train = cli(["train", *SMALL, f"model.path={model}", "algorithm=grpo", "algorithm.group_size=2",
                  "env.train.use_fixed_reset_state_ids=true", "env.train.num_envs=2", "env.train.max_episode_steps=16",
                  "runner.max_steps=1", "runner.val_check_interval=0", "runner.save_interval=0",
@@ -115,14 +125,13 @@ def test_demos_sft_eval_train_and_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_pi0_demos_sft_eval_and_train(tmp_path):
+def test_pi0_demos_sft_eval_and_train(tmp_path, demos):
     """π0 through the same chain: the SFT trains the flow-matching loss on the dataset's chunks of model.chunk_size,
     standardised with its mean and std, and exports transformers' layout with those statistics, which evaluation and
     train load with no other flag."""
     from transformers import PI0ForConditionalGeneration
 
-    ds = tmp_path / "ds"
-    cli(["demos", *ENV, "num_episodes=2", "progress_bar=false", f"output_dir={ds}"], tmp_path)
+    ds = demos
     dataset = LeRobotDataset(ds, action_chunk=8)
     pi0 = [*ENV, "model=pi0_tiny", "env.eval.image_size=[64,64]", "runner.progress_bar=false", "cluster.use_ray=false"]
     bad = cli(["sft", *pi0, f"data.path={ds}", "model.chunk_size=32"], tmp_path, expect=2)
