@@ -32,8 +32,9 @@ def compose_cfg():
 # (SFT -> RL, the default job: 2-5 minutes each) last, where one worker ran them alone while the other idled. Sorting
 # files by their measured seconds, longest first, is the classic longest-processing-time rule. tests/durations.json
 # holds those seconds (per file: setup, call and teardown of every test); `EMBODIRL_RECORD_DURATIONS=1 bin/test`
-# updates it from the run. A file it does not list (a new one) goes first, where a long test costs least.
-DURATIONS = Path(__file__).with_name("durations.json")
+# updates it from the run (EMBODIRL_TEST_DURATIONS names another file). A file it does not list (a new one) goes
+# first, where a long test costs least.
+DURATIONS = Path(os.environ.get("EMBODIRL_TEST_DURATIONS") or Path(__file__).with_name("durations.json"))
 
 
 def _file_costs() -> dict[str, float]:

@@ -1,0 +1,50 @@
+"""bin/test's scheduling (tests/conftest.py): test files are collected longest first by the seconds a durations
+file records, and a run with EMBODIRL_RECORD_DURATIONS=1 writes the seconds of the files it ran into that file,
+keeping the other files' entries."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ["tests/test_lock.py", "tests/test_packaging.py", "tests/test_runtime.py"]
+
+
+def pytest(args, durations: Path, **env) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "EMBODIRL_TEST_DURATIONS": str(durations), **env})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def collected_files(proc) -> list[str]:
+    files = []
+    for line in proc.stdout.splitlines():
+        path = line.split("::", 1)[0]
+        if "::" in line and (not files or files[-1] != path):
+            files.append(path)
+    return files
+
+
+def test_files_are_collected_longest_first_and_a_new_file_before_them(tmp_path):
+    durations = tmp_path / "durations.json"
+    durations.write_text(json.dumps({FILES[0]: 5.0, FILES[1]: 50.0}))       # FILES[2] is not listed: a new file
+    proc = pytest(["--collect-only", *FILES], durations)
+    assert collected_files(proc) == [FILES[2], FILES[1], FILES[0]]
+    durations.write_text(json.dumps({FILES[0]: 50.0, FILES[1]: 5.0, FILES[2]: 1.0}))
+    assert collected_files(pytest(["--collect-only", *FILES], durations)) == FILES
+
+
+def test_a_recording_run_updates_its_files_and_keeps_the_others(tmp_path):
+    durations = tmp_path / "durations.json"
+    durations.write_text(json.dumps({FILES[0]: 1234.0, "tests/test_schema.py": 7.0, "tests/removed.py": 3.0}))
+    pytest([FILES[0], FILES[1]], durations, EMBODIRL_RECORD_DURATIONS="1")
+    recorded = json.loads(durations.read_text())
+    assert set(recorded) == {FILES[0], FILES[1], "tests/test_schema.py"}     # a file that is gone is dropped
+    assert recorded["tests/test_schema.py"] == 7.0 and 0.0 <= recorded[FILES[0]] < 1234.0
+    assert list(recorded) == sorted(recorded, key=lambda f: -recorded[f])    # written longest first
