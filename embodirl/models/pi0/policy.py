@@ -749,6 +749,9 @@ def build_policy(model_cfg, env_spec=None, *, device: torch.device | str | None 
         config._attn_implementation = model.attn_implementation
         with torch.device(device), default_dtype(dtype):
             network = PI0ForConditionalGeneration(config)
+        # every tensor on the build device, non-persistent buffers included: in one clean-clone suite run the time
+        # embedding's sinusoid_freq buffer came out on the CPU in a model built on meta (not reproduced alone)
+        network.to(device)
     network.requires_grad_(False)
     if action_dim > network.config.max_action_dim:
         raise ConfigError("model.max_action_dim", f"is {network.config.max_action_dim} but env has {action_dim}-D actions")
