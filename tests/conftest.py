@@ -12,6 +12,18 @@ _SHARED_ASSETS = ROOT.parent / "shared" / "libero_assets"
 if "EMBODIRL_LIBERO_ASSETS" not in os.environ and _SHARED_ASSETS.is_dir():
     os.environ["EMBODIRL_LIBERO_ASSETS"] = str(_SHARED_ASSETS)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# bin/test runs two pytest workers on two cores. torch's intra-op pool spin-waits (embodirl.runtime.torch_threads:
+# a batch-8 decision took 50 ms on 2 threads beside busy simulators, 0.14 ms on 1), so two workers with a 2-thread
+# pool each, plus what they start, burn the cores spinning. Under xdist each worker and the processes it starts
+# compute on EMBODIRL_TEST_TORCH_THREADS threads (default 1; `default` keeps torch's and OpenMP's own choice).
+# The CLI runs the tests start set their own count (runner.torch_threads, 1 on up to 4 cores).
+_THREADS = os.environ.get("EMBODIRL_TEST_TORCH_THREADS", "1")
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and _THREADS != "default":
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[_var] = _THREADS
+    import torch
+
+    torch.set_num_threads(int(_THREADS))
 
 from embodirl import runtime  # noqa: E402
 
@@ -31,8 +43,9 @@ def compose_cfg():
 # and files are handed out in collection order. xdist's own order (most tests first) put the single-test chains
 # (SFT -> RL, the default job: 2-5 minutes each) last, where one worker could run them alone while the other idled.
 # Sorting files by their measured seconds, longest first, is the longest-processing-time rule. Measured on a quiet
-# clean clone it was no faster (pytest 1621 s against 1586 s): the heaviest files then run side by side and slow each
-# other (SFT -> RL 750 s instead of 294 s), so keeping them apart is the next step. tests/durations.json
+# clean clone it was no faster (pytest 1621 s against 1586 s): the heaviest files then ran side by side and slowed
+# each other (SFT -> RL 750 s instead of 294 s alone), its SFT on 2 spinning threads beside the other worker (now 1,
+# as every worker, above). tests/durations.json
 # holds those seconds (per file: setup, call and teardown of every test); `EMBODIRL_RECORD_DURATIONS=1 bin/test`
 # updates it from the run (EMBODIRL_TEST_DURATIONS names another file). A file it does not list (a new one) goes
 # first, where a long test costs least.

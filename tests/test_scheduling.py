@@ -1,6 +1,6 @@
 """bin/test's scheduling (tests/conftest.py): test files are collected longest first by the seconds a durations
 file records, and a run with EMBODIRL_RECORD_DURATIONS=1 writes the seconds of the files it ran into that file,
-keeping the other files' entries."""
+keeping the other files' entries; each xdist worker computes on EMBODIRL_TEST_TORCH_THREADS torch threads."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest as pytest_module
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["tests/test_lock.py", "tests/test_packaging.py", "tests/test_runtime.py"]
@@ -48,3 +50,37 @@ def test_a_recording_run_updates_its_files_and_keeps_the_others(tmp_path):
     assert set(recorded) == {FILES[0], FILES[1], "tests/test_schema.py"}     # a file that is gone is dropped
     assert recorded["tests/test_schema.py"] == 7.0 and 0.0 <= recorded[FILES[0]] < 1234.0
     assert list(recorded) == sorted(recorded, key=lambda f: -recorded[f])    # written longest first
+
+
+PROBE = "EMBODIRL_THREADS_PROBE"
+
+
+@pytest_module.mark.skipif(PROBE not in os.environ, reason="run by the next test inside xdist workers")
+@pytest_module.mark.parametrize("k", range(4))
+def test_worker_threads_probe(k):
+    import torch
+
+    out = Path(os.environ[PROBE]) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{k}.json"
+    out.write_text(json.dumps({"torch": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}))
+
+
+def test_xdist_workers_compute_on_the_configured_number_of_threads(tmp_path):
+    clean = {k: v for k, v in os.environ.items()          # as bin/test starts: nothing inherited from this run's
+             if not k.startswith("PYTEST_XDIST") and k not in (  # own worker
+                 "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "EMBODIRL_TEST_TORCH_THREADS")}
+
+    def probe(setting):
+        out = tmp_path / str(setting)
+        out.mkdir()
+        env = {**clean, PROBE: str(out), **({"EMBODIRL_TEST_TORCH_THREADS": setting} if setting else {})}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2",
+                               f"{Path(__file__).relative_to(ROOT)}::test_worker_threads_probe"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        seen = [json.loads(f.read_text()) for f in sorted(out.iterdir())]
+        assert {f.name.split("-")[0] for f in out.iterdir()} <= {"gw0", "gw1"} and len(seen) == 4
+        return seen
+
+    assert all(s == {"torch": 1, "omp": "1"} for s in probe(None))          # the default: one thread per worker
+    assert all(s == {"torch": 2, "omp": "2"} for s in probe("2"))
+    assert all(s["omp"] is None for s in probe("default"))                   # torch's and OpenMP's own choice
