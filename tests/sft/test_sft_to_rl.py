@@ -28,7 +28,7 @@ DEMOS = ["env=maniskill_pushcube_rgb", "env.train.image_size=[64,64]"]   # demos
 COMMON = [*DEMOS, "env.eval.image_size=[64,64]", "model=openvla_oft_tiny", "cluster.use_ray=false",
           "actor.fsdp.full_finetune=true", "runner.progress_bar=false", "runner.logger.tensorboard=false"]
 SFT = ["sft.batch_size=32", "actor.optim.lr=5e-4", "runner.max_steps=300", "runner.save_interval=300",
-       "runner.torch_threads=1",   # the suite's other worker shares the cores: 2 spinning threads took 750 s here
+       "runner.torch_threads=1",   # the suite's other worker shares the cores (on 2: 750 s beside it, 294 s alone)
        "runner.val_check_interval=0"]
 RL_STEPS = 4
 RL = ["algorithm=grpo", "algorithm.group_size=8", "env.train.use_fixed_reset_state_ids=true", "env.train.num_envs=8",
