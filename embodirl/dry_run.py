@@ -179,6 +179,7 @@ class DryRunReport:
     update_flops_per_decision: float
     published_tensors: int
     published_bytes: int
+    ema_bytes: int = 0               # the moving average evaluation acts with (actor.ema_decay), beside the weights
     seconds: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -298,11 +299,15 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     t0 = time.perf_counter()
     with MetaDryRun():
         _, published = actor.publish_weights(full=True)
+        if actor.swap_ema():   # actor.ema_decay: an evaluation's exchange of the weights with their average, and back
+            actor.swap_ema()
     seconds["publish"] = time.perf_counter() - t0
+    ema_bytes = _nbytes(actor.ema.values()) if actor.ema is not None else 0
     return DryRunReport(
         params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in trainable), param_bytes=param_bytes,
         grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
-        activation_bytes=max(0, live.peak - grad_bytes - optimizer_bytes), update_peak_bytes=param_bytes + live.peak,
+        activation_bytes=max(0, live.peak - grad_bytes - optimizer_bytes),
+        update_peak_bytes=param_bytes + ema_bytes + live.peak, ema_bytes=ema_bytes,
         act_batch=act_batch, act_flops_per_decision=float(act_flops), update_decisions=T,
         update_flops_per_decision=float(update_flops), published_tensors=len(published),
         published_bytes=_nbytes(published.values()), seconds=seconds)
@@ -332,6 +337,8 @@ def format_report(report: DryRunReport | Mapping) -> str:
         f"update: {_si(r['update_flops_per_decision'], 'FLOP')} per decision (forward and backward, "
         f"{r['update_decisions']} decisions per micro-batch)",
         f"actor bytes: gradients {_bytes(r['grad_bytes'])}, optimizer state {_bytes(r['optimizer_bytes'])}, "
-        f"activations {_bytes(r['activation_bytes'])}; peak {_bytes(r['update_peak_bytes'])}",
+        f"activations {_bytes(r['activation_bytes'])}"
+        + (f", moving average {_bytes(r['ema_bytes'])}" if r.get("ema_bytes") else "")
+        + f"; peak {_bytes(r['update_peak_bytes'])}",
         f"publication: {r['published_tensors']} tensors, {_bytes(r['published_bytes'])}",
     ])

@@ -65,6 +65,10 @@ def test_the_default_jobs_state_policy_dry_run(compose_cfg):
     assert report.params == report.trainable > 0          # every weight of the MLP trains
     assert report.act_flops_per_decision > 0 and report.update_flops_per_decision > report.act_flops_per_decision
     assert report.published_bytes == report.trainable * 4
+    # actor.ema_decay: the average is one more fp32 copy of the trainable tensors, made and exchanged on meta too
+    averaged = dry_run(compose_cfg("actor.ema_decay=0.9"))
+    assert report.ema_bytes == 0 and averaged.ema_bytes == report.trainable * 4
+    assert averaged.update_peak_bytes == report.update_peak_bytes + averaged.ema_bytes
 
 
 def test_meta_dry_run_answers_host_reads():

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from tensordict import TensorDict
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from embodirl import data as D
 from embodirl.actor import fsdp
@@ -156,6 +157,13 @@ class Actor:
         self._changed: set[str] = set()
         self.optimizer_steps = 0
         self._steps_before_update = 0
+        # actor.ema_decay > 0: evaluation acts with an exponential moving average of the trainable tensors (one
+        # average per update), a copy of each on the tensor's own device (FSDP2: this rank's shard)
+        self.ema_decay = float(act.ema_decay)
+        self.ema: dict[str, torch.Tensor] | None = (
+            {name: p.detach().clone() for name, p in self._trainable} if self.ema_decay > 0 else None)
+        self._ema_fn = get_ema_multi_avg_fn(self.ema_decay) if self.ema is not None else None
+        self.ema_swapped = False
 
     # --- public API ----------------------------------------------------------------------------------
     @property
@@ -275,6 +283,7 @@ class Actor:
                     stopped = True
                     break
         self.version += 1
+        self._update_ema()
         metrics = {key: torch.stack([m[key] for m in step_metrics]).mean() for key in
                    (step_metrics[0] if step_metrics else ())}
         epochs_done = (len(step_metrics) + skipped) / steps_per_epoch
@@ -347,9 +356,49 @@ class Actor:
         self._changed.clear()
         return self.version, state
 
-    def gather_trainable(self) -> dict[str, torch.Tensor]:
-        """Every trainable tensor, un-sharded, on CPU (collective under FSDP; publication unaffected)."""
+    def gather_trainable(self, *, evaluated: bool = False) -> dict[str, torch.Tensor]:
+        """Every trainable tensor, un-sharded, on CPU (collective under FSDP; publication unaffected); with
+        ``evaluated``, the weights evaluation acts with (the moving average under ``actor.ema_decay``)."""
+        if evaluated and self.ema is not None and not self.ema_swapped:
+            averaged = {name for name, _ in self._averaged()}
+            return {name: fsdp.full_tensor(self.ema[name] if name in averaged else p).to("cpu", copy=True)
+                    for name, p in self._trainable}
         return {name: fsdp.full_tensor(p).to("cpu", copy=True) for name, p in self._trainable}
+
+    def swap_ema(self) -> bool:
+        """Exchange the averaged tensors with their moving average (``actor.ema_decay``): called once before an
+        evaluation, so the module acts with the average, and once after it; returns whether the average is now in
+        the module (False without an average). The exchanged tensors count as changed for the next publication."""
+        if self.ema is None:
+            return False
+        with torch.no_grad():
+            for name, p in self._averaged():
+                live, avg = fsdp.local_tensor(p), fsdp.local_tensor(self.ema[name])
+                held = live.clone()
+                live.copy_(avg)
+                avg.copy_(held)
+                self._changed.add(name)
+        self.ema_swapped = not self.ema_swapped
+        return self.ema_swapped
+
+    def _averaged(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors the moving average covers: those the optimizer has stepped (it holds their moments). The
+        others keep their own value in evaluation: statistics no gradient reaches (the state normaliser), an idle
+        value head."""
+        state = self.optimizer.state
+        return [(name, p) for name, p in self._trainable if state.get(p)]
+
+    def _update_ema(self) -> None:
+        """After an update: ``ema = decay * ema + (1 - decay) * weights`` for every averaged tensor (a tensor joins
+        with the weights it had before its first step, which is where its average started)."""
+        if self.ema is None:
+            return
+        if self.ema_swapped:
+            raise RuntimeError("the actor trained while its module held the moving average; call swap_ema() after "
+                               "the evaluation")
+        pairs = [(fsdp.local_tensor(self.ema[n]), fsdp.local_tensor(p)) for n, p in self._averaged()]
+        if pairs:
+            self._ema_fn([a for a, _ in pairs], [w for _, w in pairs], None)
 
     def state_dict(self) -> dict:
         """Resumable actor state with full (un-sharded) CPU tensors: ``trainable`` (by parameter
@@ -365,6 +414,8 @@ class Actor:
             "trainable": {name: fsdp.full_tensor(p).to("cpu", copy=True) for name, p in self._trainable},
             # deep copies: the returned state must not alias the live optimizer's moment tensors
             "optimizer": copy.deepcopy(get_optimizer_state_dict(self.policy, self.optimizer, options=options)),
+            "ema": None if self.ema is None else {n: fsdp.full_tensor(t).to("cpu", copy=True)
+                                                  for n, t in self.ema.items()},
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -392,6 +443,26 @@ class Actor:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.replay.load_state_dict(state["replay"])
         self.version, self.optimizer_steps = int(state["version"]), int(state["optimizer_steps"])
+        if self.ema is not None:
+            self.reset_ema(state.get("ema"))
+
+    def reset_ema(self, values: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Set the moving average (``actor.ema_decay``) to ``values`` (full tensors by name), or to the weights."""
+        if self.ema is None:
+            return
+        self.ema_swapped = False
+        with torch.no_grad():
+            for name, p in self._trainable:
+                target = self.ema[name]
+                if values is None:
+                    fsdp.local_tensor(target).copy_(fsdp.local_tensor(p))
+                elif hasattr(target, "device_mesh"):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    shard = distribute_tensor(values[name].to(p.device, p.dtype), target.device_mesh, target.placements)
+                    fsdp.local_tensor(target).copy_(shard.to_local())
+                else:
+                    target.copy_(values[name].to(target.device, target.dtype))
 
     # --- internals -----------------------------------------------------------------------------------
     def _check_batch(self, batch: TensorDict) -> None:

@@ -265,3 +265,9 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The un-sharded value of a (possibly FSDP2 DTensor) parameter; collective under FSDP."""
     data = param.detach()
     return data.full_tensor() if hasattr(data, "full_tensor") else data
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly FSDP2 DTensor) tensor, sharing its storage (in-place writes land in it)."""
+    data = param.detach()
+    return data.to_local() if hasattr(data, "to_local") else data

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 TENSORS = "tensors"
 STATE = "state.json"
-_MODEL, _OPTIM = "model.", "optim."
+_MODEL, _OPTIM, _EMA = "model.", "optim.", "ema."
 
 
 def is_sharded_state(folder: str | Path) -> bool:
@@ -74,6 +74,10 @@ def save_actor(actor, folder: str | Path) -> None:
     tensors, settings = _tensor_state(actor)
     if fresh:
         actor.optimizer.state.clear()
+    if actor.ema is not None:   # actor.ema_decay: the moving average evaluation acts with, sharded as its tensors
+        if actor.ema_swapped:
+            raise RuntimeError("saving while the module holds the moving average; swap it back first")
+        tensors.update({_EMA + name: value for name, value in actor.ema.items()})
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder / TENSORS), save_distributed=True))
@@ -106,6 +110,10 @@ def load_actor(actor, folder: str | Path) -> None:
                          "for another model or LoRA configuration")
     for key in missing:
         tensors.pop(key)
+    # the moving average (actor.ema_decay), read in place; a checkpoint written without one starts it at the weights
+    ema_saved = actor.ema is not None and all(_EMA + name in saved for name in actor.ema)
+    if ema_saved:
+        tensors.update({_EMA + name: value for name, value in actor.ema.items()})
     # ... and must not exist after loading either: reading the layout above gave every trainable tensor fresh
     # moments, which torch's unflattening would then look for in the checkpoint (and fill with empty dicts)
     params = dict(actor.policy.named_parameters())
@@ -121,6 +129,8 @@ def load_actor(actor, folder: str | Path) -> None:
                  planner=DefaultLoadPlanner(allow_partial_load=True))
     model_sd = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}
     optim_sd = {k[len(_OPTIM):]: v for k, v in tensors.items() if k.startswith(_OPTIM)}
+    if actor.ema is not None and not ema_saved:
+        log.info("the checkpoint %s holds no moving average of the weights (actor.ema_decay): it starts at them", folder)
     # the settings of groups whose moments exist; settings are JSON (betas come back as lists)
     for key, value in state["optimizer_settings"].items():
         optim_sd[key] = tuple(value) if key.endswith(".betas") else value
@@ -132,6 +142,8 @@ def load_actor(actor, folder: str | Path) -> None:
     actor.kl_ctrl.load_state_dict(state["kl_ctrl"])
     actor.version, actor.optimizer_steps = int(state["version"]), int(state["optimizer_steps"])
     actor.replay.load_state_dict(_load_replay(folder, state))
+    if actor.ema is not None and not ema_saved:
+        actor.reset_ema()
 
 
 def _saved_keys(folder: Path) -> set[str]:

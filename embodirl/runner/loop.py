@@ -282,6 +282,7 @@ class Runner:
         H = cfg.model.action_chunk
         kl_active = self.algorithm.kl_active
         offload = cfg.actor.enable_offload
+        ema = cfg.actor.ema_decay > 0
         max_steps = r.max_steps
         progress = None
         if r.progress_bar:
@@ -294,7 +295,17 @@ class Runner:
             return self._save(step, actors, starts_rng, state["env_steps"], groups=groups, kl_coef=state["kl_coef"])
 
         def evaluate(step: int) -> None:
-            success = self._log_eval(logger, groups, step)
+            if ema:   # actor.ema_decay: the acting policy evaluates the moving average, then gets the weights back
+                actors.swap_ema()
+                groups.sync_weights(full=True)
+            try:
+                success = self._log_eval(logger, groups, step)
+            finally:
+                if ema:
+                    actors.swap_ema()
+                    groups.sync_weights(full=True)
+                if ema and offload:
+                    actors.offload()
             if not self.guard.enabled:
                 return
             if self.guard.is_new_best(success):   # the rollback target: this evaluation's weights and actor state

@@ -204,6 +204,7 @@ class Actor:
     cpu_world_size: int = num(1)
     enable_offload: bool = required()
     compile: bool = required()
+    ema_decay: float = num(0, 1, hi_open=True)
     optim: Optim = section(Optim)
     fsdp: FSDP = section(FSDP)
     replay_buffer: ReplayBuffer = section(ReplayBuffer)

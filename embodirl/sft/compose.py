@@ -126,6 +126,9 @@ def _check_common(cfg: DictConfig, s) -> None:
     if ranks != 1:
         raise ConfigError("actor.cpu_world_size", f"gives {ranks} actor ranks, but embodirl sft runs one actor "
                                                   "rank in this process for now; set it to 1 (one GPU)")
+    if float(cfg.actor.ema_decay) > 0:
+        raise ConfigError("actor.ema_decay", "averages the weights over RL training steps for evaluation; embodirl sft "
+                                             "exports the trained weights, so leave it 0")
     micro = s.micro_batch_size or s.batch_size
     if micro > s.batch_size:
         raise ConfigError("sft.micro_batch_size", f"is {micro}, more than sft.batch_size={s.batch_size}")

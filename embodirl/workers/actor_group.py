@@ -174,6 +174,11 @@ class ActorGroup:
     def set_lr_scale(self, scale: float) -> None:
         self._call_all(ActorWorker.set_lr_scale, [(float(scale),)] * self.world_size)
 
+    def swap_ema(self) -> bool:
+        """Every rank exchanges its weights with their moving average (``actor.ema_decay``); whether the ranks now
+        hold the average (False when there is none)."""
+        return bool(self._call_all(ActorWorker.swap_ema)[0])
+
     def offload(self) -> None:
         self._call_all(ActorWorker.offload)
 

@@ -164,6 +164,12 @@ class ActorWorker:
         """The configured learning rates times ``scale`` from now on (every rank)."""
         self.actor.set_lr_scale(scale)
 
+    def swap_ema(self) -> bool:
+        """Exchange the trainable weights with their moving average (``actor.ema_decay``; every rank): before an
+        evaluation and after it. Returns whether the module now holds the average."""
+        self.onload()
+        return self.actor.swap_ema()
+
     # --- checkpoints --------------------------------------------------------------------------------
     def save(self, actor_dir: str, policy_dir: str | None = None) -> None:
         """Actor state, sharded (every rank); the policy export in its public layout (rank 0)."""
@@ -172,7 +178,7 @@ class ActorWorker:
         self.onload()
         save_actor(self.actor, actor_dir)
         if policy_dir is not None:
-            tensors = self.actor.gather_trainable()     # collective
+            tensors = self.actor.gather_trainable(evaluated=True)     # collective; the weights evaluation acts with
             if self.rank == 0:
                 self.policy.save_trainable(Path(policy_dir), tensors)
 

@@ -40,6 +40,7 @@ def test_composition_defaults_and_overrides():
     (["sft.stop_token=maybe"], "sft.stop_token"),
     (["actor.cpu_world_size=2"], "actor.cpu_world_size"),
     (["runner.max_steps=0"], "runner.max_steps"),
+    (["actor.ema_decay=0.9"], "actor.ema_decay"),      # an RL-step average; SFT exports its trained weights
 ])
 def test_checks_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as exc:
