@@ -31,6 +31,8 @@ def scenarios():
                                                "fsdp.cpu_offload": True})),
         "token_grpo_seqmean": ("token", actor_cfg(grpo(loss_agg_func="seq-mean-token-mean", update_epochs=2),
                                                     fp32)),
+        # the moving average evaluation acts with (actor.ema_decay): averaged, swapped and saved shard by shard
+        "token_grpo_ema": ("token", actor_cfg(grpo(), {**fp32, "ema_decay": 0.5})),
         # bf16 compute with fp32 master weights and fp32 reduction
         "token_ppo_bf16": ("token", actor_cfg(ppo(), {**fp32, "fsdp.param_dtype": "bfloat16"})),
         # the real tiny OpenVLA-OFT: transformers blocks (DINOv2, SigLIP, Llama) as units, peft LoRA
@@ -87,12 +89,32 @@ def _rank_main(rank: int, port: int, out_dir: str):
                 for resumed in (actor, restored):
                     run_update(resumed, shard)
                 result["resumed"] = [x.publish_weights(full=True)[1] for x in (actor, restored)]
+            if name == "token_grpo_ema":
+                result["ema"] = average_swap_and_save(actor, shard, cfg, os.path.join(out_dir, "ema_ckpt"))
             if name == "token_ppo_bf16":  # collocated placement: parked in host buffers and back, twice
                 result["parked"] = park_twice_and_update(actor, shard, cfg)
             if rank == 0:
                 torch.save(result, os.path.join(out_dir, f"{name}.pt"))
     finally:
         torch.distributed.destroy_process_group()
+
+
+def average_swap_and_save(actor: Actor, shard, cfg, folder: str) -> dict:
+    """A second update, then the average as evaluation and a checkpoint see it, the module while swapped and after
+    swapping back, and a fresh 2-rank actor's average after loading the sharded checkpoint (DCP)."""
+    from embodirl.actor.sharded_state import load_actor, save_actor
+
+    run_update(actor, shard)
+    out = {"evaluated": actor.gather_trainable(evaluated=True), "weights": actor.gather_trainable()}
+    assert actor.swap_ema()
+    out["swapped"] = actor.publish_weights(full=True)[1]
+    assert not actor.swap_ema()
+    out["back"] = actor.publish_weights(full=True)[1]
+    save_actor(actor, folder)
+    restored = Actor(make_policy("token"), cfg, task_table=TASKS, device="cpu")
+    load_actor(restored, folder)
+    out["loaded"] = restored.gather_trainable(evaluated=True)
+    return out
 
 
 def park_twice_and_update(actor: Actor, shard, cfg) -> dict:
@@ -124,7 +146,7 @@ def free_port() -> int:
 def two_rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     mp.spawn(_rank_main, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return {name: torch.load(out / f"{name}.pt") for name in scenarios()}
+    return {**{name: torch.load(out / f"{name}.pt") for name in scenarios()}, "_dir": out}
 
 
 @pytest.mark.slow
@@ -160,6 +182,34 @@ def test_two_fsdp_ranks_match_one_process(two_rank_results, name):
             torch.testing.assert_close(got["metrics"][key], metrics[key], rtol=1e-4, atol=1e-6, msg=key)
     if name == "token_ppo_kl":
         assert got["metrics"]["actor/kl"] > 0  # second epoch: the adapter has moved away from the reference
+
+
+@pytest.mark.slow
+def test_the_moving_average_on_two_ranks(two_rank_results):
+    """actor.ema_decay under FSDP2: each rank averages its shards; the gathered average is the one-process average, the
+    swap puts exactly it into the module and back, and the sharded checkpoint restores it on 2 ranks and on 1."""
+    from embodirl.actor.sharded_state import load_actor
+
+    kind, cfg = scenarios()["token_grpo_ema"]
+    single = Actor(make_policy(kind), cfg, task_table=TASKS, device="cpu")
+    batch = prepared_batch(kind, cfg)
+    for _ in range(2):
+        run_update(single, batch)
+    got = two_rank_results["token_grpo_ema"]["ema"]
+    want = single.gather_trainable(evaluated=True)
+    assert set(got["evaluated"]) == set(want)
+    moved = [k for k in want if not torch.equal(want[k], single.gather_trainable()[k])]
+    assert moved, "the average should differ from the weights after two updates"
+    for key, value in want.items():
+        torch.testing.assert_close(got["evaluated"][key], value, rtol=1e-4, atol=1e-6, msg=key)
+    for key in want:
+        torch.testing.assert_close(got["swapped"][key], got["evaluated"][key], rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(got["back"][key], got["weights"][key], rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(got["loaded"][key], got["evaluated"][key], rtol=0, atol=0, msg=key)
+    one = Actor(make_policy(kind), cfg, task_table=TASKS, device="cpu")     # the 2-rank checkpoint on 1 rank
+    load_actor(one, two_rank_results["_dir"] / "ema_ckpt")
+    for key, value in one.gather_trainable(evaluated=True).items():
+        torch.testing.assert_close(value, got["evaluated"][key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.slow
