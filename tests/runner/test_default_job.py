@@ -1,12 +1,13 @@
 """The README's default job learns: `embodirl train` with the default config (ManiSkill PushCube, state policy
-with the state normaliser, joint-delta control, chunk-level PPO), cut to its first 60 training steps (96k
+with the state normaliser, joint-delta control, chunk-level PPO), cut to its first 50 training steps (80k
 simulator steps) with the learning rate decaying as in the whole 100-step job, through the real CLI.
 
-The test asserts the greedy evaluation success (50 episodes) before training is low and at step 60 clears a
+The test asserts the greedy evaluation success (50 episodes) before training is low and at step 50 clears a
 bar the untrained policy never does. The bar is set from the seed sweep in the README (seeds 1-10 of the whole
-job on this project's machine): at step 60 they scored 0.58 to 0.96 (median 0.90), the untrained policy 0.00.
+job on this project's machine): at step 50 they scored 0.46 to 0.96 (median 0.76), the untrained policy 0.00.
 RL on another CPU follows another trajectory from the same seed, so one seed here stands for a draw from that
-distribution: the bar (0.4) sits below its worst seed, and a learner that does not learn stays near 0."""
+distribution: the bar (0.3) sits below its worst seed, and a learner that does not learn stays near 0. Step 50,
+not the job's 100: the suite's slowest tests are made cheaper rather than dropped (60 steps until 2026-11-28)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from embodirl.runner.metrics_logger import read_metrics
 
-STEPS = 60
+STEPS = 50
 
 
 @pytest.mark.slow
@@ -37,7 +38,7 @@ def test_default_job_learns_pushcube(tmp_path):
     print("eval success by step:", evals)
     assert sorted(evals) == [0, STEPS]
     assert evals[0] <= 0.15                                   # the untrained policy rarely pushes the cube home
-    assert evals[STEPS] >= 0.4, evals
+    assert evals[STEPS] >= 0.3, evals
     # the recipe's model.init_log_std=-1.0 is the policy the run starts from: a Gaussian's entropy per action
     # dimension is 0.5 * ln(2 pi e) + log std (0.42 here, 0.92 at the model's default -0.5); one update barely moves it
     first = next(r for r in records if "actor/entropy" in r)

@@ -1,6 +1,6 @@
 """Demonstrations -> SFT -> RL on real ManiSkill PushCube from 64 px camera images, through the CLI: the README's
 "Result on this machine" chain, its RL phase cut short. ``embodirl demos`` records 100 expert episodes, ``embodirl
-sft`` fully fine-tunes the tiny OpenVLA-OFT for 300 steps on their action tokens, and ``embodirl train`` runs 4
+sft`` fully fine-tunes the tiny OpenVLA-OFT for 300 steps on their action tokens, and ``embodirl train`` runs 2
 GRPO steps from that checkpoint (8 simulators, 2 groups of 8 per update), evaluating (greedy, the same 50 initial
 states with 5 simulators) before and after. Smaller than the README's RL phase (16 simulators, 10 for evaluation)
 to keep the chain near 5 minutes: the simulators' start-up was a third of it.
@@ -30,7 +30,7 @@ COMMON = [*DEMOS, "env.eval.image_size=[64,64]", "model=openvla_oft_tiny", "clus
 SFT = ["sft.batch_size=32", "actor.optim.lr=5e-4", "runner.max_steps=300", "runner.save_interval=300",
        "runner.torch_threads=1",   # the suite's other worker shares the cores (on 2: 750 s beside it, 294 s alone)
        "runner.val_check_interval=0"]
-RL_STEPS = 4
+RL_STEPS = 2   # 4 until 2026-11-28: what is asserted needs updates, not many of them
 RL = ["algorithm=grpo", "algorithm.group_size=8", "env.train.use_fixed_reset_state_ids=true", "env.train.num_envs=8",
       "env.train.ignore_terminations=true", "env.eval.ignore_terminations=true", "rollout.rollout_epoch=2",
       "actor.optim.lr=2e-4", f"runner.max_steps={RL_STEPS}", f"runner.val_check_interval={RL_STEPS}",
