@@ -12,8 +12,8 @@ _SHARED_ASSETS = ROOT.parent / "shared" / "libero_assets"
 if "EMBODIRL_LIBERO_ASSETS" not in os.environ and _SHARED_ASSETS.is_dir():
     os.environ["EMBODIRL_LIBERO_ASSETS"] = str(_SHARED_ASSETS)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# bin/test runs three pytest workers on two cores. torch's intra-op pool spin-waits (embodirl.runtime.torch_threads:
-# a batch-8 decision took 50 ms on 2 threads beside busy simulators, 0.14 ms on 1), so several workers with a 2-thread
+# bin/test runs two pytest workers on two cores. torch's intra-op pool spin-waits (embodirl.runtime.torch_threads:
+# a batch-8 decision took 50 ms on 2 threads beside busy simulators, 0.14 ms on 1), so two workers with a 2-thread
 # pool each, plus what they start, burn the cores spinning. Under xdist each worker and the processes it starts
 # compute on EMBODIRL_TEST_TORCH_THREADS threads (default 1; `default` keeps torch's and OpenMP's own choice).
 # The CLI runs the tests start set their own count (runner.torch_threads, 1 on up to 4 cores). Measured on the
@@ -41,7 +41,7 @@ def compose_cfg():
 
 
 # --- scheduling: the costliest test files start first --------------------------------------------------------------
-# bin/test runs pytest-xdist workers with `--dist loadfile --no-loadscope-reorder`: a file runs on one worker,
+# bin/test runs two pytest-xdist workers with `--dist loadfile --no-loadscope-reorder`: a file runs on one worker,
 # and files are handed out in collection order. xdist's own order (most tests first) put the single-test chains
 # (SFT -> RL, the default job: 2-5 minutes each) last, where one worker could run them alone while the other idled.
 # Sorting files by their measured seconds, longest first, is the longest-processing-time rule. Measured on a quiet
