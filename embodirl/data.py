@@ -47,11 +47,24 @@ logprob_ref            [N,T,L]             float32  reference-policy log-probs (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from tensordict import TensorDict
 
 from embodirl.envs import base as _base
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+
+def __getattr__(name: str):
+    # tensordict is imported on first use, not with this module: importing it imports torch._dynamo (a third of
+    # `embodirl train --cfg job`'s time), and the schema reads this module's field names before anything runs.
+    if name == "TensorDict":
+        from tensordict import TensorDict
+
+        return TensorDict
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 IMAGES = "images"
 STATE = "state"
@@ -128,6 +141,8 @@ def validate(batch: TensorDict, *, require: tuple[str, ...] = ()) -> dict[str, i
     Symbols (H, A, L, V, ...) must be consistent across fields: e.g. ``action_tokens``'s L must equal
     ``logprob_behavior``'s L. Unknown keys are rejected so that nothing rides along untyped.
     """
+    from tensordict import TensorDict
+
     if not isinstance(batch, TensorDict):
         raise TrajectoryError(f"a trajectory must be a TensorDict, got {type(batch).__name__}")
     if batch.batch_dims != 2:
@@ -190,6 +205,8 @@ def make_trajectory(fields: dict[str, torch.Tensor], extras: dict[str, torch.Ten
         if tensor.dim() == 1 and tensor.shape[0] == N and FIELDS.get(key, FieldSpec((), torch.int64)).dims == ():
             tensor = tensor[:, None].expand(N, T).contiguous()
         data[key] = tensor
+    from tensordict import TensorDict
+
     td = TensorDict(data, batch_size=[N, T])
     if extras:
         td.set(EXTRAS, _extras_td(extras, N, T))
@@ -200,6 +217,8 @@ def make_trajectory(fields: dict[str, torch.Tensor], extras: dict[str, torch.Ten
 def _extras_td(extras: dict[str, torch.Tensor], N: int, T: int) -> TensorDict:
     # Stored with batch dims [N, T] so that the whole batch splits along N; the value is repeated over
     # T and read back with :func:`get_extra` (first decision).
+    from tensordict import TensorDict
+
     return TensorDict({k: v.unsqueeze(1).expand(N, T, *v.shape[1:]).contiguous() for k, v in extras.items()},
                       batch_size=[N, T])
 
