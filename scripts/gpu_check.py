@@ -47,12 +47,17 @@ MODES = {
             "actor": ["--trajectories", "16", "--decisions", "8", "--micro-batch", "8", "--repeats", "2"],
             "pi0": "pi0", "pi0_policy": ["--batches", "1", "8", "32", "64", "--rounds", "3"],
             "pi0_actor": ["--trajectories", "8", "--decisions", "8", "--micro-batch", "2", "--repeats", "2"]},
+    # the same paths at their smallest: two act batches (the compiled blocks meet a second size, as on the GPU), one
+    # timed decoding round; the CLI runs train on one GRPO group of 4 in 2 micro-batches, on episodes of 2 decisions
+    # (the evaluation keeps its 32 episodes: 4 tasks x 8 trials)
     "cpu": {"preset": "openvla_oft_tiny", "device": "cpu", "dtype": "bfloat16",
-            "policy": ["--rounds", "2", "--decode-batches", "1", "--act-batches", "1", "4", "--threads", "1",
+            "policy": ["--rounds", "1", "--decode-batches", "1", "--act-batches", "1", "2", "--threads", "1",
                        "--merge-lora", "--compile"],
             "actor": ["--trajectories", "4", "--decisions", "2", "--micro-batch", "2", "--repeats", "1"],
             "pi0": "pi0_tiny", "pi0_policy": ["--batches", "1", "4", "--rounds", "1", "--threads", "1"],
-            "pi0_actor": ["--trajectories", "4", "--decisions", "2", "--micro-batch", "2", "--repeats", "1"]},
+            "pi0_actor": ["--trajectories", "4", "--decisions", "2", "--micro-batch", "2", "--repeats", "1"],
+            "cli": {"env.train.num_envs": "4", "actor.global_batch_size": "4", "env.train.max_episode_steps": "16",
+                    "env.eval.max_episode_steps": "16"}},
 }
 TRAIN_STEPS = 3
 #: the GPU issue's goals
@@ -195,12 +200,16 @@ def pi0_step(report: Report, mode: dict) -> dict:
 
 
 def cli_overrides(mode: dict) -> list[str]:
-    """The preset on the toy task, GRPO, in this process, small enough for a check."""
-    return ["env=toy_reach", f"model={mode['preset']}", f"model.dtype={mode['dtype']}", "algorithm=grpo",
-            "algorithm.group_size=4", "algorithm.filter_groups.enable=false", "env.train.use_fixed_reset_state_ids=true",
-            "env.train.num_envs=8", "env.eval.num_envs=8", "rollout.rollout_epoch=1", "actor.global_batch_size=8",
-            "actor.micro_batch_size=2", "cluster.use_ray=false", f"model.device={mode['device']}",
-            "runner.progress_bar=false", "runner.logger.tensorboard=false", "runner.eval_num_videos=1"]
+    """The preset on the toy task, GRPO, in this process, small enough for a check (the mode's ``cli`` values replace
+    the defaults' in place)."""
+    overrides = dict(item.split("=", 1) for item in [
+        "env=toy_reach", f"model={mode['preset']}", f"model.dtype={mode['dtype']}", "algorithm=grpo",
+        "algorithm.group_size=4", "algorithm.filter_groups.enable=false", "env.train.use_fixed_reset_state_ids=true",
+        "env.train.num_envs=8", "env.eval.num_envs=8", "rollout.rollout_epoch=1", "actor.global_batch_size=8",
+        "actor.micro_batch_size=2", "cluster.use_ray=false", f"model.device={mode['device']}",
+        "runner.progress_bar=false", "runner.logger.tensorboard=false", "runner.eval_num_videos=1"])
+    overrides.update(mode.get("cli", {}))
+    return [f"{key}={value}" for key, value in overrides.items()]
 
 
 def train_step(report: Report, mode: dict, work: Path) -> dict:

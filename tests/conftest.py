@@ -78,6 +78,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _finish_cpu(session)
     # the controller (or a run without workers) sees every report; a worker only its own
     if os.environ.get("EMBODIRL_RECORD_DURATIONS") == "1" and not hasattr(session.config, "workerinput") and _seconds:
         import json
@@ -86,3 +87,113 @@ def pytest_sessionfinish(session, exitstatus):
         merged = {p: s for p, s in merged.items() if (ROOT / p).is_file()}               # and drops removed ones
         ranked = dict(sorted(merged.items(), key=lambda kv: -kv[1]))
         DURATIONS.write_text(json.dumps(ranked, indent=1) + "\n")
+
+
+# --- CPU per test: what each test costs the machine, every process it starts included --------------------------------
+# The suite is bound by two cores, so a test's price is its CPU seconds, not its wall time (which doubles when the other
+# worker is busy). `EMBODIRL_RECORD_CPU=<file> bin/test` puts each pytest process in its own cpuacct cgroup (cgroup v1
+# or v2; children inherit it, so simulators, Ray daemons and CLI runs count even when they outlive their parent) and
+# writes {test id: CPU seconds of setup, call and teardown} to <file>, with a summary of the costliest tests at the end.
+# Processes still alive after a test are charged to the tests that follow; `left` counts them.
+_CPU_FILE = os.environ.get("EMBODIRL_RECORD_CPU")
+
+
+class _CpuGroup:
+    """A cgroup this process moved into; ``usage()`` is the CPU seconds of everything in it so far."""
+
+    def __init__(self, name: str):
+        # beneath the group this process is in, so that an outer measurement still counts this one
+        current = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
+        v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpuacct")
+        v1_key = next((k for k in current if "cpuacct" in k.split(",")), None)
+        if (v2 / "cgroup.controllers").is_file():
+            self.path, self._usage = v2 / current[""].lstrip("/") / name, self._usage_v2
+        elif (v1 / "cpuacct.usage").is_file() and v1_key is not None:
+            self.path, self._usage = v1 / current[v1_key].lstrip("/") / name, self._usage_v1
+        else:
+            raise OSError("no cgroup v2 and no cgroup v1 cpuacct hierarchy under /sys/fs/cgroup")
+        self.path.mkdir(exist_ok=True)
+        (self.path / "cgroup.procs").write_text(f"{os.getpid()}\n")
+
+    def _usage_v1(self) -> float:
+        return int((self.path / "cpuacct.usage").read_text()) / 1e9
+
+    def _usage_v2(self) -> float:
+        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
+        return int(stat["usage_usec"]) / 1e6
+
+    def usage(self) -> float:
+        return self._usage()
+
+    def leave(self) -> None:
+        """Move this process back to the parent group and remove this one if nothing is left in it."""
+        (self.path.parent / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        try:
+            self.path.rmdir()
+        except OSError:     # processes that outlived the session are still in it
+            pass
+
+    def others(self) -> int:
+        return sum(1 for pid in (self.path / "cgroup.procs").read_text().split() if int(pid) != os.getpid())
+
+
+_cpu_group: _CpuGroup | None = None
+_cpu_rows: list[dict] = []
+
+
+def pytest_configure(config):
+    global _cpu_group
+    if _CPU_FILE:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        try:
+            _cpu_group = _CpuGroup(f"embodirl_tests_{worker}_{os.getpid()}")
+        except OSError as exc:
+            import warnings
+
+            warnings.warn(f"EMBODIRL_RECORD_CPU: cannot make a cgroup ({exc}); CPU per test is not recorded", stacklevel=1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _cpu_group is None:
+        yield
+        return
+    before = _cpu_group.usage()
+    yield
+    _cpu_rows.append({"test": item.nodeid, "cpu_s": round(_cpu_group.usage() - before, 2), "left": _cpu_group.others()})
+
+
+def _finish_cpu(session) -> None:
+    import json
+
+    if _cpu_group is None:
+        return
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:            # an xdist worker hands its rows to the controller (_cpu_from_worker)
+        workeroutput["embodirl_cpu"] = json.dumps(_cpu_rows)
+        return
+    _cpu_rows.sort(key=lambda r: -r["cpu_s"])
+    Path(_CPU_FILE).write_text(json.dumps({r["test"]: r["cpu_s"] for r in _cpu_rows}, indent=1) + "\n")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    import json
+
+    _cpu_rows.extend(json.loads(getattr(node, "workeroutput", {}).get("embodirl_cpu", "[]")))
+
+
+def pytest_unconfigure(config):
+    if _cpu_group is not None:
+        _cpu_group.leave()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _cpu_group is None or not _cpu_rows or hasattr(terminalreporter.config, "workerinput"):
+        return
+    total = sum(r["cpu_s"] for r in _cpu_rows)
+    terminalreporter.write_sep("=", f"CPU seconds by test, every process it started: {total:.0f} s in "
+                                    f"{len(_cpu_rows)} tests ({_CPU_FILE})")
+    for r in _cpu_rows[:40]:
+        left = f"  ({r['left']} processes left after it)" if r["left"] else ""
+        terminalreporter.write_line(f"{r['cpu_s']:9.1f}  {r['test']}{left}")

@@ -1,7 +1,8 @@
 """``scripts/gpu_check.sh --cpu``: the one-command GPU check, in its CPU mode (the tiny preset through the same
 steps: dry run, policy and actor benchmarks, a 3-step in-process CLI run with an evaluation and a checkpoint, and
 ``embodirl eval`` from it, and π0's act and update), so that the script a lent GPU machine runs cannot rot unnoticed.
-~60 s."""
+The CPU mode runs every step and code path at its smallest sizes (``MODES["cpu"]`` in scripts/gpu_check.py): about
+2 CPU-minutes, almost all of it the seven Python processes' start-up, imports and model builds."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """bin/test's scheduling (tests/conftest.py): test files are collected longest first by the seconds a durations
 file records, and a run with EMBODIRL_RECORD_DURATIONS=1 writes the seconds of the files it ran into that file,
-keeping the other files' entries; each xdist worker computes on EMBODIRL_TEST_TORCH_THREADS torch threads."""
+keeping the other files' entries; each xdist worker computes on EMBODIRL_TEST_TORCH_THREADS torch threads; a run
+with EMBODIRL_RECORD_CPU=<file> writes each test's CPU seconds, those of the processes it started included."""
 
 from __future__ import annotations
 
@@ -84,3 +85,33 @@ def test_xdist_workers_compute_on_the_configured_number_of_threads(tmp_path):
     assert all(s == {"torch": 1, "omp": "1"} for s in probe(None))          # the default: one thread per worker
     assert all(s == {"torch": 2, "omp": "2"} for s in probe("2"))
     assert all(s["omp"] is None for s in probe("default"))                   # torch's and OpenMP's own choice
+
+
+CPU_PROBE = "EMBODIRL_CPU_PROBE"
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass"
+
+
+@pytest_module.mark.skipif(CPU_PROBE not in os.environ, reason="run by the next test inside xdist workers")
+@pytest_module.mark.parametrize("seconds", [0.0, 1.5])
+def test_cpu_probe(seconds):
+    # the CPU is spent by a child process, as the suite's CLI tests spend theirs
+    subprocess.run([sys.executable, "-c", BURN.format(s=seconds)], check=True, timeout=120)
+
+
+def _cgroups_writable() -> bool:
+    root = Path("/sys/fs/cgroup")
+    base = root if (root / "cgroup.controllers").is_file() else root / "cpuacct"
+    return (base / "cgroup.procs").is_file() and os.access(base, os.W_OK)
+
+
+@pytest_module.mark.skipif(not _cgroups_writable(), reason="needs a writable cgroup (v2, or v1 cpuacct)")
+def test_a_cpu_recording_run_charges_each_test_with_the_processes_it_started(tmp_path):
+    cpu = tmp_path / "cpu.json"
+    proc = pytest(["-n", "2", f"{Path(__file__).relative_to(ROOT)}::test_cpu_probe"], tmp_path / "durations.json",
+                  EMBODIRL_RECORD_CPU=str(cpu), **{CPU_PROBE: "1"})
+    recorded = json.loads(cpu.read_text())
+    idle, busy = (f"tests/test_scheduling.py::test_cpu_probe[{s}]" for s in ("0.0", "1.5"))
+    assert set(recorded) == {idle, busy}, recorded
+    assert recorded[busy] >= 1.4 and recorded[busy] > recorded[idle] + 1.0, recorded
+    assert "CPU seconds by test" in proc.stdout
+    assert not list(tmp_path.glob("cpu.json.*"))

@@ -23,8 +23,10 @@ from embodirl.runner.metrics_logger import read_metrics
 CLI_TIMEOUT_S = 900.0
 CLEANUP_DEADLINE_S = 30.0
 MAX_EPISODE_STEPS = 16          # two decisions of the 8-action chunk
+# one evaluation simulator: it runs the evaluation's episodes in turn (LIBERO rebuilds its scene for the second
+# task), the same episodes as two simulators would, with one simulator process fewer to start per run
 SMALL = ["model=openvla_oft_tiny", "algorithm=grpo", "algorithm.group_size=2", "env.train.num_envs=2",
-         "env.eval.num_envs=2", "env.train.use_fixed_reset_state_ids=true",
+         "env.eval.num_envs=1", "env.train.use_fixed_reset_state_ids=true",
          f"env.train.max_episode_steps={MAX_EPISODE_STEPS}", f"env.eval.max_episode_steps={MAX_EPISODE_STEPS}",
          "env.train.image_size=[64,64]", "env.eval.image_size=[64,64]", "runner.progress_bar=false",
          "runner.logger.tensorboard=false", "runner.eval_num_videos=1"]
