@@ -169,7 +169,7 @@ def _finish_cpu(session) -> None:
     if _cpu_group is None:
         return
     workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:            # an xdist worker hands its rows to the controller (_cpu_from_worker)
+    if workeroutput is not None:            # an xdist worker hands its rows to the controller (pytest_testnodedown)
         workeroutput["embodirl_cpu"] = json.dumps(_cpu_rows)
         return
     _cpu_rows.sort(key=lambda r: -r["cpu_s"])
