@@ -354,7 +354,10 @@ def check_ray(cfg) -> Check:
         return Check("ray", True, f"a local Ray over this machine's {n} {acc.upper()} slot(s) holds the placement")
     import ray
 
+    from embodirl.workers.ray_cluster import join_auth
+
     try:
+        join_auth()
         ray.init(address=address, ignore_reinit_error=True, logging_level="ERROR", log_to_driver=False)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         resources = ray.cluster_resources()

@@ -3,7 +3,9 @@
 A policy builder is registered with :func:`register_policy` and called as
 ``builder(model, env_spec: EnvSpec) -> Policy`` with ``model`` an instance of the config class it registered with
 (:func:`model_config` converts a composed node once); ``check_config(model)`` (optional attribute of the builder)
-runs cheap checks before any worker starts.
+runs cheap checks before any worker starts, and ``check_spec(model, env_spec)`` (optional too) the checks against the
+env's spec, in the driver, once the first env worker has reported it (:func:`check_policy_spec`): a Ray worker that
+built the policy would otherwise die with the sentence inside a traceback.
 """
 
 from __future__ import annotations
@@ -34,3 +36,12 @@ def model_config(node: Any):
 def make_policy(model_cfg: Any, env_spec):
     model = model_config(model_cfg)
     return get_policy_builder(model.name)(model, env_spec)
+
+
+def check_policy_spec(model_cfg: Any, env_spec) -> None:
+    """The policy's cheap checks against ``env_spec`` (its builder's ``check_spec``; a :class:`ConfigError`), run
+    where the driver learns the spec, before any inference worker or actor rank builds the policy."""
+    model = model_config(model_cfg)
+    check = getattr(get_policy_builder(model.name), "check_spec", None)
+    if check is not None:
+        check(model, env_spec)

@@ -211,9 +211,7 @@ class StateMLPConfig(CommonModelConfig):
 def build_state_policy(cfg, env_spec) -> StateMLPPolicy:
     """The policy ``model`` (the typed :class:`StateMLPConfig`, or a DictConfig or plain mapping of it) describes."""
     model = instance(StateMLPConfig, cfg, "model")
-    if env_spec.state_dim <= 0:
-        raise ConfigError("model.name", f"state_mlp needs a state observation but env '{env_spec.name}' has none; "
-                                        "use obs_mode=state or a pixel policy such as openvla_oft_tiny")
+    check_spec(model, env_spec)
     if model.value_type not in VALUE_TYPES:
         raise ConfigError("model.value_type", f"'{model.value_type}' is not one of {', '.join(VALUE_TYPES)}")
     # model.device / model.dtype: where and in which dtype every tensor of the policy is created
@@ -228,6 +226,13 @@ def build_state_policy(cfg, env_spec) -> StateMLPPolicy:
 
         policy.load_state_dict(load_file(model.path))
     return policy
+
+
+def check_spec(model, env_spec) -> None:
+    if env_spec.state_dim <= 0:
+        raise ConfigError("model.name", f"state_mlp needs a state observation but env '{env_spec.name}' has none; "
+                                        "turn on the env's state observation (toy_reach: env.train.state_obs=true, "
+                                        "ManiSkill: obs_mode=state) or use a pixel policy such as openvla_oft_tiny")
 
 
 def check_config(cfg) -> None:
@@ -254,3 +259,4 @@ def check_weights_file(path) -> None:
 
 
 build_state_policy.check_config = check_config
+build_state_policy.check_spec = check_spec

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from embodirl.algorithms.estimators import uses_critic
 from embodirl.channel import segments
+from embodirl.models.registry import check_policy_spec
 from embodirl.placement import use_ray
 from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import EpisodeStarts
@@ -136,6 +137,7 @@ class WorkerGroups:
         else:
             self.eval_env = self._env_group("env.eval", eval_layout, placement_offset=layout.num_env_workers)
         spec = (self.env or self.eval_env).spec
+        check_policy_spec(cfg.model, spec)   # a mismatch is one sentence here, not a dead Ray worker's traceback
         if policy_for is not None:
             self.policy = policy = policy_for(spec)
             if self.remote and cfg.model.path:

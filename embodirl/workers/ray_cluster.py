@@ -37,13 +37,44 @@ def init_ray(configured_address: str | None = None, *, num_cpus: int | None = No
     options.update(kwargs)
     if address:
         log.info("joining the Ray cluster at %s", address)
-        ray.init(address=address, **options)
+        join_auth()
+        try:
+            ray.init(address=address, **options)
+        except ConnectionError as exc:
+            from embodirl.errors import ConfigError
+
+            where = "cluster.ray_address" if configured_address else "cluster.ray_address (from RAY_ADDRESS)"
+            root = exc
+            while root.__cause__ is not None:   # Ray chains the reason (refused token, no answer) under its own
+                root = root.__cause__
+            reason = (str(root).strip().splitlines() or [type(root).__name__])[-1].strip()
+            raise ConfigError(where, f"cannot join the Ray cluster at {address} ({reason}); start it with "
+                                     "`ray start --head`, or unset RAY_ADDRESS / cluster.ray_address to start a "
+                                     "private Ray") from None
     else:
         # "local": a new private instance. A bare ray.init() would first join the head recorded in
         # /tmp/ray/ray_current_cluster by any `ray start` (or ray.cluster_utils.Cluster) on this machine
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **options)
         log.info("started a local Ray instance: %s", _brief(ray.cluster_resources()))
     return ray.cluster_resources()
+
+
+def join_auth() -> None:
+    """Before joining a cluster: turn Ray's token authentication on as ``ray start`` does. Since Ray 2.59 a new
+    local Ray writes a token to ~/.ray/auth_token, and ``ray start`` then enables token authentication whenever a
+    token exists and ``RAY_AUTH_MODE`` is unset; a driver joining with ``ray.init(address=...)`` does not, so on
+    Ray 2.60 it was refused (``InvalidAuthToken``) by the head it was told to join. Ray's own rule is applied
+    (a driver sending a token to a cluster without authentication is accepted); an explicit ``RAY_AUTH_MODE`` wins,
+    and a Ray without the rule is left alone."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def shutdown_ray() -> None:

@@ -127,3 +127,15 @@ def test_inference_worker_killed_mid_rollout_restarts_with_published_weights(ray
             torch.testing.assert_close(tensor, state[name] + 0.02)
         # the next rollout streams from the new worker
         assert groups.collect()[D.VALID][:, 0].all()
+
+
+def test_a_policy_that_cannot_take_the_envs_observation_is_one_sentence_before_it_is_built(ray_local, compose_cfg):
+    """The state MLP on the toy env without a state observation: in one process the driver's build refuses it; on
+    Ray the inference worker built it and died with the sentence inside a traceback. The driver checks the policy
+    against the spec the first env worker reports, before any inference worker starts, and closes what it started."""
+    from embodirl.errors import ConfigError
+
+    cfg = compose_cfg("env=toy_reach", "model=state_mlp", "env.train.num_envs=2", "actor.global_batch_size=2")
+    with pytest.raises(ConfigError, match=r"model.name: state_mlp needs a state observation .*state_obs=true"):
+        WorkerGroups.from_config(cfg, remote=True)
+    assert not _run_entries()   # the env workers' shared-memory rings are gone with them

@@ -57,3 +57,52 @@ def test_without_an_address_a_run_starts_its_own_ray_beside_a_running_head():
         assert started["gcs"] != cluster.address
     finally:
         cluster.shutdown()
+
+
+def test_joining_a_head_with_token_authentication(tmp_path):
+    """Since Ray 2.59 a local Ray writes ~/.ray/auth_token and `ray start` then turns token authentication on; a
+    driver joining with only RAY_ADDRESS was refused with a traceback (Ray 2.60: ``InvalidAuthToken``). The join
+    applies `ray start`'s rule (a token exists, RAY_AUTH_MODE unset: use it); a driver told to send none gets one
+    sentence naming the key. The head (a process of its own: Ray reads the mode once per process) has its own
+    token file, not the user's."""
+    token = tmp_path / "auth_token"
+    token.write_text("embodirl-test-" + os.urandom(16).hex())
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    head_code = textwrap.dedent("""
+        import sys
+        from ray.cluster_utils import Cluster
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        print(cluster.address, flush=True)
+        sys.stdin.read()          # until the test closes it
+        cluster.shutdown()
+    """)
+    head = subprocess.Popen([sys.executable, "-c", head_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
+    driver_code = textwrap.dedent("""
+        import json, os, ray
+        from embodirl.errors import ConfigError
+        from embodirl.workers.ray_cluster import init_ray
+        try:
+            init_ray(None)
+        except ConfigError as exc:
+            print(json.dumps({"refused": str(exc)}), flush=True)
+        else:
+            print(json.dumps({"gcs": ray.get_runtime_context().gcs_address, "mode": os.environ["RAY_AUTH_MODE"]}),
+                  flush=True)
+            ray.shutdown()
+    """)
+    try:
+        address = head.stdout.readline().strip()
+        answers = []
+        for extra in ({}, {"RAY_AUTH_MODE": "disabled"}):
+            env = {**base, "RAY_ADDRESS": address, "RAY_AUTH_TOKEN_PATH": str(token), **extra}
+            out = subprocess.run([sys.executable, "-c", driver_code], env=env, capture_output=True, text=True,
+                                 timeout=300)
+            assert out.returncode == 0, out.stderr[-2000:]
+            answers.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    finally:
+        head.communicate("", timeout=120)
+    assert answers[0] == {"gcs": address, "mode": "token"}
+    refused = answers[1]["refused"]
+    assert refused.startswith(f"cluster.ray_address (from RAY_ADDRESS): cannot join the Ray cluster at {address}")
+    assert "InvalidAuthToken" in refused and "\n" not in refused

@@ -45,5 +45,11 @@ def _check_config(model_cfg) -> None:
             raise ConfigError(f"model.{key}", f"'{value}' is neither an existing directory nor a hub id (owner/name)")
 
 
+def _check_spec(model_cfg, env_spec) -> None:
+    """The sizes the config sets against the env's (what the checkpoint's config.json decides included)."""
+    build_config(configure(model_cfg), env_spec)
+
+
 build_openvla_oft.check_config = _check_config
+build_openvla_oft.check_spec = _check_spec
 build_openvla_oft.check_run = check_run

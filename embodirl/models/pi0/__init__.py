@@ -47,5 +47,14 @@ def _describe_checkpoint(path) -> str:
     return check_checkpoint(path)
 
 
+def _check_spec(model_cfg, env_spec) -> None:
+    """The images π0 takes against the env's cameras."""
+    from embodirl.config_fields import instance
+    from embodirl.models.pi0.policy import _image_count
+
+    _image_count(instance(Pi0ModelConfig, model_cfg, "model"), env_spec)
+
+
 build_pi0.check_config = _check_config
+build_pi0.check_spec = _check_spec
 build_pi0.describe_checkpoint = _describe_checkpoint
