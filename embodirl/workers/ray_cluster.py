@@ -37,20 +37,10 @@ def init_ray(configured_address: str | None = None, *, num_cpus: int | None = No
     options.update(kwargs)
     if address:
         log.info("joining the Ray cluster at %s", address)
-        join_auth()
         try:
             ray.init(address=address, **options)
         except ConnectionError as exc:
-            from embodirl.errors import ConfigError
-
-            where = "cluster.ray_address" if configured_address else "cluster.ray_address (from RAY_ADDRESS)"
-            root = exc
-            while root.__cause__ is not None:   # Ray chains the reason (refused token, no answer) under its own
-                root = root.__cause__
-            reason = (str(root).strip().splitlines() or [type(root).__name__])[-1].strip()
-            raise ConfigError(where, f"cannot join the Ray cluster at {address} ({reason}); start it with "
-                                     "`ray start --head`, or unset RAY_ADDRESS / cluster.ray_address to start a "
-                                     "private Ray") from None
+            raise join_refused(address, exc, configured=bool(configured_address)) from None
     else:
         # "local": a new private instance. A bare ray.init() would first join the head recorded in
         # /tmp/ray/ray_current_cluster by any `ray start` (or ray.cluster_utils.Cluster) on this machine
@@ -59,22 +49,28 @@ def init_ray(configured_address: str | None = None, *, num_cpus: int | None = No
     return ray.cluster_resources()
 
 
-def join_auth() -> None:
-    """Before joining a cluster: turn Ray's token authentication on as ``ray start`` does. Since Ray 2.59 a new
-    local Ray writes a token to ~/.ray/auth_token, and ``ray start`` then enables token authentication whenever a
-    token exists and ``RAY_AUTH_MODE`` is unset; a driver joining with ``ray.init(address=...)`` does not, so on
-    Ray 2.60 it was refused (``InvalidAuthToken``) by the head it was told to join. Ray's own rule is applied
-    (a driver sending a token to a cluster without authentication is accepted); an explicit ``RAY_AUTH_MODE`` wins,
-    and a Ray without the rule is left alone."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+def join_refused(address: str, exc: BaseException, *, configured: bool):
+    """The :class:`ConfigError` for a join Ray refused: its root reason, and the fix. Since Ray 2.59 a local Ray
+    writes a token to ~/.ray/auth_token and ``ray start`` then turns token authentication on (unless
+    ``RAY_AUTH_MODE`` says otherwise), while a driver joins without one unless ``RAY_AUTH_MODE=token``: the
+    README's ``ray start --head`` + ``RAY_ADDRESS=auto embodirl train`` was refused with a traceback. The driver
+    cannot tell the head's mode before it joins, and a driver in token mode cannot run workers on a head without
+    authentication, so the mode is the user's to set; the sentence says which."""
+    from embodirl.errors import ConfigError
+
+    key = "cluster.ray_address" if configured else "cluster.ray_address (from RAY_ADDRESS)"
+    root = exc
+    while root.__cause__ is not None:   # Ray chains the reason (a refused token, no answer) under its own
+        root = root.__cause__
+    text = str(root)
+    reason = (text.strip().splitlines() or [type(root).__name__])[0].strip().split(". ")[0]
+    if "InvalidAuthToken" in text or type(root).__name__ == "AuthenticationError":
+        reason = "InvalidAuthToken: the head refused a driver without its token"
+        fix = ("the cluster authenticates with a token (`ray start` turns this on when ~/.ray/auth_token exists): "
+               "run with RAY_AUTH_MODE=token and the head's token in ~/.ray/auth_token or RAY_AUTH_TOKEN")
+    else:
+        fix = "start it with `ray start --head`, or unset RAY_ADDRESS / cluster.ray_address to start a private Ray"
+    return ConfigError(key, f"cannot join the Ray cluster at {address} ({reason}); {fix}")
 
 
 def shutdown_ray() -> None:

@@ -61,10 +61,9 @@ def test_without_an_address_a_run_starts_its_own_ray_beside_a_running_head():
 
 def test_joining_a_head_with_token_authentication(tmp_path):
     """Since Ray 2.59 a local Ray writes ~/.ray/auth_token and `ray start` then turns token authentication on; a
-    driver joining with only RAY_ADDRESS was refused with a traceback (Ray 2.60: ``InvalidAuthToken``). The join
-    applies `ray start`'s rule (a token exists, RAY_AUTH_MODE unset: use it); a driver told to send none gets one
-    sentence naming the key. The head (a process of its own: Ray reads the mode once per process) has its own
-    token file, not the user's."""
+    driver joining with only RAY_ADDRESS was refused with a traceback (Ray 2.60: ``InvalidAuthToken``). Now that is
+    one sentence naming the key and the fix (RAY_AUTH_MODE=token), and the fix joins. The head (a process of its
+    own: Ray reads the mode once per process) has its own token file, not the user's."""
     token = tmp_path / "auth_token"
     token.write_text("embodirl-test-" + os.urandom(16).hex())
     base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
@@ -79,7 +78,7 @@ def test_joining_a_head_with_token_authentication(tmp_path):
     head = subprocess.Popen([sys.executable, "-c", head_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env={**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
     driver_code = textwrap.dedent("""
-        import json, os, ray
+        import json, ray
         from embodirl.errors import ConfigError
         from embodirl.workers.ray_cluster import init_ray
         try:
@@ -87,14 +86,17 @@ def test_joining_a_head_with_token_authentication(tmp_path):
         except ConfigError as exc:
             print(json.dumps({"refused": str(exc)}), flush=True)
         else:
-            print(json.dumps({"gcs": ray.get_runtime_context().gcs_address, "mode": os.environ["RAY_AUTH_MODE"]}),
+            @ray.remote
+            def answer():
+                return 42
+            print(json.dumps({"gcs": ray.get_runtime_context().gcs_address, "task": ray.get(answer.remote())}),
                   flush=True)
             ray.shutdown()
     """)
     try:
         address = head.stdout.readline().strip()
         answers = []
-        for extra in ({}, {"RAY_AUTH_MODE": "disabled"}):
+        for extra in ({}, {"RAY_AUTH_MODE": "token"}):
             env = {**base, "RAY_ADDRESS": address, "RAY_AUTH_TOKEN_PATH": str(token), **extra}
             out = subprocess.run([sys.executable, "-c", driver_code], env=env, capture_output=True, text=True,
                                  timeout=300)
@@ -102,7 +104,8 @@ def test_joining_a_head_with_token_authentication(tmp_path):
             answers.append(json.loads(out.stdout.strip().splitlines()[-1]))
     finally:
         head.communicate("", timeout=120)
-    assert answers[0] == {"gcs": address, "mode": "token"}
-    refused = answers[1]["refused"]
-    assert refused.startswith(f"cluster.ray_address (from RAY_ADDRESS): cannot join the Ray cluster at {address}")
-    assert "InvalidAuthToken" in refused and "\n" not in refused
+    refused = answers[0]["refused"]
+    assert refused.startswith(f"cluster.ray_address (from RAY_ADDRESS): cannot join the Ray cluster at {address} "
+                              "(InvalidAuthToken: "), refused
+    assert "run with RAY_AUTH_MODE=token" in refused and "\n" not in refused
+    assert answers[1] == {"gcs": address, "task": 42}
