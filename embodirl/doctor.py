@@ -354,15 +354,10 @@ def check_ray(cfg) -> Check:
         return Check("ray", True, f"a local Ray over this machine's {n} {acc.upper()} slot(s) holds the placement")
     import ray
 
-    from embodirl.workers.ray_cluster import join_refused
-
     try:
         ray.init(address=address, ignore_reinit_error=True, logging_level="ERROR", log_to_driver=False)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         resources = ray.cluster_resources()
-    except ConnectionError as exc:
-        what, fix = str(join_refused(address, exc, configured=bool(cfg.cluster.ray_address))).rsplit("; ", 1)
-        return Check("ray", False, what, fix)
     except Exception as exc:
         return Check("ray", False, f"cannot join the Ray cluster at {address}: {exc}",
                      "start it (ray start --head) or unset RAY_ADDRESS / cluster.ray_address")
