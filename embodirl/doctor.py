@@ -358,9 +358,11 @@ def check_ray(cfg) -> Check:
         ray.init(address=address, ignore_reinit_error=True, logging_level="ERROR", log_to_driver=False)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         resources = ray.cluster_resources()
-    except Exception as exc:
-        return Check("ray", False, f"cannot join the Ray cluster at {address}: {exc}",
-                     "start it (ray start --head) or unset RAY_ADDRESS / cluster.ray_address")
+    except Exception as exc:            # the run's own sentence: Ray's root reason (a refused token, no head) + the fix
+        from embodirl.workers.ray_cluster import join_refused
+
+        refused = str(join_refused(address, exc, configured=bool(cfg.cluster.ray_address)))
+        return Check("ray", False, refused.rsplit("; ", 1)[0], _fix_of(refused))
     gpus = int(resources.get("GPU", 0))
     per_node = gpus // max(1, len(nodes)) if gpus else int(resources.get("CPU", 0)) // max(1, len(nodes))
     wanted = cfg.cluster.num_nodes

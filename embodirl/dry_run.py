@@ -9,10 +9,10 @@ tensor on the CPU instead of on its module's device - the crash a 7B run would m
 fails here, in CI, in seconds. The same run counts what a GPU would do:
 
 * FLOPs per decision of ``act`` and of an update (forward and backward, with gradient checkpointing's
-  recomputation), by PyTorch's own per-operator formulas (:class:`Flops`; ``FlopCounterMode`` would do, but
+  recomputation), by PyTorch's own per-operator formulas (:class:`MetaDryRun`; ``FlopCounterMode`` would do, but
   its module hooks keep recomputed activations alive and so falsify the bytes below);
 * bytes of parameters, gradients, optimizer state and activations: the live bytes of every tensor the update
-  allocates on the policy's device, tracked by storage with weak references (:class:`LiveBytes`) - what the
+  allocates on the policy's device, tracked by storage with weak references (:class:`MetaDryRun` again) - what the
   caching allocator would have to hold at the peak, before fragmentation. Attention runs the memory-efficient
   SDPA kernel a GPU runs (:func:`gpu_attention`), not the math fallback that materialises the score matrix.
 
@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry as _FLOP_FORMULAS
 
 from embodirl import data as D
 from embodirl.envs.base import EnvSpec
@@ -50,7 +51,23 @@ DRY_RUN_INSTRUCTION = "put both the alphabet soup and the tomato sauce in the ba
 class MetaDryRun(TorchDispatchMode):
     """Host reads of meta tensors get stand-in values (see module docstring): ``.item()`` / ``bool()`` /
     ``float()`` -> true or one, ``nonzero`` -> every index (an all-true mask), a copy to the CPU -> zeros of
-    the same shape and dtype. Everything else runs unchanged, so a CPU tensor meeting a meta one still raises."""
+    the same shape and dtype. Everything else runs unchanged, so a CPU tensor meeting a meta one still raises.
+
+    ``count=True`` also measures, in the same dispatch (one mode, not three stacked: each stacked mode is another
+    Python call per operator, and a full-size update runs a few hundred thousand of them):
+
+    * ``flops``: the FLOPs of the operators run, by :data:`torch.utils.flop_counter.flop_registry`'s formulas
+      (matrix products and attention, as ``FlopCounterMode`` counts them);
+    * ``current`` / ``peak``: bytes of the meta storages the operators allocate, alive now and at most; a storage
+      counts once however many views share it, and stops counting when its last tensor is freed."""
+
+    def __init__(self, *, count: bool = False):
+        super().__init__()
+        self.count = count
+        self.flops = 0
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,10 +76,34 @@ class MetaDryRun(TorchDispatchMode):
             if func is aten._local_scalar_dense.default:
                 return True if first.dtype == torch.bool else (1.0 if first.is_floating_point() else 1)
             if func is aten.nonzero.default:
-                return torch.empty((first.numel(), first.dim()), dtype=torch.int64, device=META)
+                return self._counted(func, args, kwargs, torch.empty((first.numel(), first.dim()), dtype=torch.int64,
+                                                                      device=META))
             if func is aten._to_copy.default and torch.device(kwargs.get("device") or META).type == "cpu":
                 return torch.zeros(first.shape, dtype=kwargs.get("dtype") or first.dtype)
-        return func(*args, **kwargs)
+        return self._counted(func, args, kwargs, func(*args, **kwargs))
+
+    def _counted(self, func, args, kwargs, out):
+        if not self.count:
+            return out
+        formula = _FLOP_FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        # a view or an in-place result shares an input's storage: only storages the op allocated are new
+        outputs = [t for t in _tensors(out) if t.is_meta]
+        if outputs:
+            inputs = {t.untyped_storage()._cdata for t in _tensors(args) + _tensors(kwargs) if t.is_meta}
+            for value in outputs:
+                storage = value.untyped_storage()
+                key = storage._cdata
+                if key not in inputs and key not in self._live:
+                    self._live[key] = storage.nbytes()
+                    self.current += self._live[key]
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
 
 
 @contextlib.contextmanager
@@ -99,67 +140,15 @@ def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale)[0]
 
 
-class Flops(TorchDispatchMode):
-    """FLOPs of the operators run while active, by :data:`torch.utils.flop_counter.flop_registry`'s formulas
-    (matrix products and attention, as ``FlopCounterMode`` counts them)."""
-
-    def __init__(self):
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
-
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
-        return out
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages that operations allocate on ``device`` while the mode is active, alive now
-    (``current``) and at most (``peak``); a storage counts once however many views share it, and stops
-    counting when its last tensor is freed."""
-
-    def __init__(self, device: torch.device | str):
-        super().__init__()
-        self.device = torch.device(device)
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, int] = {}
-
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        if tensor.device != self.device:
-            return
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self._live:
-            return
-        self._live[key] = storage.nbytes()
-        self.current += self._live[key]
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        # a view or an in-place result shares an input's storage: only storages the op allocated are new
-        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs)) if t.device == self.device}
-        for value in _tensors(out):
-            if value.device == self.device and value.untyped_storage()._cdata not in inputs:
-                self._track(value)
-        return out
-
-
 def _tensors(tree) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
-    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    """The tensors in an operator's arguments or result: nested tuples, lists and dicts (what ATen passes)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
 
 
 @dataclass
@@ -262,10 +251,10 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     act_batch = int(act_batch or max(1, cfg.env.train.num_envs // cfg.env_workers.num_workers))
 
     t0 = time.perf_counter()
-    flops = Flops()
-    with gpu_attention(), MetaDryRun(), flops:
+    flops = MetaDryRun(count=True)
+    with gpu_attention(), flops:
         out = policy.act(_observation(spec, act_batch), SamplingParams(temperature=float(cfg.rollout.temperature or 1.0)))
-    act_flops = flops.total / act_batch
+    act_flops = flops.flops / act_batch
     for key, value in out.items():
         if value.device != META:
             raise RuntimeError(f"act returned '{key}' on {value.device}, not on the policy's device (meta)")
@@ -287,14 +276,14 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     trainable = [p for p in params if p.requires_grad]
 
     t0 = time.perf_counter()
-    live, flops = LiveBytes(META), Flops()
-    with gpu_attention(), MetaDryRun(), flops, live:
+    live = MetaDryRun(count=True)
+    with gpu_attention(), live:
         actor.update(prepared)
     seconds["update"] = time.perf_counter() - t0
     optimizer_bytes = _nbytes(v for state in actor.optimizer.state.values() for v in state.values()
                               if isinstance(v, torch.Tensor) and v.device == META)
     grad_bytes = _nbytes(trainable)
-    update_flops = flops.total / (DRY_RUN_TRAJECTORIES * T)
+    update_flops = live.flops / (DRY_RUN_TRAJECTORIES * T)
 
     t0 = time.perf_counter()
     with MetaDryRun():

@@ -135,6 +135,26 @@ def test_subset_of_cameras_and_no_proprio(written):
         LeRobotDataset(root, cameras=["wrist"])
 
 
+def test_decoded_videos_stay_within_their_byte_budget(written):
+    """Decoded episodes are kept by bytes: a small dataset stays whole (a frame read twice is the same decoded
+    array, not a second decode), a budget evicts the least recently used episodes, and the newest always stays."""
+    root, eps = written
+    frame_bytes = sum(h * w * 3 for h, w in CAMS.values())
+    sizes = [len(ep["actions"]) * frame_bytes for ep in eps]              # 32256, 13824, 55296
+    whole = LeRobotDataset(root)
+    first = [whole[i].images["observation.images.base_camera"] for i in range(len(whole))]
+    assert whole.video_cache_nbytes == sum(sizes)
+    assert all(np.shares_memory(a, whole[i].images["observation.images.base_camera"]) for i, a in enumerate(first))
+    tight = LeRobotDataset(root, video_cache_bytes=sizes[2] + sizes[1] - 1)
+    for i in range(len(tight)):
+        tight[i]
+    assert tight.video_cache_nbytes == sizes[2]                           # episodes 0 and 1 went, oldest first
+    tiny = LeRobotDataset(root, video_cache_bytes=1)
+    np.testing.assert_array_equal(tiny[len(tiny) - 1].images["observation.images.hand_camera"],
+                                  eps[2]["images"]["hand_camera"][-1])
+    assert tiny.video_cache_nbytes == sizes[2]
+
+
 def test_lossy_codec_is_close(tmp_path):
     rng = np.random.default_rng(1)
     yy, xx = np.mgrid[0:H, 0:W]

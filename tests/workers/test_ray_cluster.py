@@ -95,13 +95,17 @@ def test_joining_a_head_with_token_authentication(tmp_path):
     """)
     try:
         address = head.stdout.readline().strip()
-        answers = []
+        answers, doctor = [], []
         for extra in ({}, {"RAY_AUTH_MODE": "token"}):
             env = {**base, "RAY_ADDRESS": address, "RAY_AUTH_TOKEN_PATH": str(token), **extra}
             out = subprocess.run([sys.executable, "-c", driver_code], env=env, capture_output=True, text=True,
                                  timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
             answers.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            out = subprocess.run([sys.executable, "-m", "embodirl.cli", "doctor", "cluster.use_ray=true"], env=env,
+                                 cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            doctor.append([line for line in out.stdout.splitlines() if line.startswith("ray ")]
+                          + [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("fix: ")][-1:])
     finally:
         head.communicate("", timeout=120)
     refused = answers[0]["refused"]
@@ -109,3 +113,9 @@ def test_joining_a_head_with_token_authentication(tmp_path):
                               "(InvalidAuthToken: "), refused
     assert "run with RAY_AUTH_MODE=token" in refused and "\n" not in refused
     assert answers[1] == {"gcs": address, "task": 42}
+    # `embodirl doctor` joins as the run does and reports the same sentence in its ray row, then passes with the fix
+    (refused_row, fix), (joined_row, *_) = doctor
+    assert refused_row.split()[:2] == ["ray", "FAIL"] and f"cannot join the Ray cluster at {address} (InvalidAuthToken:" \
+        in refused_row, doctor
+    assert fix.startswith("fix: the cluster authenticates with a token") and "RAY_AUTH_MODE=token" in fix, doctor
+    assert joined_row.split()[:2] == ["ray", "PASS"] and f"1 node(s), 0 GPU(s), 1 CPU(s) at {address}" in joined_row, doctor

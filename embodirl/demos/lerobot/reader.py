@@ -81,8 +81,11 @@ class LeRobotDataset:
     length. ``action_key`` / ``state_key``: the low-dimensional features used as actions and proprio
     (``state_key=None``, or a dataset without it, gives ``proprio=None``). ``cameras``: the image features
     to return (feature keys or bare camera names; default every ``video``/``image`` feature in
-    ``info.json`` order). ``video_cache_episodes``: decoded episodes kept in memory (videos are decoded one
-    whole episode at a time).
+    ``info.json`` order). ``video_cache_bytes``: how much decoded video is kept in memory (videos are decoded
+    one whole episode at a time; the least recently used episodes go first, the newest always stays). A bound in
+    bytes, not episodes: 100 PushCube episodes at 64 px are 14 MB and must all stay (with 64 of 100 kept, a
+    batch of 32 random frames decoded a dozen episodes at every SFT step), while 64 LIBERO episodes at 256 px
+    with two cameras would be about 12 GB.
 
     All metadata and parquet frames are read (and checked) at construction, and every video's container opened;
     videos are decoded on first use.
@@ -96,7 +99,7 @@ class LeRobotDataset:
 
     def __init__(self, root: str | Path, *, action_chunk: int = 1, action_key: str = ACTION_KEY,
                  state_key: str | None = STATE_KEY, cameras: Sequence[str] | None = None,
-                 video_cache_episodes: int = 64):
+                 video_cache_bytes: int = 2 << 30):
         if int(action_chunk) < 1:
             raise ValueError(f"action_chunk must be >= 1, got {action_chunk}")
         self.root = Path(root)
@@ -140,7 +143,7 @@ class LeRobotDataset:
             for key in self._video_keys:
                 probe_video(self._path("video_path", int(ep), key))
         self._video_cache: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
-        self._video_cache_size = max(1, int(video_cache_episodes))
+        self._video_cache_bytes = int(video_cache_bytes)
         self.stats = {self.action_key: FeatureStats.of(self._actions)}
         if self.state_key is not None:
             self.stats[self.state_key] = FeatureStats.of(self._states)
@@ -216,9 +219,14 @@ class LeRobotDataset:
                 frames = np.stack([_decode_image(c, where) for c in self._image_cells[pos][key]])
             out[key] = frames
         self._video_cache[pos] = out
-        while len(self._video_cache) > self._video_cache_size:
+        while len(self._video_cache) > 1 and self.video_cache_nbytes > self._video_cache_bytes:
             self._video_cache.popitem(last=False)
         return out
+
+    @property
+    def video_cache_nbytes(self) -> int:
+        """Bytes of decoded frames held now."""
+        return sum(a.nbytes for frames in self._video_cache.values() for a in frames.values())
 
     # -- access ------------------------------------------------------------------------------------
     @property
