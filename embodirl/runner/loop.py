@@ -216,19 +216,6 @@ class Runner:
                     f"run's model options, see {written})" if written.is_file() else "")
             raise ConfigError("runner.resume_dir", f"{str(exc).rstrip('.')}{hint}") from None
 
-    @staticmethod
-    def _load_actor_state(actors, source: Path) -> None:
-        """Restore every actor rank from checkpoint ``source`` (trained weights, optimizer, schedule,
-        replay buffer, counters); a checkpoint of another model is one sentence naming it."""
-        try:
-            actors.load(source.resolve())
-        except Exception as exc:
-            written = source / layout.CONFIG / "config.yaml"
-            hint = (f" (the checkpoint was written with model.name={OmegaConf.load(written).model.name}; use that "
-                    f"run's model options, see {written})" if written.is_file() else "")
-            message = _last_line(exc)
-            raise ConfigError("runner.resume_dir", f"cannot resume from {source}: {message}{hint}") from None
-
     def run_train(self) -> None:
         """Train; with ``runner.max_restarts > 0`` a actor rank that dies rebuilds every worker group
         and the run goes on from its last complete checkpoint."""
@@ -264,7 +251,7 @@ class Runner:
         source = self._resume_source()
         if source is not None:
             start_step = ckpt.checkpoint_step(source)
-            self._load_actor_state(actors, source)
+            load_actor_state(actors, source)
             runner_state = json.loads((source / "runner" / "state.json").read_text())
             starts_rng.bit_generator.state = runner_state["starts_rng"]
             env_steps = float(runner_state.get("env_steps", 0.0))
@@ -380,7 +367,7 @@ class Runner:
                                                "guard/rolled_back_to": st.best_step if action == ROLLBACK else -1})
         if action == STOP:
             raise RunFailed(sentence)
-        self._load_actor_state(actors, Path(st.best_checkpoint))
+        load_actor_state(actors, Path(st.best_checkpoint))
         actors.set_lr_scale(st.lr_scale)
         groups.sync_weights(full=True)
 
@@ -490,6 +477,19 @@ def worker_config(cfg: Config) -> Config:
     if cfg.runner.train_video_interval > 0:
         train = dataclasses.replace(train, video=dataclasses.replace(train.video, enabled=True))
     return dataclasses.replace(cfg, env=EnvGroups(train=train, eval=eval_env_cfg(cfg)))
+
+
+def load_actor_state(actors, source: Path) -> None:
+    """Restore every actor rank from checkpoint ``source`` (trained weights, optimizer, schedule, replay buffer,
+    counters); a checkpoint of another model or adapter layout is one sentence naming it (``embodirl train`` and
+    ``embodirl sft`` resume through here)."""
+    try:
+        actors.load(source.resolve())
+    except Exception as exc:
+        written = source / layout.CONFIG / "config.yaml"
+        hint = (f" (the checkpoint was written with model.name={OmegaConf.load(written).model.name}; use that "
+                f"run's model options, see {written})" if written.is_file() else "")
+        raise ConfigError("runner.resume_dir", f"cannot resume from {source}: {_last_line(exc)}{hint}") from None
 
 
 def _last_line(exc: BaseException) -> str:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from embodirl import checkpoint_layout as layout
 from embodirl.models.openvla_oft.hf_checkpoint import TOKENS_TRAINED
 from embodirl.runner import checkpoint as ckpt
-from embodirl.runner.loop import seed_everything
+from embodirl.runner.loop import load_actor_state, seed_everything
 from embodirl.runner.metrics_logger import MetricsLogger
 from embodirl.sft.data import BatchMaker, batch_indices, dataset_statistics
 
@@ -80,12 +80,10 @@ def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
     r, s = cfg.runner, cfg.sft
     out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     seed = int(r.seed)
     seed_everything(seed)
     key = unnorm_key(cfg, spec)
     statistics = dataset_statistics(dataset, key)
-    (out / STATISTICS_FILE).write_text(json.dumps(statistics, indent=2))
     make_batch = BatchMaker(dataset, statistics[key], camera_keys, use_state=dataset.state_key is not None
                             and bool(spec.state_dim), normalization=str(cfg.model.normalization))
     options = actor_options(cfg)
@@ -96,8 +94,10 @@ def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
         source = ckpt.resume_source(r.resume_dir, r.resume_mode, out)
         if source is not None:
             start_step = ckpt.checkpoint_step(source)
-            actors.load(source.resolve())
+            load_actor_state(actors, source)     # another model's checkpoint: one sentence, nothing overwritten
             log.info("resumed from %s (step %d)", source, start_step)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        (out / STATISTICS_FILE).write_text(json.dumps(statistics, indent=2))
         lc = r.logger
         logger = MetricsLogger(out, console=lc.console, tensorboard=lc.tensorboard, wandb=lc.wandb,
                                wandb_mode=lc.wandb_mode, project=lc.project, run_name=f"sft_{r.experiment_name}",

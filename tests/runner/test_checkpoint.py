@@ -22,7 +22,7 @@ from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
 from embodirl.models.registry import make_policy
 from embodirl.runner import checkpoint as ckpt
-from embodirl.runner.loop import Runner
+from embodirl.runner.loop import Runner, load_actor_state
 from embodirl.workers.actor_group import ActorGroup
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=64, task_descriptions=["pick up the bowl", "open the drawer"],
@@ -157,7 +157,7 @@ def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_actor(oft_cfg, tmp_p
     fresh = fresh_actors.workers[0].actor
     first = min(adapter_names)
     assert not torch.equal(fresh.policy.trainable_state_dict()[first], live[first])
-    Runner._load_actor_state(fresh_actors, path)
+    load_actor_state(fresh_actors, path)
     assert_same(fresh.policy.trainable_state_dict(), live)
     a, b = trained.state_dict(), fresh.state_dict()
     assert (a["version"], a["optimizer_steps"], a["scheduler"]) == (b["version"], b["optimizer_steps"], b["scheduler"])

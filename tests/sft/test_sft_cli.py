@@ -115,6 +115,15 @@ def test_demos_sft_eval_train_and_resume(tmp_path, demos):
     for name in straight:
         np.testing.assert_allclose(straight[name].numpy(), again[name].numpy(), rtol=1e-5, atol=1e-7)
 
+    # the same folder with another adapter layout (full fine-tuning instead of LoRA): one sentence naming the
+    # checkpoint, exit 2, and the earlier run's config and statistics are not overwritten (they were, before)
+    written = {name: (b / name).read_bytes() for name in ("config.yaml", "dataset_statistics.json")}
+    other = cli([*straight_run, "actor.fsdp.full_finetune=true", f"runner.output_dir={b}"], tmp_path, expect=2)
+    last = [line for line in other.stderr.splitlines() if line.strip()][-1]
+    assert f"runner.resume_dir: cannot resume from {b / 'checkpoints' / 'step_4'}" in last, other.stderr[-2000:]
+    assert "model.name=openvla_oft; use that run's model options" in last and "Traceback" not in other.stderr
+    assert {name: (b / name).read_bytes() for name in written} == written
+
     # the checkpoint loads with no other flag: one GRPO step of token RL from it
     train = cli(["train", *SMALL, f"model.path={model}", "algorithm=grpo", "algorithm.group_size=2",
                  "env.train.use_fixed_reset_state_ids=true", "env.train.num_envs=2", "env.train.max_episode_steps=16",
