@@ -31,6 +31,7 @@ import torch
 from embodirl.checkpoint_layout import (
     CHECKPOINTS,
     COMPLETE,
+    CONFIG,
     DISABLE,
     LEGACY_RNG,
     LEGACY_WORKER_RNG,
@@ -193,6 +194,55 @@ def resume_source(resume_dir: str | None, resume_mode: str, output_dir: str | Pa
                                                + (f"use {complete}, the latest complete one" if complete else how))
     raise ConfigError("runner.resume_dir", f"'{path}' holds no complete checkpoint (checkpoints/step_<n>/ with a "
                                            f"{COMPLETE} marker); {how}")
+
+
+#: the sections whose values decide what a checkpoint's tensors are (architecture, adapters, full fine-tuning),
+#: less the keys that may differ between the run that wrote it and one that loads it
+_LAYOUT_SECTIONS = ("model", "actor.fsdp")
+_LAYOUT_FREE = {"model.path", "model.device"}
+
+
+def written_with(source: Path, cfg) -> str:
+    """Why a run with config ``cfg`` cannot load checkpoint ``source``, from the ``config.yaml`` saved with it:
+    `` (the checkpoint was written with actor.fsdp.full_finetune=false (this run: true); ...)``, naming up to
+    three differing keys of the model and adapter layout (``model.name=...`` when none differs or the file
+    cannot be read), or ``""`` when the checkpoint has no saved config."""
+    written = source / CONFIG / "config.yaml"
+    if not written.is_file():
+        return ""
+    from omegaconf import OmegaConf
+
+    try:
+        old = OmegaConf.load(written)
+        what = f"model.name={old.model.name}"
+        new = OmegaConf.create(OmegaConf.to_yaml(cfg))
+        differ = []
+        for section in _LAYOUT_SECTIONS:
+            a, b = (_leaves(OmegaConf.to_container(OmegaConf.select(c, section) or {}, resolve=True), section)
+                    for c in (old, new))
+            differ += [f"{key}={_show(a.get(key))} (this run: {_show(b.get(key))})" for key in sorted(a.keys() | b.keys())
+                       if key not in _LAYOUT_FREE and a.get(key) != b.get(key)]
+        what = ", ".join(differ[:3]) if differ else what
+    except Exception:                                        # an unreadable config.yaml: the name alone, if any
+        try:
+            what = f"model.name={OmegaConf.load(written).model.name}"
+        except Exception:
+            return ""
+    return f" (the checkpoint was written with {what}; use that run's model options, see {written})"
+
+
+def _leaves(tree, prefix: str) -> dict:
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{key}"))
+    return out
+
+
+def _show(value) -> str:
+    """A YAML-like spelling of a config value (``false``, ``null``, ``[a, b]``)."""
+    return json.dumps(value) if isinstance(value, bool | None | list) else str(value)
 
 
 def checkpoint_step(path: str | Path) -> int:

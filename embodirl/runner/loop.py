@@ -161,7 +161,7 @@ class Runner:
         with self._workers(train=False) as groups:
             source = self._resume_source()
             if source is not None:
-                self._load_policy_weights(groups.policy, source)
+                load_policy_weights(groups.policy, source, self.cfg)
                 groups.load_weights(groups.policy.trainable_state_dict(), version=0)
             info = self._evaluate(groups, step=ckpt.checkpoint_step(source) if source else 0, out_dir=self.out)
         print_table(info)
@@ -203,19 +203,6 @@ class Runner:
                              "slot": slot("env", i)} for i, info in enumerate(groups.env.infos)]
         (self.out / "placement.json").write_text(json.dumps(where, indent=1))
 
-    @staticmethod
-    def _load_policy_weights(policy, source: Path) -> None:
-        """Load checkpoint ``source``'s trained weights (its ``policy/`` folder, nothing else) into ``policy``."""
-        from embodirl.errors import ConfigError
-
-        try:
-            policy.load_trainable(source / layout.POLICY)
-        except (FileNotFoundError, ValueError) as exc:
-            written = source / layout.CONFIG / "config.yaml"
-            hint = (f" (the checkpoint was written with model.name={OmegaConf.load(written).model.name}; use that "
-                    f"run's model options, see {written})" if written.is_file() else "")
-            raise ConfigError("runner.resume_dir", f"{str(exc).rstrip('.')}{hint}") from None
-
     def run_train(self) -> None:
         """Train; with ``runner.max_restarts > 0`` a actor rank that dies rebuilds every worker group
         and the run goes on from its last complete checkpoint."""
@@ -251,7 +238,7 @@ class Runner:
         source = self._resume_source()
         if source is not None:
             start_step = ckpt.checkpoint_step(source)
-            load_actor_state(actors, source)
+            load_actor_state(actors, source, cfg)
             runner_state = json.loads((source / "runner" / "state.json").read_text())
             starts_rng.bit_generator.state = runner_state["starts_rng"]
             env_steps = float(runner_state.get("env_steps", 0.0))
@@ -367,7 +354,7 @@ class Runner:
                                                "guard/rolled_back_to": st.best_step if action == ROLLBACK else -1})
         if action == STOP:
             raise RunFailed(sentence)
-        load_actor_state(actors, Path(st.best_checkpoint))
+        load_actor_state(actors, Path(st.best_checkpoint), self.cfg)
         actors.set_lr_scale(st.lr_scale)
         groups.sync_weights(full=True)
 
@@ -479,17 +466,24 @@ def worker_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, env=EnvGroups(train=train, eval=eval_env_cfg(cfg)))
 
 
-def load_actor_state(actors, source: Path) -> None:
+def load_policy_weights(policy, source: Path, cfg) -> None:
+    """Load checkpoint ``source``'s trained weights (its ``policy/`` folder, nothing else) into ``policy``; a
+    checkpoint of another model is one sentence naming the keys of ``cfg`` that differ (``embodirl eval``)."""
+    try:
+        policy.load_trainable(source / layout.POLICY)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError("runner.resume_dir", f"{str(exc).rstrip('.')}{ckpt.written_with(source, cfg)}") from None
+
+
+def load_actor_state(actors, source: Path, cfg) -> None:
     """Restore every actor rank from checkpoint ``source`` (trained weights, optimizer, schedule, replay buffer,
-    counters); a checkpoint of another model or adapter layout is one sentence naming it (``embodirl train`` and
-    ``embodirl sft`` resume through here)."""
+    counters); a checkpoint of another model or adapter layout is one sentence naming the keys of ``cfg`` that
+    differ from the run that wrote it (``embodirl train`` and ``embodirl sft`` resume through here)."""
     try:
         actors.load(source.resolve())
     except Exception as exc:
-        written = source / layout.CONFIG / "config.yaml"
-        hint = (f" (the checkpoint was written with model.name={OmegaConf.load(written).model.name}; use that "
-                f"run's model options, see {written})" if written.is_file() else "")
-        raise ConfigError("runner.resume_dir", f"cannot resume from {source}: {_last_line(exc)}{hint}") from None
+        raise ConfigError("runner.resume_dir",
+                          f"cannot resume from {source}: {_last_line(exc)}{ckpt.written_with(source, cfg)}") from None
 
 
 def _last_line(exc: BaseException) -> str:

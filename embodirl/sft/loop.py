@@ -94,7 +94,7 @@ def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
         source = ckpt.resume_source(r.resume_dir, r.resume_mode, out)
         if source is not None:
             start_step = ckpt.checkpoint_step(source)
-            load_actor_state(actors, source)     # another model's checkpoint: one sentence, nothing overwritten
+            load_actor_state(actors, source, cfg)     # another model's checkpoint: one sentence, nothing overwritten
             log.info("resumed from %s (step %d)", source, start_step)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         (out / STATISTICS_FILE).write_text(json.dumps(statistics, indent=2))

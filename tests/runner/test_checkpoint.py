@@ -22,7 +22,7 @@ from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
 from embodirl.models.registry import make_policy
 from embodirl.runner import checkpoint as ckpt
-from embodirl.runner.loop import Runner, load_actor_state
+from embodirl.runner.loop import Runner, load_actor_state, load_policy_weights
 from embodirl.workers.actor_group import ActorGroup
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=64, task_descriptions=["pick up the bowl", "open the drawer"],
@@ -149,7 +149,7 @@ def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_actor(oft_cfg, tmp_p
     shutil.copytree(folder, alone / layout.POLICY)
     torch.manual_seed(2)
     policy = make_policy(oft_cfg.model, SPEC)
-    Runner._load_policy_weights(policy, alone)
+    load_policy_weights(policy, alone, oft_cfg)
     assert_same(policy.trainable_state_dict(), live)
 
     # a resumed actor: weights, optimizer moments, schedule, counters
@@ -157,7 +157,7 @@ def test_lora_checkpoint_is_a_peft_adapter_and_restores_the_actor(oft_cfg, tmp_p
     fresh = fresh_actors.workers[0].actor
     first = min(adapter_names)
     assert not torch.equal(fresh.policy.trainable_state_dict()[first], live[first])
-    load_actor_state(fresh_actors, path)
+    load_actor_state(fresh_actors, path, oft_cfg)
     assert_same(fresh.policy.trainable_state_dict(), live)
     a, b = trained.state_dict(), fresh.state_dict()
     assert (a["version"], a["optimizer_steps"], a["scheduler"]) == (b["version"], b["optimizer_steps"], b["scheduler"])
@@ -185,15 +185,17 @@ def test_state_policy_checkpoint_is_safetensors_and_a_mismatch_is_one_sentence(t
     assert_same(load_file(str(path / layout.POLICY / "trainable.safetensors")), actor.policy.trainable_state_dict())
     torch.manual_seed(1)
     other = make_policy(cfg.model, spec)
-    Runner._load_policy_weights(other, path)
+    load_policy_weights(other, path, cfg)
     assert_same(other.trainable_state_dict(), actor.policy.trainable_state_dict())
-    # a checkpoint of another model: one sentence naming the key, the file and the model that wrote it
-    wider = make_policy(OmegaConf.merge(cfg.model, {"hidden_sizes": [32, 32]}), spec)
+    # a checkpoint of another model: one sentence naming the file and the key whose value differs from the run's
+    wider_cfg = OmegaConf.merge(cfg, {"model": {"hidden_sizes": [32, 32]}})
+    wider = make_policy(wider_cfg.model, spec)
     with pytest.raises(ConfigError) as err:
-        Runner._load_policy_weights(wider, path)
+        load_policy_weights(wider, path, wider_cfg)
     message = str(err.value)
     assert message.startswith("runner.resume_dir: ") and "trainable.safetensors" in message
-    assert "model.name=state_mlp" in message and "\n" not in message
+    assert f"written with model.hidden_sizes={list(cfg.model.hidden_sizes)} (this run: [32, 32]);" in message, message
+    assert "\n" not in message
 
 
 # --- choosing the checkpoint to resume from ---------------------------------------------------------------

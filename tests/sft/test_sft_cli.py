@@ -121,7 +121,7 @@ def test_demos_sft_eval_train_and_resume(tmp_path, demos):
     other = cli([*straight_run, "actor.fsdp.full_finetune=true", f"runner.output_dir={b}"], tmp_path, expect=2)
     last = [line for line in other.stderr.splitlines() if line.strip()][-1]
     assert f"runner.resume_dir: cannot resume from {b / 'checkpoints' / 'step_4'}" in last, other.stderr[-2000:]
-    assert "model.name=openvla_oft; use that run's model options" in last and "Traceback" not in other.stderr
+    assert "written with actor.fsdp.full_finetune=false (this run: true);" in last and "Traceback" not in other.stderr
     assert {name: (b / name).read_bytes() for name in written} == written
 
     # the checkpoint loads with no other flag: one GRPO step of token RL from it
