@@ -44,10 +44,9 @@ def describe() -> dict:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         info["gpu_uuid"] = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    ray = sys.modules.get("ray")      # a Ray worker has imported it; the in-process path need not (~1 s of CPU)
     try:
-        import ray
-
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             info["node_id"] = ray.get_runtime_context().get_node_id()
     except Exception:
         pass
