@@ -69,6 +69,32 @@ def test_greedy_actions_are_transformers_sample_actions_bit_for_bit(compose_cfg,
     assert not torch.equal(sampled[D.ACTION_CHUNK], out[D.ACTION_CHUNK])
 
 
+def test_a_greedy_decision_starts_from_a_draw_seeded_by_its_observation(compose_cfg):
+    """Evaluation's chain starts from a Gaussian draw, as ``sample_actions`` and RLinf's evaluation do (not from
+    zero, which no training chain starts from), seeded by the decision's own observation: the same decision whatever
+    the global generator's state and the rest of its batch, and another start for another observation."""
+    policy, _ = _policy(compose_cfg, "model.flow.method=flow_noise")
+    _perturb_adapters(policy)
+    obs = _obs()
+    torch.manual_seed(11)
+    first = policy.act(obs, SamplingParams(greedy=True))
+    torch.manual_seed(12)
+    again = policy.act(obs, SamplingParams(greedy=True))
+    assert torch.equal(first[D.ACTION_CHUNK], again[D.ACTION_CHUNK])
+    chain = first[D.ACTION_CHAIN].reshape(4, policy.num_steps + 1, policy.chunk_size, policy.max_action_dim)
+    start = chain[:, 0]
+    assert abs(start.std().item() - 1.0) < 0.1 and abs(start.mean().item()) < 0.1       # a draw of N(0, I)
+    assert not torch.equal(start[0], start[1])                                          # one per observation
+    # the rows of a batch in another order and company: each row's decision is its own
+    order = torch.tensor([2, 0])
+    pair = policy.act({k: v[order] for k, v in obs.items()}, SamplingParams(greedy=True))[D.ACTION_CHUNK]
+    torch.testing.assert_close(pair, first[D.ACTION_CHUNK][order], rtol=1e-5, atol=1e-6)
+    # the same images with another state: another start
+    moved = dict(obs, **{D.STATE: obs[D.STATE] + 1.0})
+    other = policy.act(moved, SamplingParams(greedy=True))[D.ACTION_CHAIN].reshape(chain.shape)[:, 0]
+    assert not torch.equal(other, start)
+
+
 def test_flow_sde_logprob_is_the_closed_form_gaussian_of_its_step(compose_cfg):
     """The behaviour log-prob of a Flow-SDE decision is log N(x_{k+1}; mu, s^2) of its drawn step, with mu and s
     written out here from πRL's equations and the velocity read from the library's forward."""

@@ -9,8 +9,12 @@ is what RL needs:
 * ``act`` runs the denoising chain as transformers' ``sample_actions`` does (same calls, same Euler update), with the
   chain kept in float32, and makes it stochastic by Flow-SDE or Flow-Noise (:mod:`.flow`). It returns the chain states a
   log-probability needs (``action_chain``) and per-element log-probs over the executed ``[H, A]`` part of the chunk.
-  Greedy decisions (evaluation) run the plain ODE from the prior's mean (zero noise): deterministic, like a greedy
-  token policy's argmax.
+  Greedy decisions (evaluation) run the plain ODE, with no noise added along the chain, from a Gaussian start drawn
+  from a generator seeded by :data:`EVAL_NOISE_SEED` and the decision's observation: deterministic, like a greedy
+  token policy's argmax, whatever the global generator's state. The start is a draw of the prior, as in transformers'
+  ``sample_actions`` and RLinf's evaluation, not its mean: zero is no sample the network was trained from (a draw
+  has norm ~sqrt(chunk_size * max_action_dim)), and from it an RL-trained chain scored 0.005 where the same
+  weights score ~0.27 from draws (README, "π0").
 * ``evaluate`` re-runs the prefix and the steps the log-probability covers, with autograd: the drawn step for
   Flow-SDE, every step for Flow-Noise.
 * a value head on the mean of the VLM's prefix features (one value per observation, so ``act`` and ``evaluate`` agree on
@@ -30,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -57,6 +62,8 @@ HEADS_FILE = "embodirl_heads.safetensors"
 STAT_KEYS = ("state_mean", "state_std", "actions_mean", "actions_std")
 #: PI0Processor's guard against a zero standard deviation
 STD_EPS = 1e-8
+#: mixed with a greedy decision's observation into the seed of its chain start (:meth:`Pi0Policy._greedy_start`)
+EVAL_NOISE_SEED = 0
 #: Gemma's tokenizer: BOS and the newline that ends π0's prompt
 GEMMA_BOS_ID, GEMMA_NEWLINE_ID = 2, 108
 #: ids the hashing tokenizer uses for a model without a tokenizer (above Gemma's special ids)
@@ -333,8 +340,9 @@ class Pi0Policy(Policy):
     @torch.no_grad()
     def act(self, obs: dict, sampling: SamplingParams, *, return_value: bool = False,
             noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """``noise`` (float32 ``[B, chunk_size, max_action_dim]``): the chain's start; default Gaussian, and for
-        greedy decisions zero, the prior's mean, so that an evaluation is the same whatever the generator's state."""
+        """``noise`` (float32 ``[B, chunk_size, max_action_dim]``): the chain's start; default Gaussian, for greedy
+        decisions seeded by each row's observation (:meth:`_greedy_start`), so that an evaluation is the same
+        whatever the global generator's state."""
         inputs = self.prepare_inputs(obs)
         B, K = inputs["state"].shape[0], self.num_steps
         cache, prefix_hidden = self._prefix(inputs)
@@ -343,7 +351,7 @@ class Pi0Policy(Policy):
         if noise is not None:
             x = noise.to(device=self.device, dtype=torch.float32)
         else:
-            x = torch.zeros(shape, device=self.device) if greedy else torch.randn(shape, device=self.device)
+            x = self._greedy_start(obs, shape) if greedy else torch.randn(shape, device=self.device)
         temperature = 1.0 if greedy else float(sampling.temperature)
         dt = -1.0 / K
         if self.method == flow.FLOW_SDE:
@@ -387,6 +395,24 @@ class Pi0Policy(Policy):
         if return_value:
             out[D.VALUE] = self._values(prefix_hidden, inputs["attention_mask"])
         return out
+
+    def _greedy_start(self, obs: dict, shape: tuple[int, ...]) -> torch.Tensor:
+        """A greedy decision's chain start: per row, a Gaussian draw from a generator seeded with
+        :data:`EVAL_NOISE_SEED` and the row's own observation (camera bytes and state), so that it is a fresh draw
+        at every decision, as a sampled one is, yet the same for the same observation whatever the global
+        generator's state, the batch or the row's place in it."""
+        views = [obs[key] for key in (D.IMAGES, D.STATE) if obs.get(key) is not None]
+        if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in views):
+            return torch.randn(shape, device=self.device)      # the dry run: shapes only
+        rows = [np.ascontiguousarray(v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v))
+                for v in views]
+        starts = []
+        for i in range(shape[0]):
+            seed = EVAL_NOISE_SEED
+            for view in rows:
+                seed = zlib.crc32(view[i].tobytes(), seed)
+            starts.append(torch.randn(shape[1:], generator=torch.Generator().manual_seed(seed)))
+        return torch.stack(starts).to(self.device)
 
     def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
                  return_value: bool = True, return_entropy: bool = True) -> dict[str, torch.Tensor]:
