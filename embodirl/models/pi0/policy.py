@@ -14,7 +14,7 @@ is what RL needs:
   token policy's argmax, whatever the global generator's state. The start is a draw of the prior, as in transformers'
   ``sample_actions`` and RLinf's evaluation, not its mean: zero is no sample the network was trained from (a draw
   has norm ~sqrt(chunk_size * max_action_dim)), and from it an RL-trained chain scored 0.005 where the same
-  weights score ~0.27 from draws (README, "π0").
+  weights score 0.28 from draws (README, "π0").
 * ``evaluate`` re-runs the prefix and the steps the log-probability covers, with autograd: the drawn step for
   Flow-SDE, every step for Flow-Noise.
 * a value head on the mean of the VLM's prefix features (one value per observation, so ``act`` and ``evaluate`` agree on
