@@ -40,6 +40,7 @@ from embodirl.checkpoint_layout import (
     WORKER_RNG,
 )
 from embodirl.errors import ConfigError
+from embodirl.runner.metrics_logger import flatten
 from embodirl.runtime import rng_state, rng_state_from_json, rng_state_to_json, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ def written_with(source: Path, cfg) -> str:
         new = OmegaConf.create(OmegaConf.to_yaml(cfg))
         differ = []
         for section in _LAYOUT_SECTIONS:
-            a, b = (_leaves(OmegaConf.to_container(OmegaConf.select(c, section) or {}, resolve=True), section)
+            a, b = (flatten(OmegaConf.to_container(OmegaConf.select(c, section) or {}, resolve=True), section + ".")
                     for c in (old, new))
             differ += [f"{key}={_show(a.get(key))} (this run: {_show(b.get(key))})" for key in sorted(a.keys() | b.keys())
                        if key not in _LAYOUT_FREE and a.get(key) != b.get(key)]
@@ -229,15 +230,6 @@ def written_with(source: Path, cfg) -> str:
         except Exception:
             return ""
     return f" (the checkpoint was written with {what}; use that run's model options, see {written})"
-
-
-def _leaves(tree, prefix: str) -> dict:
-    if not isinstance(tree, Mapping):
-        return {prefix: tree}
-    out = {}
-    for key, value in tree.items():
-        out.update(_leaves(value, f"{prefix}.{key}"))
-    return out
 
 
 def _show(value) -> str:

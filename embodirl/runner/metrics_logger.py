@@ -110,7 +110,7 @@ class MetricsLogger:
             return
         from torch.utils.tensorboard.summary import hparams
 
-        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in _flatten(config).items()}
+        flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(config).items()}
         experiment, start, end = hparams(flat, {"eval/success_rate": float("nan")})
         for summary in (experiment, start, end):
             self._tb.file_writer.add_summary(summary)
@@ -172,12 +172,13 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _flatten(tree: Mapping, prefix: str = "") -> dict:
+def flatten(tree: Mapping, prefix: str = "") -> dict:
+    """A nested mapping's leaves under dotted names (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``), each after ``prefix``."""
     out = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
-            out.update(_flatten(value, name + "."))
+            out.update(flatten(value, name + "."))
         else:
             out[name] = value
     return out
