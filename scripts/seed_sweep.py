@@ -9,7 +9,9 @@ job without overrides), its console output in ``<out>/seed_<s>.log``. A seed who
 seed: the step and minutes at which greedy evaluation success first reached ``--bar``, whether every later
 evaluation stayed at or above ``--hold``, the lowest of them and the final success; and over the seeds the
 counts, median and worst first step, median and worst final success (:mod:`embodirl.runner.seed_sweep`).
-``<out>/summary.json`` holds the same. Exit status 0 when every run finished (whatever it learned).
+``<out>/summary.json`` holds the same, ``<out>/curves.png`` every seed's evaluation curve with the bar and the
+hold line (``--title`` heads it; ``--start`` draws the success the runs started from at step 0). Exit status 0
+when every run finished (whatever it learned).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from embodirl.runner.seed_sweep import format_report, summarize_run, write_summary
+from embodirl.runner.seed_sweep import format_report, plot_curves, summarize_run, write_summary
 
 DONE = "sweep_done"
 
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold", type=float, default=0.75, help="every later evaluation must stay at or above "
                                                                  "this (default 0.75)")
     parser.add_argument("--summarize", action="store_true", help="only summarise the runs already in --out")
+    parser.add_argument("--title", default="", help="heading of <out>/curves.png")
+    parser.add_argument("--start", type=float, default=None, help="success the runs started from (their "
+                                                                     "checkpoint's), drawn at step 0 of curves.png")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [summarize_run(s, args.out / f"seed_{s}", args.bar, args.hold) for s in seeds]
     print(format_report(results, args.bar, args.hold))
     write_summary(args.out / "summary.json", results, args.bar, args.hold)
+    plot_curves(results, args.out / "curves.png", args.bar, args.hold, args.title, args.start)
     if failed:
         print(f"runs that failed: seeds {failed} (see their logs)", file=sys.stderr)
     return 1 if failed else 0

@@ -8,7 +8,8 @@
   command started), whether every later evaluation stayed at or above ``hold``, the lowest of them, and
   the last evaluation's success;
 * over seeds: how many reached the bar, how many reached it and held, the median and worst first step
-  (a seed that never reached it counts as worse than any step), and the median and worst final success.
+  (a seed that never reached it counts as worse than any step), and the median and worst final success;
+* :func:`plot_curves`: every seed's evaluation curve in one figure, with the bar and the hold line.
 
 Only the steps are comparable across machines; minutes depend on the machine and its load.
 """
@@ -93,7 +94,7 @@ def _cell(value, fmt: str) -> str:
 
 def format_report(results: list[SeedResult], bar: float, hold: float) -> str:
     """A table, one row per seed, then the distribution (see module docstring)."""
-    lines = [f"bar {bar:.2f} (held: every later evaluation >= {hold:.2f})",
+    lines = [f"bar {bar:g} (held: every later evaluation >= {hold:g})",
              "seed | first step >= bar | minutes | held | lowest after | final (step)",
              "---|---|---|---|---|---"]
     for r in results:
@@ -112,3 +113,43 @@ def write_summary(path: str | Path, results: list[SeedResult], bar: float, hold:
     """The report as JSON: ``{"bar", "hold", "seeds": [SeedResult...], "distribution": {...}}``."""
     Path(path).write_text(json.dumps({"bar": bar, "hold": hold, "seeds": [asdict(r) for r in results],
                                       "distribution": distribution(results)}, indent=1))
+
+
+def plot_curves(results: list[SeedResult], path: str | Path, bar: float, hold: float, title: str = "",
+                start: float | None = None) -> Path:
+    """Every seed's evaluation success against its training step in one PNG, with ``bar`` and ``hold`` drawn
+    across; a seed that reached the bar and held is a solid line, any other dashed. ``start``: the success the
+    runs started from (e.g. their checkpoint's, measured once), drawn at step 0 and joined to each curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for r in results:
+        if not r.curve:
+            continue
+        first = [] if start is None or r.curve[0][0] == 0 else [(0, math.nan, start)]   # every run starts there
+        steps = [step for step, _, _ in first + r.curve]
+        rates = [100.0 * success for _, _, success in first + r.curve]
+        ok = r.reached and r.held
+        ax.plot(steps, rates, "o-" if ok else "o--", markersize=3,
+                label=f"seed {r.seed}" + ("" if ok else (" (fell)" if r.reached else " (short)")))
+    if start is not None:
+        ax.plot([0], [100.0 * start], "k*", markersize=8, label=f"start {100 * start:.1f}%")
+    ax.axhline(100.0 * bar, color="black", linewidth=0.8, label=f"bar {100 * bar:.1f}%")
+    ax.axhline(100.0 * hold, color="black", linewidth=0.8, linestyle=":", label=f"hold {100 * hold:.1f}%")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("evaluation success (%)")
+    highest = max([100.0 * max(bar, hold, start or 0.0)] + [100.0 * x for r in results for _, _, x in r.curve])
+    ax.set_ylim(0, min(100.0, 10.0 * math.ceil((highest + 15.0) / 10.0)))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    d = distribution(results)
+    ax.set_title(f"{title + ': ' if title else ''}reached and held {d['reached_and_held']}/{d['seeds']}",
+                 fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,5 +1,6 @@
 """The seed-sweep tool: ``scripts/seed_sweep.py`` runs ``embodirl train`` per seed and summarises when each first
-reached the bar, whether it held, and the distribution; the summariser on hand-made curves for its edge cases."""
+reached the bar, whether it held, and the distribution, and draws the curves; the summariser on hand-made curves for
+its edge cases."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_first_step_hold_and_distribution():
 
 def test_the_script_runs_each_seed_and_resumes(tmp_path):
     args = [sys.executable, str(ROOT / "scripts" / "seed_sweep.py"), "--seeds", "1-2", "--out", str(tmp_path / "sweep"),
-            "--bar", "0.5", "--hold", "0.4", "env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true",
+            "--bar", "0.5", "--hold", "0.4", "--start", "0.1", "--title", "toy_reach", "env=toy_reach",
+            "env.train.state_obs=true", "env.eval.state_obs=true",
             "env.train.cameras=[]", "env.eval.cameras=[]", "env.train.reward_mode=dense", "env.eval.reward_mode=dense",
             "runner.max_steps=4", "runner.val_check_interval=2", "runner.eval_episodes_per_task=2",
             "runner.eval_num_videos=0", "runner.save_interval=0", "runner.logger.tensorboard=false"]
@@ -42,5 +44,6 @@ def test_the_script_runs_each_seed_and_resumes(tmp_path):
     assert [s["seed"] for s in summary["seeds"]] == [1, 2]
     assert all([step for step, _, _ in s["curve"]] == [2, 4] for s in summary["seeds"])
     assert (tmp_path / "sweep" / "seed_1.log").is_file()
+    assert (tmp_path / "sweep" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)   # finished seeds are kept
     assert again.returncode == 0 and again.stdout.count("already done") == 2
