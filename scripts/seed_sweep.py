@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
         parser.error(f"unknown option {bad[0]}; embodirl overrides are key=value")
+    for name in ("bar", "hold", "start"):
+        value = getattr(args, name)
+        if value is not None and not 0.0 <= value <= 1.0:
+            parser.error(f"--{name} is {value}; give a success rate between 0 and 1 (0.8, not 80)")
     seeds = parse_seeds(args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)
     failed = []

@@ -47,3 +47,10 @@ def test_the_script_runs_each_seed_and_resumes(tmp_path):
     assert (tmp_path / "sweep" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)   # finished seeds are kept
     assert again.returncode == 0 and again.stdout.count("already done") == 2
+
+
+def test_a_rate_outside_zero_to_one_is_one_sentence(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "seed_sweep.py"), "--summarize", "--out",
+                           str(tmp_path / "sweep"), "--start", "4.5"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--start is 4.5; give a success rate between 0 and 1" in proc.stderr
+    assert not (tmp_path / "sweep").exists()
