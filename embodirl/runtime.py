@@ -8,6 +8,11 @@
   the driver's dependency resolves to it even though ``LD_LIBRARY_PATH`` is read only at process
   start (child processes inherit the exported variables and so get it at their start).
   A machine with an NVIDIA Vulkan driver keeps its own ICD: set ``EMBODIRL_VULKAN=system``.
+* With that lavapipe, ``.deps/vulkan/brdf_lut.so`` (built by the set-up script from
+  ``embodirl/envs/maniskill/brdf_lut.c``) is loaded into the global symbol scope before SAPIEN is, so that
+  SAPIEN's renderer builds its BRDF table at 128 texels a side instead of 512: ~13 CPU-s less per simulator
+  process, the same frames for the shipped tasks (the C file says why). ``EMBODIRL_BRDF_LUT=full`` keeps
+  SAPIEN's own table.
 """
 
 from __future__ import annotations
@@ -58,6 +63,24 @@ def configure() -> None:
                 ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
             except OSError as exc:  # the system one may already be loaded; lavapipe then may fail
                 log.warning("could not preload %s: %s", lib, exc)
+    load_brdf_lut(vk)
+
+
+#: the library the set-up script builds beside lavapipe (embodirl/envs/maniskill/brdf_lut.c)
+BRDF_LUT_LIBRARY = "brdf_lut.so"
+
+
+def load_brdf_lut(vk: Path) -> ctypes.CDLL | None:
+    """Load ``vk/brdf_lut.so`` globally (before SAPIEN) unless ``EMBODIRL_BRDF_LUT=full``; None when skipped
+    or absent (SAPIEN then builds its own 512-texel table: the same frames, ~13 CPU-s more per process)."""
+    lib = vk / BRDF_LUT_LIBRARY
+    if os.environ.get("EMBODIRL_BRDF_LUT", "small") == "full" or not lib.is_file():
+        return None
+    try:
+        return ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        log.warning("could not load %s (SAPIEN builds its full BRDF table instead): %s", lib, exc)
+        return None
 
 
 def torch_threads(setting, *, cuda: bool | None = None) -> int | None:
