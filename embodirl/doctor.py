@@ -98,7 +98,22 @@ def check_vulkan() -> Check:
                      "run scripts/setup.sh (bundles lavapipe in .deps/vulkan), or install your GPU's Vulkan driver "
                      "and set EMBODIRL_VULKAN=system")
     kind = "software" if any(s in out.lower() for s in SOFTWARE_VULKAN) else "GPU"
-    return Check("render/vulkan", True, f"{out} ({kind})")
+    if kind == "GPU":
+        return Check("render/vulkan", True, f"{out} ({kind})")
+    return Check("render/vulkan", True, f"{out} ({kind}); {brdf_table()}")
+
+
+def brdf_table() -> str:
+    """Which BRDF table SAPIEN builds on a software device (embodirl/envs/maniskill/brdf_lut.c)."""
+    from embodirl.runtime import BRDF_LUT_LIBRARY, local_vulkan_dir
+
+    vk = local_vulkan_dir()
+    if os.environ.get("EMBODIRL_BRDF_LUT", "small") == "full":
+        return "BRDF table 512 (EMBODIRL_BRDF_LUT=full)"
+    if vk is not None and (vk / BRDF_LUT_LIBRARY).is_file():
+        return f"BRDF table 128 ({vk / BRDF_LUT_LIBRARY})"
+    return ("BRDF table 512: ~13 CPU-s more per ManiSkill simulator process "
+            "(scripts/setup.sh builds .deps/vulkan/brdf_lut.so where a C compiler is installed)")
 
 
 # --------------------------------------------------------------------------------------------------
