@@ -1,17 +1,17 @@
 /* A smaller BRDF look-up table for SAPIEN on a software Vulkan device (lavapipe).
  *
  * The first time a process renders, SAPIEN's renderer (svulkan2) fills a 512 x 512 table of the split-sum
- * specular BRDF with a compute shader, 1024 importance samples per texel. On lavapipe that shader runs on the
- * CPU: about 13 CPU-seconds per simulator process on this project's 2-core machine, several times the rest of
- * building a ManiSkill scene, paid again by every simulator process of every run. The table is read only by
- * image-based lighting (an environment map); the ManiSkill scenes embodirl ships set none, and their camera
- * and video frames are bit-identical with a 128 x 128 table (tests/envs/test_brdf_lut.py checks it).
+ * specular BRDF with an importance-sampling compute shader. On lavapipe that shader runs on the CPU: about
+ * 13 CPU-seconds per simulator process on this project's 2-core machine, several times the rest of building
+ * a ManiSkill scene, paid again by every simulator process of every run. The table serves image-based
+ * lighting; with the ManiSkill scenes embodirl ships, camera and video frames are bit-identical with a
+ * 128 x 128 table (tests/envs/test_brdf_lut.py checks it).
  *
  * scripts/setup.sh builds this file into .deps/vulkan/brdf_lut.so beside the bundled lavapipe, and
  * embodirl.runtime.configure() loads it with RTLD_GLOBAL before SAPIEN is imported (EMBODIRL_BRDF_LUT=full
  * skips it). svulkan2 calls svulkan2::shader::generateBRDFLUT(unsigned) through its procedure linkage table,
  * so the dynamic linker binds that call to the definition below, which calls svulkan2's own with the size
- * capped at 128 (the default of SAPIEN's own sapien.internal_renderer Context.create_brdf_lut).
+ * capped at 128 (the default of sapien.pysapien.internal_renderer.Context.create_brdf_lut).
  *
  * x86-64 only: the function returns a std::shared_ptr, which the System V x86-64 ABI passes back through a
  * hidden pointer in the first argument register (other ABIs use another register for it).
