@@ -105,13 +105,13 @@ def check_vulkan() -> Check:
 
 def brdf_table() -> str:
     """Which BRDF table SAPIEN builds on a software device (embodirl/envs/maniskill/brdf_lut.c)."""
-    from embodirl.runtime import BRDF_LUT_LIBRARY, local_vulkan_dir
+    from embodirl.runtime import brdf_lut_library, local_vulkan_dir
 
-    vk = local_vulkan_dir()
+    lib = brdf_lut_library(local_vulkan_dir())
+    if lib is not None:
+        return f"BRDF table 128 ({lib})"
     if os.environ.get("EMBODIRL_BRDF_LUT", "small") == "full":
         return "BRDF table 512 (EMBODIRL_BRDF_LUT=full)"
-    if vk is not None and (vk / BRDF_LUT_LIBRARY).is_file():
-        return f"BRDF table 128 ({vk / BRDF_LUT_LIBRARY})"
     return ("BRDF table 512: ~13 CPU-s more per ManiSkill simulator process "
             "(scripts/setup.sh builds .deps/vulkan/brdf_lut.so where a C compiler is installed)")
 

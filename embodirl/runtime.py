@@ -70,11 +70,19 @@ def configure() -> None:
 BRDF_LUT_LIBRARY = "brdf_lut.so"
 
 
-def load_brdf_lut(vk: Path) -> ctypes.CDLL | None:
-    """Load ``vk/brdf_lut.so`` globally (before SAPIEN) unless ``EMBODIRL_BRDF_LUT=full``; None when skipped
-    or absent (SAPIEN then builds its own 512-texel table: the same frames, ~13 CPU-s more per process)."""
+def brdf_lut_library(vk: Path | None) -> Path | None:
+    """``vk/brdf_lut.so`` when it is built and ``EMBODIRL_BRDF_LUT`` is not ``full``, else None (SAPIEN then
+    builds its own 512-texel table: the same frames, ~13 CPU-s more per process)."""
+    if vk is None or os.environ.get("EMBODIRL_BRDF_LUT", "small") == "full":
+        return None
     lib = vk / BRDF_LUT_LIBRARY
-    if os.environ.get("EMBODIRL_BRDF_LUT", "small") == "full" or not lib.is_file():
+    return lib if lib.is_file() else None
+
+
+def load_brdf_lut(vk: Path) -> ctypes.CDLL | None:
+    """Load :func:`brdf_lut_library` globally (before SAPIEN); None when there is none to load."""
+    lib = brdf_lut_library(vk)
+    if lib is None:
         return None
     try:
         return ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
