@@ -440,24 +440,36 @@ def test_batched_backend_matches_process_vector_env(overrides):
 def test_simulator_processes_fork_from_a_forkserver_that_imported_maniskill_once(tmp_path):
     """The adapter's preload: the processes are children of the forkserver, which already mapped SAPIEN
     (imported once there) before forking them - so no process imports ManiSkill itself. In a fresh process:
-    a process's first vector env starts its forkserver, and the preload applies from then on."""
+    a process's first vector env starts its forkserver, and the preload applies from then on. What the server
+    imported is frozen (embodirl/envs/vector/frozen_heap.py): a process it forks starts with every object it
+    inherits in the collector's permanent generation, so its collections neither walk nor copy them."""
     script = tmp_path / "probe.py"
     script.write_text(
-        "import numpy as np, psutil\n"
+        "import gc, multiprocessing as mp, numpy as np, psutil\n"
         "from embodirl.config import compose\n"
         "from embodirl.envs.registry import make_env\n"
+        "def heap(queue):\n"
+        "    queue.put((gc.get_freeze_count(), len(gc.get_objects())))\n"
         "if __name__ == '__main__':\n"
         "    env = make_env(compose(['env.train.num_envs=2']).env.train, num_envs=2, seed=0)\n"
         "    me = psutil.Process()\n"
         "    parents = {p.ppid() for p in me.children(recursive=True) if p.ppid() != me.pid}\n"
         "    maps = ''.join(open(f'/proc/{pid}/maps').read() for pid in parents)\n"
         "    obs, _ = env.reset(seed=0)\n"
-        "    print(len(parents), 'sapien' in maps, bool(np.isfinite(np.asarray(obs['state'])).all()))\n"
+        "    ctx = mp.get_context('forkserver')   # the server the vector env started: its next child reports\n"
+        "    queue = ctx.Queue()\n"
+        "    child = ctx.Process(target=heap, args=(queue,))\n"
+        "    child.start()\n"
+        "    frozen, unfrozen = queue.get(timeout=120)\n"
+        "    child.join()\n"
+        "    print(len(parents), 'sapien' in maps, bool(np.isfinite(np.asarray(obs['state'])).all()), frozen, unfrozen)\n"
         "    env.close()\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                           env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    servers, preloaded, finite = proc.stdout.split()[-3:]
+    servers, preloaded, finite, frozen, unfrozen = proc.stdout.split()[-5:]
     assert int(servers) >= 1, "the simulator processes are not forked from a server process"
     assert preloaded == "True", "the forkserver did not import ManiSkill/SAPIEN before forking"
     assert finite == "True"
+    # ManiSkill, SAPIEN and torch are ~300k tracked objects; what the child made itself before reporting is few
+    assert int(frozen) > 100_000 and int(unfrozen) < int(frozen) // 10, (frozen, unfrozen)

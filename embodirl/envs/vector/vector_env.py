@@ -88,6 +88,8 @@ from embodirl.envs.vector.recovery import DEFAULT_MAX_RESTARTS, HangLimits, Reco
 from embodirl.envs.vector.subproc import START_METHODS, LocalSubEnv, ProcessSubEnv, SubEnvFailure
 
 DEFAULT_START_TIMEOUT_S = 600.0   # building a LIBERO scene on a busy 2-core machine takes seconds
+#: imported last by a preloading forkserver: freezes the preloaded heap (the simulators it forks never walk it)
+FROZEN_HEAP = "embodirl.envs.vector.frozen_heap"
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -148,8 +150,9 @@ class ProcessVectorEnv(ChunkVectorEnv):
             self._ctx = mp.get_context(start_method)
             if start_method == "forkserver" and preload:
                 # modules the forkserver imports once before it forks each simulator process; takes effect
-                # when this process starts its forkserver (the first vector env), later calls keep that one
-                self._ctx.set_forkserver_preload(["embodirl.envs.vector.subproc", *preload])
+                # when this process starts its forkserver (the first vector env), later calls keep that one.
+                # The last one freezes what the others built (embodirl/envs/vector/frozen_heap.py).
+                self._ctx.set_forkserver_preload(["embodirl.envs.vector.subproc", *preload, FROZEN_HEAP])
             self._factory_bytes = [cloudpickle.dumps(fn) for fn in self.env_fns]
         self._recovery = Recovery(max_restarts)
         self._hangs = HangLimits()
