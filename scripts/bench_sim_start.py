@@ -90,5 +90,6 @@ def main() -> None:
         print(f"{key}: median {first} {a_med:.1f}, {second} {b_med:.1f}, {second}/{first} {b_med / a_med:.2f} "
               f"(per round {', '.join(f'{x:.2f}' for x in pairs)})")
 
+
 if __name__ == "__main__":
     main()
