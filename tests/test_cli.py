@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from embodirl.paths import config_dir
+from tests import cli_runs
 
 EXE = [sys.executable, "-m", "embodirl.cli"]
 
 
 def run_cli(args, cwd, env=None, timeout=180):
-    return subprocess.run([*EXE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return cli_runs.run(args, cwd, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def _assert_rejected(proc, cwd, fragment):

@@ -6,6 +6,7 @@ from omegaconf import OmegaConf
 from embodirl.config import available_options, compose, validate
 from embodirl.errors import ConfigError
 from embodirl.rollout.records import decisions_per_episode
+from tests import cli_runs
 
 
 def _check(cfg):
@@ -53,11 +54,8 @@ def test_tiny_and_full_models_never_share_an_output_folder(compose_cfg):
 @pytest.mark.parametrize("model", ["openvla_oft_tiny", "openvla_oft"])
 def test_eval_of_the_tiny_model_prints_its_own_output_folder(model, tmp_path):
     """`embodirl eval env=libero_10 model=openvla_oft_tiny`, as a new user tries it (here with --cfg job)."""
-    import subprocess
-    import sys
 
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "eval", "env=libero_10", f"model={model}", "--cfg", "job",
-                           "--resolve"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = cli_runs.run(["eval", "env=libero_10", f"model={model}", "--cfg", "job", "--resolve"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     cfg = OmegaConf.create(proc.stdout)
     assert cfg.runner.output_dir == f"outputs/libero_10_{model}" and cfg.runner.only_eval is True

@@ -6,12 +6,12 @@ runs the fast checks before any worker starts: one sentence, exit status 2, noth
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from embodirl import doctor
+from tests import cli_runs
 from tests.models.test_openvla_checkpoint import direct_model, oft_action_head_file, write_public_checkpoint
 
 EXE = [sys.executable, "-m", "embodirl.cli"]
@@ -21,8 +21,7 @@ TOO_BIG = ["env=libero_10", "model=openvla_oft", "actor.fsdp.full_finetune=true"
 
 
 def run(args, cwd, env=None):
-    return subprocess.run([*EXE, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return cli_runs.run(args, cwd, env={**os.environ, **(env or {})}, timeout=300)
 
 
 def rows(stdout: str) -> dict[str, tuple[str, str]]:

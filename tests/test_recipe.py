@@ -5,9 +5,6 @@ tiny preset and the default state policy keep config.yaml's algorithm and run si
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -19,6 +16,7 @@ from embodirl.models.openvla_oft.resolve import build_config, load_preset
 from embodirl.models.registry import get_policy_builder
 from embodirl.placement import data_parallel_size
 from embodirl.rollout.records import decisions_per_episode
+from tests import cli_runs
 
 #: every leaf the recipe sets outside `model` (on top of config.yaml and algorithm/ppo.yaml)
 RECIPE = {
@@ -174,9 +172,8 @@ def test_missing_checkpoint_is_one_sentence_naming_model_path(tmp_path):
     # through the real command: exit status 2, one line, nothing written
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "eval", "env=libero_10", "model=openvla_oft",
-                           f"model.path={tmp_path / 'nowhere'}"], cwd=work, capture_output=True, text=True,
-                          timeout=180, env=dict(os.environ))
+    proc = cli_runs.run(["eval", "env=libero_10", "model=openvla_oft", f"model.path={tmp_path / 'nowhere'}"], work,
+                        timeout=180)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "model.path" in lines[0] and "does not exist" in lines[0], proc.stderr

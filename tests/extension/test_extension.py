@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from embodirl.paths import config_dir
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 GRID_YAML = """# @package env.train
@@ -41,8 +40,7 @@ def cli(args, cwd, config=None):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if config is not None:
         env["EMBODIRL_CONFIG_DIR"] = str(config)
-    return subprocess.run([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env=env)
+    return cli_runs.run(args, cwd, env=env)
 
 
 def test_a_simulator_added_with_one_module_and_one_yaml(tmp_path):

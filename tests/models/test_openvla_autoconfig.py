@@ -5,9 +5,6 @@ settings and RL over untrained action tokens are refused in one sentence before 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ from embodirl.config import compose, validate
 from embodirl.errors import ConfigError
 from embodirl.models.base import SamplingParams
 from embodirl.models.openvla_oft import build_policy
+from tests import cli_runs
 from tests.models.test_openvla_checkpoint import (
     SPEC,
     STATS,
@@ -114,9 +112,8 @@ def test_token_rl_from_an_l1_checkpoint_is_refused(l1_checkpoint, override):
 
 def test_refusal_through_the_cli_writes_nothing(l1_checkpoint, tmp_path):
     _, path, _ = l1_checkpoint
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "train", "env=libero_10", "model=openvla_oft",
-                           f"model.path={path}", "model.use_l1_regression=false", "algorithm=grpo"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = cli_runs.run(["train", "env=libero_10", "model=openvla_oft", f"model.path={path}",
+                         "model.use_l1_regression=false", "algorithm=grpo"], tmp_path, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert "model.use_l1_regression" in lines[0] and "never trained" in lines[0]
@@ -127,12 +124,11 @@ def test_refusal_through_the_cli_writes_nothing(l1_checkpoint, tmp_path):
 def test_cli_eval_runs_a_public_l1_proprio_checkpoint_without_flags(l1_checkpoint, tmp_path):
     """The README's evaluation command on a checkpoint in OFT's layout: real LIBERO, one short episode."""
     _, path, _ = l1_checkpoint
-    proc = subprocess.run(
-        [sys.executable, "-m", "embodirl.cli", "eval", *TINY_LIBERO, f"model.path={path}", "cluster.use_ray=false",
-         "env.eval.task_ids=[0]", "env.eval.num_envs=1", "runner.eval_episodes_per_task=1",
-         "env.eval.max_episode_steps=16", "runner.eval_num_videos=0", "runner.progress_bar=false",
-         "runner.logger.tensorboard=false", "runner.experiment_name=oft_l1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ})
+    proc = cli_runs.run(
+        ["eval", *TINY_LIBERO, f"model.path={path}", "cluster.use_ray=false", "env.eval.task_ids=[0]",
+         "env.eval.num_envs=1", "runner.eval_episodes_per_task=1", "env.eval.max_episode_steps=16",
+         "runner.eval_num_videos=0", "runner.progress_bar=false", "runner.logger.tensorboard=false",
+         "runner.experiment_name=oft_l1"], tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "L1 regression head, proprio token, 2 image(s) per decision" in output, output[-4000:]

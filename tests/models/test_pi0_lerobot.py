@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ from embodirl.errors import ConfigError
 from embodirl.models.base import SamplingParams
 from embodirl.models.pi0.policy import check_checkpoint
 from embodirl.models.registry import make_policy
+from tests import cli_runs
 from tests.models import test_pi0 as pi0_tests  # the π0 tests' policy, observation and noise helpers
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=24, task_descriptions=["reach the red square", "push the cube left"],
@@ -343,8 +343,7 @@ def test_weights_that_do_not_fit_the_config_are_one_sentence(compose_cfg, writte
 
 def _cli(args, cwd) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=env)
+    return cli_runs.run(args, cwd, env=env, timeout=300)
 
 
 EVAL = ["env=toy_reach", "model=pi0_tiny", "env.eval.num_envs=2", "env.eval.num_tasks=2",

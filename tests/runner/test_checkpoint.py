@@ -24,6 +24,7 @@ from embodirl.models.registry import make_policy
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.loop import Runner, load_actor_state, load_policy_weights
 from embodirl.workers.actor_group import ActorGroup
+from tests import cli_runs
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=64, task_descriptions=["pick up the bowl", "open the drawer"],
                camera_names=["agentview", "wrist"], image_size=(56, 56), state_dim=8, name="libero_like")
@@ -246,9 +247,8 @@ def test_bad_resume_dir_stops_the_cli_before_anything_is_written(tmp_path):
     (out / "config.yaml").write_text("runner: {}\n")
     before = {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in out.rglob("*")}
     (tmp_path / "empty").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "train", "env=toy_reach", "env.train.state_obs=true",
-                           "env.eval.state_obs=true", "runner.experiment_name=t", f"runner.resume_dir={tmp_path / 'empty'}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    proc = cli_runs.run(["train", "env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true",
+                         "runner.experiment_name=t", f"runner.resume_dir={tmp_path / 'empty'}"], tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().startswith(f"embodirl: runner.resume_dir: '{tmp_path / 'empty'}' holds no complete")
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -12,25 +12,22 @@ not the job's 100: the suite's slowest tests are made cheaper rather than droppe
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 STEPS = 50
 
 
 @pytest.mark.slow
 def test_default_job_learns_pushcube(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "embodirl.cli", "train", "runner.seed=1", f"runner.max_steps={STEPS}",
-         "actor.optim.lr_decay_steps=100", f"runner.val_check_interval={STEPS}", "runner.val_before_train=true",
-         "runner.save_interval=0",
+    proc = cli_runs.run(
+        ["train", "runner.seed=1", f"runner.max_steps={STEPS}", "actor.optim.lr_decay_steps=100",
+         f"runner.val_check_interval={STEPS}", "runner.val_before_train=true", "runner.save_interval=0",
          "runner.progress_bar=false", "runner.logger.tensorboard=false", "runner.eval_num_videos=1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=1200, env={**os.environ})
+        tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "outputs" / "maniskill_pushcube_state_mlp"
     records = read_metrics(out / "metrics.jsonl")

@@ -7,13 +7,12 @@ eval`` of it repeats the training-time evaluation), and a resumed run carries th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 # dense rewards: an episode's return traces its whole trajectory, so equal returns mean equal episodes
 TOY = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "env.train.cameras=[]",
@@ -26,10 +25,7 @@ EMA = "actor.ema_decay=0.8"
 
 
 def cli(cmd: str, args, cwd) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", cmd, *TOY, *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, env={**os.environ})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return proc
+    return cli_runs.run([cmd, *TOY, *args], cwd, expect=0)
 
 
 def episode_returns(path) -> list[float]:

@@ -13,6 +13,7 @@ from embodirl.config import compose
 from embodirl.runner.eval_report import write_eval_info
 from embodirl.runner.evaluation import run_sweep
 from embodirl.runner.loop import Runner
+from tests import cli_runs
 
 
 class CrashFirstEnv(torch.nn.Module):
@@ -54,13 +55,10 @@ def test_an_episode_that_always_crashes_counts_as_a_failure_and_the_sweep_finish
     """The toy simulator crashes at the second chunk of every episode from init state 2, on every re-run (as a
     MuJoCo instability the policy's greedy actions cause would). `embodirl eval` finishes the sweep: each such
     episode is a failure marked crashed, per episode, per task and overall, and the console table shows it."""
-    import subprocess
-    import sys
 
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "eval", "env=toy_reach", "env.train.state_obs=true",
-                           "env.eval.state_obs=true", "env.eval.num_envs=4", "env.eval.crash_init_state=2",
-                           "runner.eval_episodes_per_task=4", "runner.eval_num_videos=0", "runner.experiment_name=crash"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = cli_runs.run(["eval", "env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true",
+                         "env.eval.num_envs=4", "env.eval.crash_init_state=2", "runner.eval_episodes_per_task=4",
+                         "runner.eval_num_videos=0", "runner.experiment_name=crash"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads((tmp_path / "outputs" / "crash" / "eval_info.json").read_text())
     assert info["overall"]["n_episodes"] == 16 and info["overall"]["crashed"] == 4

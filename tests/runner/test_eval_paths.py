@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests import cli_runs
 
 # dense rewards: an episode's return traces its whole trajectory, so equal returns mean equal episodes
 TOY = ["env=toy_reach", "env.train.num_envs=2", "env.eval.num_envs=2", "env.train.num_tasks=2", "env.eval.num_tasks=2",
@@ -24,10 +23,7 @@ TIMING = ("eval_s", "eval_ep_s")        # wall-clock: the only fields allowed to
 
 
 def evaluate(tmp_path, name: str, *overrides: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "eval", *TOY, *overrides,
-                           f"runner.experiment_name={name}"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env={**os.environ})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    cli_runs.run(["eval", *TOY, *overrides, f"runner.experiment_name={name}"], tmp_path, expect=0)
     return json.loads((tmp_path / "outputs" / name / "eval_info.json").read_text())
 
 

@@ -5,15 +5,13 @@ writing them with LeRobot's keys, per-episode task / init state / seed, videos i
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from scipy.stats import binomtest
 
 from embodirl.runner.eval_report import success_figure, wilson_interval
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 TOY = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "env.train.num_envs=4",
        "env.eval.num_envs=4", "runner.progress_bar=false", "runner.logger.tensorboard=false"]
@@ -39,10 +37,7 @@ def test_wilson_interval_matches_scipy(k, n):
 
 
 def cli(args, cwd):
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return cli_runs.run(args, cwd, expect=0)
 
 
 def test_eval_info_intervals_lerobot_keys_and_rerun_of_chosen_episodes(tmp_path):
@@ -88,8 +83,7 @@ def test_eval_info_intervals_lerobot_keys_and_rerun_of_chosen_episodes(tmp_path)
 
 
 def test_eval_episodes_is_checked_before_anything_starts(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "eval", *TOY, "runner.eval_episodes=[-1]"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = cli_runs.run(["eval", *TOY, "runner.eval_episodes=[-1]"], tmp_path, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "runner.eval_episodes" in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []

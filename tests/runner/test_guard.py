@@ -6,11 +6,8 @@ non-finite update (a learning rate of 1e30) trips it too, instead of stopping th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 TOY = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "env.train.cameras=[]",
        "env.eval.cameras=[]", "env.train.num_envs=8", "env.eval.num_envs=8", "env.train.reward_mode=dense",
@@ -22,8 +19,7 @@ GUARD = ["runner.guard.enabled=true", "runner.guard.success_drop=0.2", "runner.g
 
 
 def cli(args, cwd):
-    return subprocess.run([sys.executable, "-m", "embodirl.cli", "train", *TOY, *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=900, env={**os.environ})
+    return cli_runs.run(["train", *TOY, *args], cwd, timeout=900)
 
 
 def evals_and_events(out):

@@ -16,6 +16,7 @@ import pytest
 from embodirl import checkpoint_layout as layout
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 BASE = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "env.train.num_envs=4",
         "env.eval.num_envs=4", "env.train.processes=true", "runner.progress_bar=false",
@@ -75,9 +76,8 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted_run(tmp_path
     before = logged_steps(out / "metrics.jsonl")
     assert SAVE_INTERVAL <= k < MAX_STEPS and max(before) > k, (k, before)   # steps after k were logged
 
-    again = subprocess.run([sys.executable, "-m", "embodirl.cli", "train", *BASE, f"runner.max_steps={MAX_STEPS}",
-                            f"runner.save_interval={SAVE_INTERVAL}", "runner.experiment_name=part"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    again = cli_runs.run(["train", *BASE, f"runner.max_steps={MAX_STEPS}", f"runner.save_interval={SAVE_INTERVAL}",
+                          "runner.experiment_name=part"], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {resumed_from.relative_to(tmp_path)} (step {k})" in again.stdout + again.stderr
     assert full.wait(timeout=600) == 0, full.stdout.read()[-3000:]

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import imageio.v3 as iio
 import pytest
 
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 BASE = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "env.train.num_envs=4",
         "env.eval.num_envs=4", "runner.eval_episodes_per_task=1", "runner.progress_bar=false",
@@ -18,10 +17,7 @@ BASE = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", 
 
 
 def cli(args, cwd):
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return cli_runs.run(args, cwd, expect=0)
 
 
 def test_train_writes_outputs_and_eval_only(tmp_path):
@@ -67,10 +63,9 @@ def test_resume_reproduces_uninterrupted_metrics(tmp_path):
 def test_a_long_step_says_where_it_is(tmp_path):
     """With progress lines due at once (EMBODIRL_PROGRESS_INTERVAL_S=0; 30 s by default) a step reports its
     rollouts, the decisions inside each and the update's optimizer steps while they run."""
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "train", *BASE, "runner.max_steps=1",
-                           "rollout.rollout_epoch=2", "runner.val_check_interval=0", "runner.save_interval=0"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "EMBODIRL_PROGRESS_INTERVAL_S": "0"})
+    proc = cli_runs.run(["train", *BASE, "runner.max_steps=1", "rollout.rollout_epoch=2",
+                         "runner.val_check_interval=0", "runner.save_interval=0"], tmp_path,
+                        env={**os.environ, "EMBODIRL_PROGRESS_INTERVAL_S": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "[step 1] collecting rollout 2 of 2" in out

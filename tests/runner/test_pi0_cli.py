@@ -8,12 +8,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 from test_vla_cli import cli
 
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 PI0 = ["env=toy_reach", "model=pi0_tiny", "env.train.num_envs=4", "env.eval.num_envs=4", "env.train.num_tasks=2",
        "env.eval.num_tasks=2", "env.train.max_episode_steps=16", "env.eval.max_episode_steps=16",
@@ -75,8 +75,7 @@ def test_pi0_on_ray_workers_trains_on_two_gloo_actor_ranks_as_on_one(tmp_path):
 
 
 def _cli(args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    return cli_runs.run(args, cwd, timeout=300)
 
 
 def test_a_bad_pi0_checkpoint_is_one_sentence_and_doctor_describes_a_good_one(compose_cfg, tmp_path):

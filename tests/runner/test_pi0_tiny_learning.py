@@ -19,13 +19,10 @@ follows another trajectory from it, which the margins cover.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 STEPS = 60
 FIRST, LAST = 1, 10
@@ -44,8 +41,7 @@ SETTINGS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["flow_sde", "flow_noise"])
 def test_grpo_raises_success_of_the_tiny_pi0(tmp_path, method):
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "train", *SETTINGS, f"model.flow.method={method}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    proc = cli_runs.run(["train", *SETTINGS, f"model.flow.method={method}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(tmp_path / "outputs" / "learn" / "metrics.jsonl")
     success = [r["train/success_rate"] for r in records if "train/success_rate" in r]

@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -24,6 +20,7 @@ from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner.collection import episode_returns, episode_starts
 from embodirl.runner.loop import Runner, worker_config
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 TOY = ["env=toy_reach", "model=state_mlp", "env.train.state_obs=true", "env.eval.state_obs=true",
        "env.train.reward_mode=dense", "env.train.step_size=0.3", "env.train.num_envs=8", "env.eval.num_envs=4"]
@@ -90,9 +87,7 @@ def test_resampling_fills_the_batch_with_informative_groups(compose_cfg, tmp_pat
 
 
 def _cli(args, cwd):
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cli_runs.run(args, cwd, expect=0)
 
 
 COMMON = ["runner.max_steps=2", "runner.val_check_interval=0", "runner.save_interval=0", "runner.progress_bar=false",

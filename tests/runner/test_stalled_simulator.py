@@ -13,6 +13,7 @@ import pytest
 from embodirl.config import compose, validate
 from embodirl.errors import ConfigError
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 TOY = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "env.train.num_envs=4",
        "env.eval.num_envs=4", "runner.progress_bar=false", "runner.logger.tensorboard=false",
@@ -21,10 +22,9 @@ TOY = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true", "
 
 def test_a_hung_simulator_is_replaced_and_its_episode_collected_again(tmp_path):
     marker = tmp_path / "hung"
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "train", *TOY, "runner.max_steps=2",
-                           "env.train.processes=true", "env.train.hang_at_step=2", f"env.train.hang_marker={marker}",
-                           "env.train.step_timeout_s=3", "runner.experiment_name=hang"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ})
+    proc = cli_runs.run(["train", *TOY, "runner.max_steps=2", "env.train.processes=true", "env.train.hang_at_step=2",
+                         f"env.train.hang_marker={marker}", "env.train.step_timeout_s=3", "runner.experiment_name=hang"],
+                        tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.is_file()                                     # one simulator did hang
     records = read_metrics(tmp_path / "outputs" / "hang" / "metrics.jsonl")

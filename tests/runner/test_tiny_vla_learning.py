@@ -20,13 +20,10 @@ fails here. The greedy evaluation is not asserted: an untrained policy's argmax 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 STEPS = 60
 WINDOW = 10
@@ -43,8 +40,7 @@ SETTINGS = [
 
 @pytest.mark.slow
 def test_grpo_raises_success_of_the_tiny_vla(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", "train", *SETTINGS], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    proc = cli_runs.run(["train", *SETTINGS], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(tmp_path / "outputs" / "learn" / "metrics.jsonl")
     success = [r["train/success_rate"] for r in records if "train/success_rate" in r]

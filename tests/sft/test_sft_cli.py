@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from safetensors.torch import load_file
 from embodirl.demos.lerobot.reader import LeRobotDataset
 from embodirl.models.openvla_oft.hf_checkpoint import MARKER, TOKENS_TRAINED
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 TIMEOUT_S = 600
 ENV = ["env=maniskill_pushcube_rgb", "env.train.image_size=[64,64]"]
@@ -28,10 +28,7 @@ EVAL = ["env.eval.num_envs=2", "env.eval.num_trials_per_task=2", "env.eval.max_e
 
 
 def cli(args, cwd, *, expect=0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    assert proc.returncode == expect, (proc.stdout[-3000:], proc.stderr[-3000:])
-    return proc
+    return cli_runs.run(args, cwd, timeout=TIMEOUT_S, expect=expect)
 
 
 def one_line(proc) -> str:

@@ -1,0 +1,199 @@
+"""``embodirl`` command runs for the tests: ``run(args, cwd)`` is ``subprocess.run([python, -m, embodirl.cli, *args])``
+with its output captured, its exit status and its timeout, started from a process that has already imported what
+every run imports.
+
+Why: the suite starts ~160 ``embodirl`` processes, and each spent 3-5 CPU-s importing torch, tensordict, Hydra and
+the config stack before its first line of work (a quarter of the suite's CPU on two cores). A *zygote* per pytest
+worker (``python tests/cli_runs.py``, started with that worker's environment) imports them once and forks a child
+per run. The child is what a fresh ``python -m embodirl.cli`` is from ``main()`` on: its own process with the
+test's argv, working directory, environment and standard streams (the caller's files, passed over a Unix socket),
+fresh random seeds, default signal handlers, and the interpreter's normal exit (atexit handlers, flushed streams,
+a traceback and status 1 for an uncaught exception). Multiprocessing's forkserver, which the simulators use, forks
+from a preloaded process the same way.
+
+What a fork cannot give a run, a real process does: a run whose environment differs from the zygote's (beyond
+``PYTEST_CURRENT_TEST``) is started as a subprocess, since libraries read some variables once at import
+(``OMP_NUM_THREADS``, ``EMBODIRL_PROGRESS_INTERVAL_S``, the Vulkan loader's); so is every run when
+``EMBODIRL_TEST_FORK=0``. Tests about the process itself (import time, the clock that counts from the process
+start, signals to a running job) call ``subprocess`` directly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+EXE = [sys.executable, "-m", "embodirl.cli"]
+#: what the zygote imports before its first fork: the config stack (it pulls torch), the commands' modules, the
+#: policies (transformers, peft) and what the simulators' own forkserver preloads (the Vulkan set-up, ManiSkill's
+#: task registry, which validation reads); measured per run: 1.4 CPU-s saved for a refusal, ~3 for a toy run
+PRELOAD = ("embodirl.config", "embodirl.doctor", "embodirl.runner.loop", "embodirl.sft.cli", "embodirl.demos.generate",
+           "tensordict", "hydra.main", "embodirl.models.openvla_oft.policy", "embodirl.models.pi0.policy", "peft",
+           "embodirl.envs.maniskill.preload")
+#: variables a run may set differently from the zygote without a real process (nothing reads them at import)
+_FREE_VARS = frozenset({"PYTEST_CURRENT_TEST"})
+_LOCK = threading.Lock()
+_zygote: _Zygote | None = None
+
+
+def run(args: list[str], cwd, *, env: dict[str, str] | None = None, timeout: float = 600,
+        expect: int | None = None) -> subprocess.CompletedProcess:
+    """``embodirl <args>`` in ``cwd`` with ``env`` (default: this process's), text output captured. ``expect``: the
+    exit status to assert, with the output's tail in the message."""
+    env = dict(os.environ if env is None else env)
+    zygote = _get_zygote()
+    if zygote is not None and zygote.serves(env):
+        proc = zygote.run([*EXE, *args], str(cwd), env, timeout)
+    else:
+        proc = subprocess.run([*EXE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if expect is not None:
+        assert proc.returncode == expect, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+def _get_zygote() -> _Zygote | None:
+    global _zygote
+    if os.environ.get("EMBODIRL_TEST_FORK", "1") == "0":
+        return None
+    with _LOCK:
+        if _zygote is None or not _zygote.alive():
+            _zygote = _Zygote()
+        return _zygote
+
+
+def _text(raw: bytes) -> str:
+    """Bytes as ``subprocess.run(text=True)`` decodes them (the locale's encoding, universal newlines)."""
+    return io.TextIOWrapper(io.BytesIO(raw)).read()
+
+
+class _Zygote:
+    """The client side: starts the server, sends it one request per run."""
+
+    def __init__(self):
+        self._dir = tempfile.mkdtemp(prefix="embodirl-zygote-")
+        self.path = os.path.join(self._dir, "sock")
+        self.env = dict(os.environ)
+        # stdin is a pipe the server watches: when this process ends, it ends too
+        atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
+        self.proc = subprocess.Popen([sys.executable, __file__, self.path], stdin=subprocess.PIPE, env=self.env,
+                                     cwd=self._dir)
+        ready = os.path.join(self._dir, "ready")
+        while not os.path.exists(ready):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the CLI zygote exited with status {self.proc.returncode} before it was ready")
+            select.select([], [], [], 0.05)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def serves(self, env: dict[str, str]) -> bool:
+        keys = (self.env.keys() | env.keys()) - _FREE_VARS
+        return all(self.env.get(k) == env.get(k) for k in keys)
+
+    def run(self, argv: list[str], cwd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self.path)
+            request = json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode() + b"\n"
+            socket.send_fds(conn, [request], [null.fileno(), out.fileno(), err.fileno()])
+            reader = conn.makefile("r")
+            pid = json.loads(reader.readline())["pid"]
+            conn.settimeout(timeout)
+            try:
+                line = reader.readline()
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)   # as subprocess.run does on a timeout: the child itself
+                out.seek(0), err.seek(0)
+                raise subprocess.TimeoutExpired(argv, timeout, out.read(), err.read()) from None
+            if not line:
+                raise RuntimeError(f"the CLI zygote ended before the run {pid} did: {argv}")
+            out.seek(0), err.seek(0)
+            return subprocess.CompletedProcess(argv, json.loads(line)["status"], _text(out.read()), _text(err.read()))
+
+
+# --- the server: runs as a script (python tests/cli_runs.py SOCKET) ----------------------------------------------------
+
+def _serve(path: str) -> dict:
+    """Accept requests until this process's stdin closes; fork a child per request. Returns only in a child, with
+    its request (the parent never returns)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    Path(path).with_name("ready").touch()
+    waiting: dict[int, socket.socket] = {}   # child pid -> the connection its status goes back on
+    while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
+            os._exit(0)
+        if listener in readable:
+            conn, _ = listener.accept()
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            while not data.endswith(b"\n"):
+                data += conn.recv(1 << 16)
+            sys.stdout.flush(), sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for other in waiting.values():
+                    other.close()
+                conn.close()
+                for target, fd in enumerate(fds):   # sys.stdin/stdout/stderr read and write these descriptors
+                    os.dup2(fd, target)
+                    os.close(fd)
+                return json.loads(data)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            waiting[pid] = conn
+        for pid in list(waiting):
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                conn = waiting.pop(pid)
+                status = -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
+                try:
+                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                except OSError:
+                    pass   # the caller gave up (timeout)
+                conn.close()
+
+
+def _child(request: dict) -> None:
+    """Become ``python -m embodirl.cli <args>`` in the request's directory and environment."""
+    import random
+    import runpy
+
+    import numpy as np
+    import torch
+
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[0] = os.getcwd()           # `python -m` puts the working directory first
+    random.seed()                       # a fresh process draws its own seeds (torch too, since 2.x)
+    np.random.seed()
+    torch.seed()
+    sys.argv = ["-m", *request["argv"][3:]]   # run_module puts the module's file first, as `python -m` does
+    runpy.run_module("embodirl.cli", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    import gc
+    import importlib
+
+    sys.path[0] = os.getcwd()    # not tests/: a run's imports see what `python -m` in a scratch directory sees
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()                 # the children's collections skip the preloaded objects: no copy of their pages
+    _child(_serve(sys.argv[1]))
