@@ -63,11 +63,16 @@ def run(args: list[str], cwd, *, env: dict[str, str] | None = None, timeout: flo
 
 
 def _get_zygote() -> _Zygote | None:
+    """This process's zygote, started again when this process's own environment has changed since (a library of
+    the test process sets a variable, such as torch's inductor its cache directory): runs that pass an environment
+    of their own get a real process instead (:meth:`_Zygote.serves`)."""
     global _zygote
     if os.environ.get("EMBODIRL_TEST_FORK", "1") == "0":
         return None
     with _LOCK:
-        if _zygote is None or not _zygote.alive():
+        if _zygote is None or not _zygote.alive() or not _zygote.serves(dict(os.environ)):
+            if _zygote is not None:
+                _zygote.close()
             _zygote = _Zygote()
         return _zygote
 
@@ -96,6 +101,11 @@ class _Zygote:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def close(self) -> None:
+        """End the server (its stdin closes); runs it forked go on to their end."""
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
     def serves(self, env: dict[str, str]) -> bool:
         keys = (self.env.keys() | env.keys()) - _FREE_VARS
