@@ -93,6 +93,7 @@ class _Zygote:
         atexit.register(shutil.rmtree, self._dir, ignore_errors=True)
         self.proc = subprocess.Popen([sys.executable, __file__, self.path], stdin=subprocess.PIPE, env=self.env,
                                      cwd=self._dir)
+        atexit.register(self.close)   # before the folder goes (atexit runs last-registered first)
         ready = os.path.join(self._dir, "ready")
         while not os.path.exists(ready):
             if self.proc.poll() is not None:
@@ -104,8 +105,9 @@ class _Zygote:
 
     def close(self) -> None:
         """End the server (its stdin closes); runs it forked go on to their end."""
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
 
     def serves(self, env: dict[str, str]) -> bool:
         keys = (self.env.keys() | env.keys()) - _FREE_VARS
