@@ -2,12 +2,15 @@
 with its output captured, its exit status and its timeout, started from a process that has already imported what
 every run imports.
 
-Why: the suite starts ~160 ``embodirl`` processes, and each spent 3-5 CPU-s importing torch, tensordict, Hydra and
-the config stack before its first line of work (a quarter of the suite's CPU on two cores). A *zygote* per pytest
+Why: the suite starts ~160 ``embodirl`` processes, and each spent 1.4-5 CPU-s importing torch, tensordict, Hydra,
+the policies and ManiSkill before its first line of work; on two cores the suite is CPU-bound (both busy 97-99 %
+of its run). With the zygote, a clean clone's suite took 2551 CPU-s in its tests instead of 2947, and pytest
+1401 s instead of 1584 (2026-12-01, the project's 2-core machine, one run each). A *zygote* per pytest
 worker (``python tests/cli_runs.py``, started with that worker's environment) imports them once and forks a child
 per run. The child is what a fresh ``python -m embodirl.cli`` is from ``main()`` on: its own process with the
 test's argv, working directory, environment and standard streams (the caller's files, passed over a Unix socket),
-fresh random seeds, default signal handlers, and the interpreter's normal exit (atexit handlers, flushed streams,
+fresh random seeds, the signal dispositions a subprocess of the test gets, and the interpreter's normal exit
+(atexit handlers, flushed streams,
 a traceback and status 1 for an uncaught exception). Multiprocessing's forkserver, which the simulators use, forks
 from a preloaded process the same way.
 
