@@ -10,8 +10,8 @@ worker (``python tests/cli_runs.py``, started with that worker's environment) im
 per run. The child is what a fresh ``python -m embodirl.cli`` is from ``main()`` on: its own process with the
 test's argv, working directory, environment and standard streams (the caller's files, passed over a Unix socket),
 fresh random seeds, the signal dispositions a subprocess of the test gets, and the interpreter's normal exit
-(atexit handlers, flushed streams, a traceback and status 1 for an uncaught exception). Multiprocessing's forkserver, which the simulators use, forks
-from a preloaded process the same way.
+(atexit handlers, flushed streams, a traceback and status 1 for an uncaught exception). Multiprocessing's
+forkserver, which the simulators use, forks from a preloaded process the same way.
 
 What a fork cannot give a run, a real process does: a run whose environment differs from the zygote's (beyond
 ``PYTEST_CURRENT_TEST``) is started as a subprocess, since libraries read some variables once at import

@@ -1,18 +1,15 @@
-"""The ``embodirl`` command through a real subprocess, from an empty working directory."""
+"""The ``embodirl`` command in a process of its own (tests/cli_runs.py), from an empty working directory."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from embodirl.paths import config_dir
 from tests import cli_runs
-
-EXE = [sys.executable, "-m", "embodirl.cli"]
 
 
 def run_cli(args, cwd, env=None, timeout=180):

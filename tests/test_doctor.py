@@ -6,7 +6,6 @@ runs the fast checks before any worker starts: one sentence, exit status 2, noth
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -14,7 +13,6 @@ from embodirl import doctor
 from tests import cli_runs
 from tests.models.test_openvla_checkpoint import direct_model, oft_action_head_file, write_public_checkpoint
 
-EXE = [sys.executable, "-m", "embodirl.cli"]
 TINY_LIBERO = ["env=libero_10", "model=openvla_oft_tiny"]
 #: a full fine-tune of the 7B model: its optimizer state alone is ~120 GiB, more than any one device holds
 TOO_BIG = ["env=libero_10", "model=openvla_oft", "actor.fsdp.full_finetune=true", "model.lora.enabled=false"]
