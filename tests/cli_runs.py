@@ -3,8 +3,8 @@ with its output captured, its exit status and its timeout, started from a proces
 every run imports.
 
 Why: the suite starts ~160 ``embodirl`` processes, and each spent 1.4-5 CPU-s importing torch, tensordict, Hydra,
-the policies and ManiSkill before its first line of work; on two cores the suite is CPU-bound (both busy 97-99 %
-of its run). With the zygote, a clean clone's suite took 2551 CPU-s in its tests instead of 2947, and pytest
+the policies and ManiSkill before its first line of work; on two cores the suite is CPU-bound (both 95-100 % busy in
+every minute of its run). With the zygote, a clean clone's suite took 2551 CPU-s in its tests instead of 2947, and pytest
 1401 s instead of 1584 (2026-12-01, the project's 2-core machine, one run each). A *zygote* per pytest
 worker (``python tests/cli_runs.py``, started with that worker's environment) imports them once and forks a child
 per run. The child is what a fresh ``python -m embodirl.cli`` is from ``main()`` on: its own process with the
