@@ -16,8 +16,10 @@ forkserver, which the simulators use, forks from a preloaded process the same wa
 What a fork cannot give a run, a real process does: a run whose environment differs from the zygote's (beyond
 ``PYTEST_CURRENT_TEST``) is started as a subprocess, since libraries read some variables once at import
 (``OMP_NUM_THREADS``, ``EMBODIRL_PROGRESS_INTERVAL_S``, the Vulkan loader's); so is every run when
-``EMBODIRL_TEST_FORK=0``. Tests about the process itself (import time, the clock that counts from the process
-start, signals to a running job) call ``subprocess`` directly.
+``EMBODIRL_TEST_FORK=0``. Tests that watch, signal or kill a running job get ``start(args, cwd)``, a handle with
+what they use of ``subprocess.Popen`` (``pid``, ``stdout``, ``poll``, ``wait``, ``communicate``, ``send_signal``,
+``kill``), optionally in a session of its own as ``start_new_session=True`` gives. Tests about the process itself
+(import time, the clock that counts from the process start) call ``subprocess`` directly.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 EXE = [sys.executable, "-m", "embodirl.cli"]
@@ -44,7 +47,7 @@ PRELOAD = ("embodirl.config", "embodirl.doctor", "embodirl.runner.loop", "embodi
            "tensordict", "hydra.main", "embodirl.models.openvla_oft.policy", "embodirl.models.pi0.policy", "peft",
            "embodirl.envs.maniskill.preload")
 #: variables a run may set differently from the zygote without a real process (nothing reads them at import)
-_FREE_VARS = frozenset({"PYTEST_CURRENT_TEST"})
+_FREE_VARS = frozenset({"PYTEST_CURRENT_TEST", "EMBODIRL_SHM_RUN"})   # the second: the run's shared-memory id
 _LOCK = threading.Lock()
 _zygote: _Zygote | None = None
 
@@ -62,6 +65,21 @@ def run(args: list[str], cwd, *, env: dict[str, str] | None = None, timeout: flo
     if expect is not None:
         assert proc.returncode == expect, (proc.stdout[-3000:], proc.stderr[-3000:])
     return proc
+
+
+def start(args: list[str], cwd, *, env: dict[str, str] | None = None, new_session: bool = False,
+          default_sigint: bool = False):
+    """``subprocess.Popen([python, -m, embodirl.cli, *args], stdout=PIPE, stderr=STDOUT, text=True)`` in ``cwd`` with
+    ``env``: a running job to watch, signal or kill. ``new_session``: as ``start_new_session=True`` (the job is its
+    session's leader, so its session id is its pid). ``default_sigint``: Ctrl-C interrupts the job even when this
+    process was started with SIGINT ignored (a shell's background job), as a terminal's Ctrl-C finds it."""
+    env = dict(os.environ if env is None else env)
+    zygote = _get_zygote()
+    if zygote is not None and zygote.serves(env):
+        return _Started(zygote.path, [*EXE, *args], str(cwd), env, new_session, default_sigint)
+    reset = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if default_sigint else None
+    return subprocess.Popen([*EXE, *args], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=new_session, preexec_fn=reset)
 
 
 def _get_zygote() -> _Zygote | None:
@@ -136,6 +154,74 @@ class _Zygote:
             return subprocess.CompletedProcess(argv, json.loads(line)["status"], _text(out.read()), _text(err.read()))
 
 
+class _Started:
+    """A forked run that goes on while the test watches it: the subset of ``subprocess.Popen`` the tests use. Its
+    standard output and error are one pipe (``stdout``, text); its exit status comes from the zygote (its parent) over
+    the request's connection, as a signal's negative number when a signal ended it."""
+
+    def __init__(self, path: str, argv: list[str], cwd: str, env: dict[str, str], new_session: bool,
+                 default_sigint: bool):
+        self.args, self.returncode = argv, None
+        read_end, write_end = os.pipe()
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(path)
+        request = {"argv": argv, "cwd": cwd, "env": env, "setsid": new_session, "sigint": default_sigint}
+        with open(os.devnull, "rb") as null:
+            socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], [null.fileno(), write_end, write_end])
+        os.close(write_end)    # the child and what it starts hold the pipe now: end of file when all of them are gone
+        self.stdout = open(read_end, encoding=None)      # text, the locale's encoding, as Popen(text=True)
+        self._lines = self._output = b""
+        self.pid = json.loads(self._message(None))["pid"]
+
+    def _message(self, timeout: float | None) -> str:
+        """The zygote's next line: the child's pid, then its exit status."""
+        while b"\n" not in self._lines:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            chunk = self._conn.recv(4096)
+            if not chunk:
+                raise RuntimeError(f"the CLI zygote ended before the run {getattr(self, 'pid', '?')} did: {self.args}")
+            self._lines += chunk
+        line, self._lines = self._lines.split(b"\n", 1)
+        return line.decode()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = json.loads(self._message(timeout))["status"]
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """The output (standard error in it) once every writer is gone, then the exit status. After a timeout, a
+        later call returns everything, what the first one had read included."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self.stdout.fileno()
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout, _text(self._output))
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            self._output += chunk
+        self.stdout.close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return _text(self._output), None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 # --- the server: runs as a script (python tests/cli_runs.py SOCKET) ----------------------------------------------------
 
 def _serve(path: str) -> dict:
@@ -163,8 +249,13 @@ def _serve(path: str) -> dict:
             while not data.endswith(b"\n"):
                 data += conn.recv(1 << 16)
             sys.stdout.flush(), sys.stderr.flush()
+            request = json.loads(data)
+            started_r, started_w = os.pipe()   # the child's own set-up is done before its pid goes back (as Popen's)
             pid = os.fork()
             if pid == 0:
+                if request.get("setsid"):
+                    os.setsid()
+                os.close(started_r), os.close(started_w)
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.close(wake_r), os.close(wake_w)
@@ -175,7 +266,10 @@ def _serve(path: str) -> dict:
                 for target, fd in enumerate(fds):   # sys.stdin/stdout/stderr read and write these descriptors
                     os.dup2(fd, target)
                     os.close(fd)
-                return json.loads(data)
+                return request
+            os.close(started_w)
+            os.read(started_r, 1)              # end of file once the child has closed its end
+            os.close(started_r)
             for fd in fds:
                 os.close(fd)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -200,6 +294,8 @@ def _child(request: dict) -> None:
     import numpy as np
     import torch
 
+    if request.get("sigint"):
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # what Python installs when it starts
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

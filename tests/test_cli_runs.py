@@ -1,10 +1,12 @@
 """The suite's ``embodirl`` runner (tests/cli_runs.py): a run forked from the zygote answers as a real
 ``python -m embodirl.cli`` process does (status, standard output and error, working directory), a run with an
-environment of its own gets a real process, and a timeout kills the run and raises as ``subprocess.run`` does."""
+environment of its own gets a real process, and a timeout kills the run and raises as ``subprocess.run`` does; a
+started run (``cli_runs.start``) answers as ``subprocess.Popen`` does, in a session of its own when asked."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -52,3 +54,32 @@ def test_a_timeout_kills_the_run_and_raises(tmp_path):
     while {p.pid for p in psutil.Process(cli_runs._zygote.proc.pid).children()} - before:
         assert time.monotonic() < deadline, "the timed-out run is still alive"
         time.sleep(0.2)
+
+
+def test_a_started_run_answers_as_a_popen_does(tmp_path):
+    args = ["train", "env.train.reward_coef=nan"]
+    forked = cli_runs.start(args, tmp_path)
+    assert isinstance(forked, cli_runs._Started)
+    real = subprocess.Popen([*cli_runs.EXE, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    assert forked.communicate(timeout=300) == real.communicate(timeout=300)
+    assert forked.returncode == real.returncode == 2
+    assert forked.poll() == forked.wait() == 2
+
+
+def test_a_started_run_leads_its_own_session_and_ends_by_a_signal(tmp_path):
+    proc = cli_runs.start(["train", *TOY, "runner.max_steps=100000", "runner.logger.tensorboard=false"], tmp_path,
+                          new_session=True, default_sigint=True)
+    assert os.getsid(proc.pid) == proc.pid and proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.communicate(timeout=1)
+    metrics = tmp_path / "outputs"
+    deadline = time.monotonic() + 120
+    while not list(metrics.rglob("metrics.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)          # Ctrl-C: the run ends itself
+    output, _ = proc.communicate(timeout=120)
+    assert "embodirl: interrupted" in output and proc.returncode not in (0, None)
+    stuck = cli_runs.start(["train", *TOY, "runner.max_steps=100000"], tmp_path)
+    stuck.kill()
+    assert stuck.wait(timeout=60) == -signal.SIGKILL

@@ -9,8 +9,6 @@ import math
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from test_vla_cli import CLEANUP_DEADLINE_S, TOY, _session_members, cli
 
 from embodirl.channel import segments
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 RUN_TIMEOUT_S = 600.0
 # one optimizer step per epoch (global batch = the rollout), several micro-batches: a step's gradient is
@@ -72,15 +71,14 @@ def test_two_ranks_train_as_one_and_checkpoints_move_between_rank_counts(tmp_pat
         _close(resumed, straight[2:])
 
 
-def _start(args: list[str], cwd, run_id: str, env_extra: dict | None = None) -> subprocess.Popen:
+def _start(args: list[str], cwd, run_id: str, env_extra: dict | None = None):
     env = {**os.environ, segments.RUN_ENV: run_id, **(env_extra or {})}
     if not env_extra or "RAY_ADDRESS" not in env_extra:
         env.pop("RAY_ADDRESS", None)
-    return subprocess.Popen([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return cli_runs.start(args, cwd, env=env, new_session=True)
 
 
-def _finish(proc: subprocess.Popen, run_id: str) -> str:
+def _finish(proc, run_id: str) -> str:
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
@@ -97,7 +95,7 @@ def _finish(proc: subprocess.Popen, run_id: str) -> str:
     return output
 
 
-def _kill_rank_after_checkpoint(proc: subprocess.Popen, out: Path, rank: int = 1) -> int:
+def _kill_rank_after_checkpoint(proc, out: Path, rank: int = 1) -> int:
     """SIGKILL actor rank ``rank`` once step 2's checkpoint is complete (mid-run); returns its pid."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     marker = out / "checkpoints" / "step_2" / "COMPLETE"

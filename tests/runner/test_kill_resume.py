@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -27,10 +25,9 @@ START_TIMEOUT_S = 300.0
 POLL_S = 0.01
 
 
-def train(name: str, cwd) -> subprocess.Popen:
-    args = [sys.executable, "-m", "embodirl.cli", "train", *BASE, f"runner.max_steps={MAX_STEPS}",
-            f"runner.save_interval={SAVE_INTERVAL}", f"runner.experiment_name={name}"]
-    return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def train(name: str, cwd):
+    return cli_runs.start(["train", *BASE, f"runner.max_steps={MAX_STEPS}", f"runner.save_interval={SAVE_INTERVAL}",
+                           f"runner.experiment_name={name}"], cwd)
 
 
 def logged_steps(path) -> list[int]:

@@ -5,8 +5,6 @@ that hangs on purpose."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -75,11 +73,9 @@ def test_frozen_simulators_are_replaced_within_seconds(tmp_path):
     import psutil
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "embodirl.cli", "train", "env.train.num_envs=4",
-                             "actor.global_batch_size=8", "runner.max_steps=16", "runner.val_check_interval=0",
-                             "runner.save_interval=0", "runner.progress_bar=false", "runner.logger.tensorboard=false",
-                             f"runner.output_dir={out}"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    proc = cli_runs.start(["train", "env.train.num_envs=4", "actor.global_batch_size=8", "runner.max_steps=16",
+                           "runner.val_check_interval=0", "runner.save_interval=0", "runner.progress_bar=false",
+                           "runner.logger.tensorboard=false", f"runner.output_dir={out}"], tmp_path)
     frozen = []
     try:
         deadline = time.monotonic() + 600

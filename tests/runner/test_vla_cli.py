@@ -1,5 +1,5 @@
 """``embodirl train`` / ``embodirl eval`` with the tiny OpenVLA-OFT on real LIBERO and ManiSkill through
-the CLI (subprocess): Ray env and inference workers with the shared-memory channel, GRPO updates,
+the CLI (its own process and session): Ray env and inference workers with the shared-memory channel, GRPO updates,
 weight sync, evaluation with video, training video, checkpoint, then evaluation of that checkpoint.
 Every run must leave no process of its session and no shared memory of its run behind."""
 
@@ -9,8 +9,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import imageio.v3 as iio
@@ -19,6 +17,7 @@ import pytest
 
 from embodirl.channel import segments
 from embodirl.runner.metrics_logger import read_metrics
+from tests import cli_runs
 
 CLI_TIMEOUT_S = 900.0
 CLEANUP_DEADLINE_S = 30.0
@@ -55,10 +54,8 @@ def cli(args: list[str], cwd, run_id: str, *, interrupt_when=None) -> str:
     env = {**os.environ, segments.RUN_ENV: run_id}
     env.pop("RAY_ADDRESS", None)
     # a shell without job control starts background commands with SIGINT ignored, and that is inherited
-    # (e.g. `bash .ci/run &`): give the CLI the default disposition, as a terminal's Ctrl-C finds it
-    proc = subprocess.Popen([sys.executable, "-m", "embodirl.cli", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # (e.g. `bash .ci/run &`): the CLI gets the default disposition, as a terminal's Ctrl-C finds it
+    proc = cli_runs.start(args, cwd, env=env, new_session=True, default_sigint=True)
     leftovers: list[psutil.Process] = []
     try:
         if interrupt_when is not None:
