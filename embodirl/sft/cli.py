@@ -16,10 +16,10 @@ def main(overrides: Sequence[str]) -> int:
     from embodirl.sft import compose as sft_compose
 
     cfg = sft_compose.compose(overrides)
-    sft_compose.check(cfg)
+    own = sft_compose.check(cfg)         # the typed sft and data sections
     validate(sft_compose.main_config(cfg))
     try:
-        dataset = LeRobotDataset(cfg.data.path, action_chunk=sft_compose.trained_chunk(cfg)[0])
+        dataset = LeRobotDataset(own.data.path, action_chunk=sft_compose.trained_chunk(cfg)[0])
     except DatasetError as exc:
         raise ConfigError("data.path", str(exc)) from None
     sft_compose.check_chunk(cfg, dataset)
@@ -31,6 +31,6 @@ def main(overrides: Sequence[str]) -> int:
     camera_keys = sft_compose.check_dataset(cfg, dataset, spec)
     from embodirl.sft.loop import run
 
-    model_dir = run(cfg, dataset, spec, camera_keys)
+    model_dir = run(cfg, own, dataset, spec, camera_keys)
     print(f"embodirl sft: checkpoint {model_dir} (embodirl train|eval model.path={model_dir})", flush=True)
     return 0

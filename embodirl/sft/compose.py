@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from embodirl.errors import ConfigError
 from embodirl.paths import config_dir
+from embodirl.sft.section import Data, Sft, SftSections
 
 SFT_FILE = "sft.yaml"
 OWN_SECTIONS = ("sft", "data")
@@ -75,49 +76,52 @@ def _yaml_value(text: str):
         return text
 
 
-def _positive_int(value, key: str, *, allow_null: bool = False) -> None:
-    if value is None and allow_null:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, f"must be a positive integer{' or null' if allow_null else ''}, got {value!r}")
+def sections(cfg: DictConfig) -> SftSections:
+    """The ``sft`` and ``data`` sections as their typed objects, their types and ranges checked (one sentence naming
+    the key)."""
+    from embodirl.schema import to_object
+
+    return SftSections(sft=to_object(Sft, cfg.sft, "sft"), data=to_object(Data, cfg.data, "data"))
 
 
-def check(cfg: DictConfig) -> None:
-    """The SFT-specific rules that need no dataset (the dataset's are in :func:`check_dataset`)."""
+def check(cfg: DictConfig) -> SftSections:
+    """The SFT-specific rules that need no dataset (the dataset's are in :func:`check_dataset`); returns the typed
+    ``sft`` and ``data`` sections the run then reads."""
+    from embodirl.schema import to_object
+    from embodirl.schema.sections import Runner
 
     if cfg.model.name not in SFT_MODELS:
         raise ConfigError("model.name", f"is {cfg.model.name}, but embodirl sft fine-tunes OpenVLA-OFT (action tokens) "
                                         "and π0 (flow matching); use model=openvla_oft(_tiny) or model=pi0(_tiny)")
-    if not cfg.data.path:
+    own = sections(cfg)
+    if not own.data.path:
         raise ConfigError("data.path", "is not set; point it at a LeRobot dataset folder (meta/info.json inside), "
                                        "e.g. one written by `embodirl demos env=maniskill_pushcube_rgb`")
-    s = cfg.sft
-    _positive_int(s.batch_size, "sft.batch_size")
-    _positive_int(s.micro_batch_size, "sft.micro_batch_size", allow_null=True)
-    for key in ("token_loss", "l1_head", "stop_token"):
-        if not isinstance(s[key], bool) and not (key == "stop_token" and s[key] is None):
-            raise ConfigError(f"sft.{key}", f"must be true or false, got {s[key]!r}")
+    to_object(Runner, cfg.runner, "runner")      # its types and ranges, before the rules below read it
+    s = own.sft
     if cfg.model.name == "pi0":
         for key in OFT_ONLY:
-            if s[key]:
+            if getattr(s, key):
                 raise ConfigError(f"sft.{key}", "is OpenVLA-OFT's; π0 trains its flow-matching loss only, so leave it "
                                                 f"{'null' if key == 'stop_token' else 'false'}")
         if not s.token_loss:
             raise ConfigError("sft.token_loss", "is false, but it is π0's flow-matching loss: nothing would be trained")
-        return _check_common(cfg, s)
-    if not s.token_loss and not s.l1_head:
-        raise ConfigError("sft.token_loss", "is false and sft.l1_head is false: nothing would be trained")
-    if s.l1_head and cfg.model.use_l1_regression is not True:
-        raise ConfigError("sft.l1_head", "trains OFT's L1 regression head, which the model has only with "
-                                         "model.use_l1_regression=true")
-    if s.l1_head and cfg.model.lora.enabled and not cfg.actor.fsdp.full_finetune and \
-            "action_head" not in list(cfg.model.lora.modules_to_save or []):
-        raise ConfigError("sft.l1_head", "needs the L1 head trainable: add action_head to model.lora.modules_to_save "
-                                         "(e.g. model.lora.modules_to_save=[value_head,proprio_projector,action_head])")
+    else:
+        if not s.token_loss and not s.l1_head:
+            raise ConfigError("sft.token_loss", "is false and sft.l1_head is false: nothing would be trained")
+        if s.l1_head and cfg.model.use_l1_regression is not True:
+            raise ConfigError("sft.l1_head", "trains OFT's L1 regression head, which the model has only with "
+                                             "model.use_l1_regression=true")
+        if s.l1_head and cfg.model.lora.enabled and not cfg.actor.fsdp.full_finetune and \
+                "action_head" not in list(cfg.model.lora.modules_to_save or []):
+            raise ConfigError("sft.l1_head", "needs the L1 head trainable: add action_head to "
+                                             "model.lora.modules_to_save (e.g. "
+                                             "model.lora.modules_to_save=[value_head,proprio_projector,action_head])")
     _check_common(cfg, s)
+    return own
 
 
-def _check_common(cfg: DictConfig, s) -> None:
+def _check_common(cfg: DictConfig, s: Sft) -> None:
     from embodirl.placement import data_parallel_size, placement_from_config
     from embodirl.schema import to_object
     from embodirl.schema.sections import Cluster
@@ -132,11 +136,6 @@ def _check_common(cfg: DictConfig, s) -> None:
     micro = s.micro_batch_size or s.batch_size
     if micro > s.batch_size:
         raise ConfigError("sft.micro_batch_size", f"is {micro}, more than sft.batch_size={s.batch_size}")
-    for key in ("max_steps", "save_interval", "val_check_interval"):
-        value = cfg.runner[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "max_steps" else 0):
-            raise ConfigError(f"runner.{key}", f"must be a {'positive' if key == 'max_steps' else 'non-negative'} "
-                                               f"integer, got {value!r}")
 
 
 def trained_chunk(cfg: DictConfig) -> tuple[int, str]:
@@ -157,7 +156,7 @@ def check_chunk(cfg: DictConfig, dataset) -> None:
     H, key = trained_chunk(cfg)
     shortest = int(min(dataset.episode_lengths))
     if H > shortest:
-        raise ConfigError(key, f"is {H} but the shortest episode of {cfg.data.path} has {shortest} frames; "
+        raise ConfigError(key, f"is {H} but the shortest episode of {dataset.root} has {shortest} frames; "
                                "use a chunk no longer than the episodes")
 
 
@@ -166,7 +165,7 @@ def check_dataset(cfg: DictConfig, dataset, spec) -> list[str]:
     camera keys in the env's camera order (the images the policy sees)."""
     from embodirl.demos.lerobot.layout import camera_key
 
-    path = cfg.data.path
+    path = dataset.root
     if dataset.action_dim != spec.action_dim:
         raise ConfigError("data.path", f"{path} holds {dataset.action_dim}-D actions but env {spec.name or 'env.train'} "
                                        f"takes {spec.action_dim}-D actions; record the demos in this env "

@@ -31,6 +31,7 @@ from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.loop import load_actor_state, seed_everything
 from embodirl.runner.metrics_logger import MetricsLogger
 from embodirl.sft.data import BatchMaker, batch_indices, dataset_statistics
+from embodirl.sft.section import SftSections
 
 log = logging.getLogger(__name__)
 MODEL = "model"
@@ -46,14 +47,6 @@ def unnorm_key(cfg: DictConfig, spec) -> str:
     # keys of OpenVLA-OFT's model and of ManiSkill's env config classes
     return str(getattr(model_config(cfg.model), "unnorm_key", None) or spec.name
                or getattr(env_config(cfg.env.train, "env.train"), "task", None) or "dataset")
-
-
-def actor_options(cfg: DictConfig) -> dict:
-    """The ``sft`` keys as :meth:`~embodirl.actor.actor.Actor.sft_update` takes them."""
-    s = cfg.sft
-    return {"micro_batch_size": int(s.micro_batch_size or s.batch_size), "token_loss": bool(s.token_loss),
-            "stop_token": (cfg.model.name != "pi0") if s.stop_token is None else bool(s.stop_token),
-            "l1_head": bool(s.l1_head)}
 
 
 def _evaluate(cfg: DictConfig, model_dir: Path, out_dir: Path) -> dict:
@@ -73,11 +66,12 @@ def _evaluate(cfg: DictConfig, model_dir: Path, out_dir: Path) -> dict:
     return Runner(eval_cfg).run_eval()
 
 
-def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
-    """Train; returns the last checkpoint's public model folder."""
+def run(cfg: DictConfig, own: SftSections, dataset, spec, camera_keys: list[str]) -> Path:
+    """Train (``own``: the typed ``sft`` and ``data`` sections :func:`embodirl.sft.compose.check` returned); returns
+    the last checkpoint's public model folder."""
     from embodirl.workers.actor_group import ActorGroup
 
-    r, s = cfg.runner, cfg.sft
+    r, s = cfg.runner, own.sft
     out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed = int(r.seed)
@@ -86,7 +80,7 @@ def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
     statistics = dataset_statistics(dataset, key)
     make_batch = BatchMaker(dataset, statistics[key], camera_keys, use_state=dataset.state_key is not None
                             and bool(spec.state_dim), normalization=str(cfg.model.normalization))
-    options = actor_options(cfg)
+    options = s.actor_options(cfg.model.name)
     actors = ActorGroup.local(cfg, spec)
     try:
         actors.set_statistics(statistics)
@@ -103,8 +97,8 @@ def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
                                wandb_mode=lc.wandb_mode, project=lc.project, run_name=f"sft_{r.experiment_name}",
                                config=OmegaConf.to_container(cfg), resume_step=start_step)
         max_steps = int(r.max_steps)
-        marker = {TOKENS_TRAINED: bool(s.token_loss),
-                  "sft": {"dataset": str(Path(cfg.data.path).resolve()), "unnorm_key": key,
+        marker = {TOKENS_TRAINED: s.token_loss,
+                  "sft": {"dataset": str(Path(own.data.path).resolve()), "unnorm_key": key,
                           "episodes": int(dataset.num_episodes), "frames": int(len(dataset))}}
         progress = None
         if r.progress_bar:
@@ -115,13 +109,13 @@ def run(cfg: DictConfig, dataset, spec, camera_keys: list[str]) -> Path:
         try:
             for step in range(start_step + 1, max_steps + 1):
                 t0 = time.perf_counter()
-                batch = make_batch(batch_indices(len(dataset), int(s.batch_size), step, seed))
+                batch = make_batch(batch_indices(len(dataset), s.batch_size, step, seed))
                 t1 = time.perf_counter()
                 metrics = actors.sft_train(batch, options)
                 t2 = time.perf_counter()
                 metrics.update({"time/data": t1 - t0, "time/update": t2 - t1, "time/step": t2 - t0,
-                                "sft/samples_per_s": int(s.batch_size) / max(t2 - t0, 1e-9),
-                                "sft/epoch": (step * int(s.batch_size)) / len(dataset)})
+                                "sft/samples_per_s": s.batch_size / max(t2 - t0, 1e-9),
+                                "sft/epoch": (step * s.batch_size) / len(dataset)})
                 logger.log(step, metrics)
                 if progress is not None:
                     progress.update(1)

@@ -11,7 +11,7 @@ from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
 from embodirl.sft import compose as sft_compose
 from embodirl.sft.data import action_mask, batch_indices
-from embodirl.sft.loop import actor_options, unnorm_key
+from embodirl.sft.loop import unnorm_key
 
 BASE = ["env=maniskill_pushcube_rgb", "model=openvla_oft_tiny", "data.path=/some/dataset"]
 SPEC = EnvSpec(action_dim=4, max_episode_steps=16, task_descriptions=["push"], camera_names=["base_camera"],
@@ -22,14 +22,16 @@ def test_composition_defaults_and_overrides():
     cfg = sft_compose.compose(BASE)
     assert cfg.data.path == "/some/dataset"
     assert cfg.runner.max_steps == 200 and cfg.runner.output_dir == f"outputs/sft/{cfg.runner.experiment_name}"
-    assert actor_options(cfg) == {"micro_batch_size": 8, "token_loss": True, "stop_token": True, "l1_head": False}
+    assert sft_compose.check(cfg).sft.actor_options("openvla_oft") == {"micro_batch_size": 8, "token_loss": True,
+                                                                        "stop_token": True, "l1_head": False}
+    assert sft_compose.check(cfg).sft.actor_options("pi0")["stop_token"] is False    # null: none for π0
     assert unnorm_key(cfg, SPEC) == "PushCube-v1"          # the env's name, as the policy looks it up
     cfg = sft_compose.compose([*BASE, "runner.max_steps=5", "runner.output_dir=/tmp/x", "sft.batch_size=6",
                               "sft.micro_batch_size=2", "sft.stop_token=false", "model.unnorm_key=my_demos"])
     assert cfg.runner.max_steps == 5 and cfg.runner.output_dir == "/tmp/x"
-    assert actor_options(cfg) == {"micro_batch_size": 2, "token_loss": True, "stop_token": False, "l1_head": False}
+    assert sft_compose.check(cfg).sft.actor_options("openvla_oft") == {"micro_batch_size": 2, "token_loss": True,
+                                                                        "stop_token": False, "l1_head": False}
     assert unnorm_key(cfg, SPEC) == "my_demos"
-    sft_compose.check(cfg)
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -38,8 +40,12 @@ def test_composition_defaults_and_overrides():
     (["sft.l1_head=true"], "sft.l1_head"),
     (["sft.l1_head=true", "model.use_l1_regression=true"], "sft.l1_head"),   # the head must be trainable
     (["sft.stop_token=maybe"], "sft.stop_token"),
+    (["sft.token_loss=maybe"], "sft.token_loss"),
+    (["sft.micro_batch_size=0"], "sft.micro_batch_size"),
+    (["sft.batch_size=eight"], "sft.batch_size"),
     (["actor.cpu_world_size=2"], "actor.cpu_world_size"),
     (["runner.max_steps=0"], "runner.max_steps"),
+    (["runner.save_interval=-1"], "runner.save_interval"),
     (["actor.ema_decay=0.9"], "actor.ema_decay"),      # an RL-step average; SFT exports its trained weights
 ])
 def test_checks_name_the_key(overrides, key):

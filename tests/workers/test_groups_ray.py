@@ -139,3 +139,36 @@ def test_a_policy_that_cannot_take_the_envs_observation_is_one_sentence_before_i
     with pytest.raises(ConfigError, match=r"model.name: state_mlp needs a state observation .*state_obs=true"):
         WorkerGroups.from_config(cfg, remote=True)
     assert not _run_entries()   # the env workers' shared-memory rings are gone with them
+
+
+def test_a_worker_set_answers_on_ray_as_in_this_process_and_names_a_dead_worker(ray_local):
+    """tests/workers/test_worker_set.py's calls on Ray workers (here, to share this file's Ray): the same results in
+    rank order, a worker's error raised where the result is read, a string refused before anything is sent; a
+    killed worker is :class:`WorkerDied` naming its rank."""
+    import sys
+
+    from ray import cloudpickle
+    from test_worker_set import Counter
+
+    from embodirl.workers.worker_set import WorkerDied, WorkerSet
+
+    module = sys.modules[Counter.__module__]
+    cloudpickle.register_pickle_by_value(module)          # the worker processes cannot import the test module
+    workers = WorkerSet(Counter, remote=True, options_for=lambda rank: {"num_cpus": 0})
+    try:
+        for rank in range(2):
+            workers.start(rank, rank)
+        with pytest.raises(TypeError, match="pass Counter.<method>"):
+            workers.submit(0, "add", 1)
+        assert workers.call_all(Counter.add, 1) == [1, 101]
+        assert workers.call_each(Counter.add, [10, 20]) == [11, 121]
+        with pytest.raises(ValueError, match="worker 1: boom"):
+            workers.get(workers.submit(1, Counter.fail, "boom"))
+        assert workers.gather([workers.submit(r, Counter.add, 0) for r in (1, 0)], ranks=[1, 0]) == [121, 11]
+        ray_local.kill(workers[1], no_restart=True)
+        with pytest.raises(WorkerDied) as died:
+            workers.gather([workers.submit(r, Counter.add, 0) for r in range(2)])
+        assert died.value.rank == 1
+    finally:
+        workers.close(wait_s=5)
+        cloudpickle.unregister_pickle_by_value(module)
