@@ -271,3 +271,26 @@ def test_the_network_and_flow_keys_shape_what_is_built(compose_cfg):
         get_policy_builder("pi0").check_config(cfg.model)
     with pytest.raises(ConfigError, match="model.max_state_dim"):
         _policy(compose_cfg, "model.max_state_dim=4")
+
+
+@pytest.mark.parametrize("target", ["expert", "vlm", "all-linear", "q_proj"])
+def test_lora_target_modules_adapt_the_part_they_name(compose_cfg, target):
+    """``model.lora.target_modules``: ``expert`` adapts every linear layer of the action expert and the action/time
+    projections and nothing of the VLM, ``vlm`` the vision tower and the VLM and nothing of the expert, ``all-linear``
+    both, a layer name every layer of that name; only the adapters of those layers (and the heads) train."""
+    from peft.tuners.lora import LoraLayer
+
+    policy, _ = _policy(compose_cfg, f"model.lora.target_modules={target}")
+    base = policy.pi0.base_model.model              # the peft wrapper's network
+    linears = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and not isinstance(m, LoraLayer)
+               and ".lora_" not in n and ".base_layer" not in n}
+    adapted = {n for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    expert_part = {n for n in linears | adapted if n.startswith(("model.dit.", "embed_action_time.", "action_out_proj"))}
+    vlm_part = {n for n in linears | adapted if n.startswith("model.vlm.")}
+    wanted = {"expert": expert_part, "vlm": vlm_part, "all-linear": expert_part | vlm_part,
+              "q_proj": {n for n in linears | adapted if n.endswith(".q_proj")}}[target]
+    assert adapted == wanted and wanted
+    assert any(n.startswith("model.vlm.vision_tower.") for n in adapted) == (target in ("vlm", "all-linear", "q_proj"))
+    trained = {n.split(".lora_")[0].removeprefix("pi0.base_model.model.")
+               for n, p in policy.named_parameters() if p.requires_grad and ".lora_" in n}
+    assert trained == adapted
