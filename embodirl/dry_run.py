@@ -179,12 +179,12 @@ def dry_run_spec(cfg) -> EnvSpec:
     """The env spec the dry run's policy is built for, from the typed config alone (no simulator is started):
     the training env's cameras and image size, the model's action and proprio sizes (each where the env's or the
     policy's config class declares it)."""
+    from embodirl.memory_plan import UNSET_IMAGE_SIZE, sizing_spec
+
     env, model = cfg.env.train, cfg.model
-    cameras = list(getattr(env, "cameras", None) or ["camera"])
-    size = getattr(env, "image_size", None) or [getattr(model, "image_size", None) or 224] * 2
-    return EnvSpec(action_dim=getattr(model, "action_dim", None) or 7, max_episode_steps=env.max_episode_steps,
-                   task_descriptions=[DRY_RUN_INSTRUCTION], camera_names=cameras, image_size=tuple(int(s) for s in size),
-                   state_dim=getattr(model, "proprio_dim", None) or 8, name=str(getattr(env, "name", None) or "dry_run"))
+    size = getattr(env, "image_size", None) or [getattr(model, "image_size", None) or UNSET_IMAGE_SIZE] * 2
+    return sizing_spec(model, env.max_episode_steps, DRY_RUN_INSTRUCTION, cameras=getattr(env, "cameras", None) or ["camera"],
+                       image_size=tuple(size), name=str(getattr(env, "name", None) or "dry_run"))
 
 
 def dry_run_batch(policy, spec: EnvSpec, trajectories: int, decisions: int) -> TensorDict:

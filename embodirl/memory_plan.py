@@ -29,6 +29,9 @@ TEXT_AND_ACTION_TOKENS = 96
 #: (state obs, lavapipe) 0.33 GiB; shared libraries come on top once
 SIM_PROCESS_BYTES = {"libero": int(1.0 * GIB), "maniskill": int(0.35 * GIB)}
 OTHER_SIM_BYTES = int(0.1 * GIB)
+#: what a policy is sized for where its config leaves a size to the env (null) and no simulator is started (the
+#: dry run, doctor): LIBERO's robot (7-D actions, 8-D proprio) seen by OpenVLA-OFT's two 224 px cameras
+UNSET_ACTION_DIM, UNSET_STATE_DIM, UNSET_IMAGE_SIZE, UNSET_CAMERAS = 7, 8, 224, 2
 
 
 @dataclass
@@ -52,21 +55,31 @@ def meta_model(model):
     return dataclasses.replace(model, device="meta", **unset)
 
 
+def sizing_spec(model, max_episode_steps: int, instruction: str, *, cameras: list[str], image_size: tuple[int, int],
+                name: str = "dry_run"):
+    """The env spec a policy of the typed ``model`` section is built for without a simulator: the model's own
+    ``action_dim`` and ``proprio_dim`` where its config class declares them, else the ``UNSET_*`` sizes."""
+    from embodirl.envs.base import EnvSpec
+
+    return EnvSpec(action_dim=getattr(model, "action_dim", None) or UNSET_ACTION_DIM,
+                   max_episode_steps=max_episode_steps, task_descriptions=[instruction], camera_names=list(cameras),
+                   image_size=tuple(int(s) for s in image_size),
+                   state_dim=getattr(model, "proprio_dim", None) or UNSET_STATE_DIM, name=name)
+
+
 def model_size(cfg) -> ModelSize:
     """Parameter counts of ``cfg.model`` built on torch's meta device (no memory, no weights loaded). ``cfg``: the
     typed config (a composed one is converted). The optional size keys (``num_images_in_input``, ``image_size``,
     ``action_dim``, ``proprio_dim``, ``llm``, ``vision.siglip``) are those a policy's config class declares."""
-    from embodirl.envs.base import EnvSpec
     from embodirl.models.registry import make_policy
     from embodirl.schema import run_config
 
     cfg = run_config(cfg)
     model = meta_model(cfg.model)
-    images = getattr(model, "num_images_in_input", None) or 2
-    size = getattr(model, "image_size", None) or 224
-    spec = EnvSpec(action_dim=getattr(model, "action_dim", None) or 7, max_episode_steps=cfg.env.train.max_episode_steps,
-                   task_descriptions=["doctor"], camera_names=[f"camera{i}" for i in range(images)],
-                   image_size=(size, size), state_dim=getattr(model, "proprio_dim", None) or 8)
+    images = getattr(model, "num_images_in_input", None) or UNSET_CAMERAS
+    size = getattr(model, "image_size", None) or UNSET_IMAGE_SIZE
+    spec = sizing_spec(model, cfg.env.train.max_episode_steps, "doctor", cameras=[f"camera{i}" for i in range(images)],
+                       image_size=(size, size))
     policy = make_policy(model, spec)
     params = list(policy.parameters())
     full = cfg.actor.fsdp.full_finetune

@@ -1,6 +1,8 @@
-"""π0 through the CLI (embodirl/models/pi0/): ``embodirl train model=pi0_tiny`` with each flow log-probability and each
-algorithm, in this process and on Ray workers with two gloo FSDP2 actor ranks; the first minibatch's importance
-ratio is 1; ``embodirl eval`` of the run's checkpoint reproduces the run's own last evaluation."""
+"""π0 through the CLI (embodirl/models/pi0/): ``embodirl train env=maniskill_pushcube_rgb model=pi0_tiny`` (64 px
+camera images, the real simulator) with each flow log-probability and each algorithm, in this process and on Ray
+workers with two gloo FSDP2 actor ranks; the first minibatch's importance ratio is 1; ``embodirl eval`` of the run's
+checkpoint reproduces the run's own last evaluation. Episodes are cut to 16 steps: what is checked is the path,
+not learning (tests/runner/test_pi0_tiny_learning.py, README)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ from test_vla_cli import cli
 from embodirl.runner.metrics_logger import read_metrics
 from tests import cli_runs
 
-PI0 = ["env=toy_reach", "model=pi0_tiny", "env.train.num_envs=4", "env.eval.num_envs=4", "env.train.num_tasks=2",
-       "env.eval.num_tasks=2", "env.train.max_episode_steps=16", "env.eval.max_episode_steps=16",
-       "runner.eval_episodes_per_task=2", "runner.progress_bar=false", "runner.logger.tensorboard=false",
-       "runner.max_steps=2", "runner.save_interval=2", "runner.val_check_interval=2"]
+PI0 = ["env=maniskill_pushcube_rgb", "env.train.image_size=[64,64]", "env.eval.image_size=[64,64]", "model=pi0_tiny",
+       "env.train.num_envs=4", "env.eval.num_envs=2", "env.train.max_episode_steps=16", "env.eval.max_episode_steps=16",
+       "runner.eval_episodes_per_task=4", "runner.eval_num_videos=0", "runner.progress_bar=false",
+       "runner.logger.tensorboard=false", "runner.max_steps=2", "runner.save_interval=2", "runner.val_check_interval=2"]
 ALGORITHMS = {"grpo": ["algorithm=grpo", "algorithm.group_size=2", "env.train.use_fixed_reset_state_ids=true"],
               "ppo": ["algorithm=ppo"]}
 #: one decision scored by the rollout and by the actor in one process: the same float32 operations
