@@ -1,14 +1,12 @@
 """LIBERO adapter on the real simulator (robosuite 1.4 + MuJoCo, the configured asset folder).
 
 Fast tests share one libero_object scene; the slow tests build every task of the four 10-task suites
-and a sample of libero_90 (in two reusable worker processes), run the adapter through
+and a sample of libero_90 (one after another in the test's own process), run the adapter through
 ProcessVectorEnv, and solve a drawer task by setting its joint.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing as mp
 import os
 
 import numpy as np
@@ -395,10 +393,12 @@ def test_scene_is_a_function_of_the_init_state(object_env):
     np.testing.assert_array_equal(a["images"], b["images"])
 
 
-def test_cached_scenes_each_render_with_their_own_gl_context():
+def test_cached_scenes_each_render_with_their_own_gl_context(object_env, monkeypatch):
     """Two scenes in one process each own a GL context; robosuite renders with whichever is current,
-    so an unguarded render of the first scene after building the second draws garbage."""
-    env = LiberoSimEnv(libero_cfg(image_size=IMAGE_SIZE, max_cached_tasks=2), seed=0)
+    so an unguarded render of the first scene after building the second draws garbage. (The shared
+    scene's env, given a cache of two: its second scene is closed again at the end.)"""
+    env = object_env
+    monkeypatch.setattr(env, "max_cached_tasks", 2)
     try:
         first = env.reset(SOUP_TASK, 3)
         env.reset(SOUP_TASK + 1, 3)                              # builds a second scene and context
@@ -407,7 +407,8 @@ def test_cached_scenes_each_render_with_their_own_gl_context():
         np.testing.assert_array_equal(first["images"], again["images"])
         assert first["images"].mean() > 20                       # a lit scene, not a blank buffer
     finally:
-        env.close()
+        for task in [t for t in env._scenes if t != SOUP_TASK]:
+            env._scenes.pop(task).env.close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -418,8 +419,8 @@ SWEEP_IMAGE_SIZE = [64, 64]
 
 
 def _sweep_task(suite: str, task_id: int) -> dict:
-    """Runs in a worker process: build one task's scene, check the first observation against direct
-    MuJoCo reads and renders, step a chunk. Keeps one scene alive per process."""
+    """Build one task's scene, check the first observation against direct MuJoCo reads and renders, step
+    a chunk. Keeps one scene alive (``_SWEEP``; the caller closes it)."""
     env = _SWEEP.get("env")
     if env is None or env.suite.name != suite:
         if env is not None:
@@ -455,9 +456,14 @@ def _libero_90_sample() -> list[int]:
 def test_every_task_builds_renders_and_steps():
     jobs = [(suite, t) for suite in ("libero_spatial", "libero_object", "libero_goal", "libero_10") for t in range(10)]
     jobs += [("libero_90", t) for t in _libero_90_sample()]
-    # two worker processes (the machine's cores), each building task after task in one scene slot
-    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn")) as pool:
-        results = list(pool.map(_sweep_task, *zip(*jobs)))
+    # task after task in one scene slot, in this process: worker processes would each pay the imports and
+    # robosuite's first-scene set-up again (about 6 CPU-s each), and under xdist the other core is busy anyway
+    try:
+        results = [_sweep_task(suite, task_id) for suite, task_id in jobs]
+    finally:
+        env = _SWEEP.pop("env", None)
+        if env is not None:
+            env.close()
     assert len(results) == len(jobs) == 46
     for res in results:
         where = f"{res['suite']} task {res['task_id']}"

@@ -12,10 +12,14 @@ images and the 8-D state (eef position, axis-angle, finger positions).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
-from embodirl.envs.libero.simulator import LiberoSimEnv, quat_to_axis_angle
+from embodirl import runtime
+from embodirl.envs.libero.simulator import LiberoAdapter, LiberoSimEnv, quat_to_axis_angle
+from embodirl.envs.libero.suite import suite_info
 from tests.envs.test_libero import CHUNK, libero_cfg
 
 SIZE = 256
@@ -40,6 +44,7 @@ def oft_decision(raw) -> tuple[np.ndarray, np.ndarray]:
 
 def stock_oft_episodes(bddl_file, init_states, trials: dict[int, np.ndarray], size: int = SIZE) -> dict[int, list]:
     """``trials``: init-state index -> chunks, in run order. Returns the decisions of each trial."""
+    runtime.configure()                     # what LiberoSimEnv does first: the same GL backend whoever runs first
     from libero.libero.envs import OffScreenRenderEnv
 
     env = OffScreenRenderEnv(bddl_file_name=str(bddl_file), camera_heights=size, camera_widths=size)
@@ -68,6 +73,25 @@ def stock_oft_episodes(bddl_file, init_states, trials: dict[int, np.ndarray], si
     return out
 
 
+# (suite, task, ((trial, chunk seed, num chunks), ...), size) -> the stock decisions. The stock run is a pure
+# function of these (a fresh env seeded 0 per call, no state outside it), and several tests compare against the same
+# libero_goal task 0 run: it is computed once per test process (the file runs on one xdist worker).
+TrialsKey = tuple[tuple[int, int, int], ...]
+GOAL_TRIALS: TrialsKey = ((0, 10, 4), (1, 11, 2))     # test_whole_episode_equals_ofts_evaluation[libero_goal]'s trials
+
+
+def trial_chunks(key: TrialsKey) -> dict[int, np.ndarray]:
+    """``((trial, seed, num_chunks), ...)`` -> init-state index -> :func:`small_chunks`, in run order."""
+    return {k: small_chunks(seed, n) for k, seed, n in key}
+
+
+@functools.cache
+def stock_reference(suite: str, task: int, key: TrialsKey, size: int) -> dict[int, list]:
+    """:func:`stock_oft_episodes` of ``task`` for the trials ``key`` names, computed once per process."""
+    info = suite_info(LiberoAdapter.check_config(libero_cfg(suite)))
+    return stock_oft_episodes(info.bddl_files[task], info.init_states(task), trial_chunks(key), size)
+
+
 def adapter_episodes(env: LiberoSimEnv, task: int, trials: dict[int, np.ndarray]) -> dict[int, list]:
     out = {}
     for k, chunks in trials.items():
@@ -82,17 +106,18 @@ def adapter_episodes(env: LiberoSimEnv, task: int, trials: dict[int, np.ndarray]
     return out
 
 
-def check_same_episodes(suite: str, task: int, trials: dict[int, np.ndarray], *, warm_up_trial: int | None = None,
+def check_same_episodes(suite: str, task: int, key: TrialsKey, *, warm_up_trial: int | None = None,
                         size: int = SIZE):
+    trials = trial_chunks(key)
     env = LiberoSimEnv(libero_cfg(suite, image_size=[size, size], scene_seeding="oft",
                                   max_episode_steps=sum(len(c) for c in trials.values()) * CHUNK), seed=0)
     try:
         if warm_up_trial is not None:   # another task's or a later trial's episode first: order must not leak
             env.reset(task, warm_up_trial)
         ours = adapter_episodes(env, task, trials)
-        reference = stock_oft_episodes(env.suite.bddl_files[task], env.suite.init_states(task), trials, size)
     finally:
         env.close()
+    reference = stock_reference(suite, task, key, size)
     for k in trials:
         assert len(ours[k]) == len(reference[k])
         for t, ((images, state), (ref_images, ref_state)) in enumerate(zip(ours[k], reference[k])):
@@ -102,21 +127,24 @@ def check_same_episodes(suite: str, task: int, trials: dict[int, np.ndarray], *,
 
 
 def test_oft_seeding_reproduces_consecutive_trials():
-    """The CI variant: libero_goal task 0 (fixtures on the table: placement matters), trials 0 and 1 for
-    three decisions each, after the simulator has already run trial 2 (its catch-up replays trials 0-1)."""
-    check_same_episodes("libero_goal", 0, {0: small_chunks(0, 3), 1: small_chunks(1, 3)}, warm_up_trial=2)
+    """The CI variant: libero_goal task 0 (fixtures on the table: placement matters), trial 0 for four decisions
+    and trial 1 for two, after the simulator has already run trial 2 (its catch-up replays trials 0-1). The
+    trials and actions are those of ``test_whole_episode_equals_ofts_evaluation[libero_goal]``, so the two tests
+    compare against one stock run (:func:`stock_reference`); the adapter runs differ (this one warms up first)."""
+    check_same_episodes("libero_goal", 0, GOAL_TRIALS, warm_up_trial=2)
 
 
 @pytest.mark.slow
 def test_per_start_seeding_differs_from_ofts_order():
-    """Without OFT's seeding the same trial starts from another fixture placement (the test above would fail)."""
+    """Without OFT's seeding the same trial starts from another fixture placement (the test above would fail).
+    The reference is OFT's trial 1 as the tests above run it (after trial 0's episode, :data:`GOAL_TRIALS`): the
+    first decision of trial 1, whose fixture placement its reset drew after trial 0's."""
     env = LiberoSimEnv(libero_cfg("libero_goal", image_size=[SIZE, SIZE]), seed=0)
     try:
         ours = adapter_episodes(env, 0, {1: small_chunks(1, 0)})
-        reference = stock_oft_episodes(env.suite.bddl_files[0], env.suite.init_states(0),
-                                       {0: small_chunks(0, 0), 1: small_chunks(1, 0)})
     finally:
         env.close()
+    reference = stock_reference("libero_goal", 0, GOAL_TRIALS, SIZE)
     assert not np.array_equal(ours[1][0][0], reference[1][0][0])
 
 
@@ -130,8 +158,11 @@ def test_whole_episode_equals_ofts_evaluation(suite, steps, size):
     their scene, which every decision shows), which keeps the suite's time down (their whole episodes took 35-50 s
     each; each decision costs both sides about 2 CPU-s at 256 px). The stock env renders both cameras at every
     low-level step, so the long episode renders at 64 px (86 s at OFT's 256 px, 66 s at 128 px): the state is
-    compared at every decision all the same, and the three short ones keep OFT's 256 px."""
-    check_same_episodes(suite, 0, {0: small_chunks(10, steps // CHUNK), 1: small_chunks(11, 2)}, size=size)
+    compared at every decision all the same, and the three short ones keep OFT's 256 px. libero_goal's trials are
+    :data:`GOAL_TRIALS`: its stock run is the one the two tests above compare against (computed once per process)."""
+    key = ((0, 10, steps // CHUNK), (1, 11, 2))
+    assert suite != "libero_goal" or key == GOAL_TRIALS       # the stock run shared with the tests above
+    check_same_episodes(suite, 0, key, size=size)
 
 
 def test_eval_protocol_oft_switches_the_evaluation_env_only():

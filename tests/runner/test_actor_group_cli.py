@@ -45,32 +45,6 @@ def _close(a: list[dict], b: list[dict], keys=COMPARED) -> None:
             assert math.isclose(ra[key], rb[key], rel_tol=rel, abs_tol=tol), (ra["step"], key, ra[key], rb[key])
 
 
-@pytest.mark.slow
-def test_two_ranks_train_as_one_and_checkpoints_move_between_rank_counts(tmp_path):
-    run = os.urandom(3).hex()
-    for ranks in (1, 2):
-        cli(["train", *EQUAL, f"actor.cpu_world_size={ranks}", "runner.max_steps=3", f"runner.experiment_name=r{ranks}"],
-            tmp_path, f"r{ranks}{run}")
-    one = read_metrics(tmp_path / "outputs" / "r1" / "metrics.jsonl")
-    two = read_metrics(tmp_path / "outputs" / "r2" / "metrics.jsonl")
-    assert [r["actor/world_size"] for r in one] == [1.0] * 3
-    assert [r["actor/world_size"] for r in two] == [2.0] * 3
-    _close(one, two)
-    placement = json.loads((tmp_path / "outputs" / "r2" / "placement.json").read_text())
-    assert [a["rank"] for a in placement["actor"]] == [0, 1] and all(a["fsdp"] for a in placement["actor"])
-    assert len({a["pid"] for a in placement["actor"]}) == 2
-    # the 2-rank checkpoint of step 2 resumed by 1 rank (and the 1-rank one by 2) continues the run
-    for ranks, source, straight in ((1, "r2", two), (2, "r1", one)):
-        name = f"from_{source}"
-        cli(["train", *EQUAL, f"actor.cpu_world_size={ranks}", "runner.max_steps=3", f"runner.experiment_name={name}",
-             f"runner.resume_dir={tmp_path / 'outputs' / source / 'checkpoints' / 'step_2'}"], tmp_path,
-            f"{name}{run}")
-        resumed = read_metrics(tmp_path / "outputs" / name / "metrics.jsonl")
-        assert [r["actor/world_size"] for r in resumed] == [float(ranks)]
-        assert [r["actor/version"] for r in resumed] == [3.0]
-        _close(resumed, straight[2:])
-
-
 def _start(args: list[str], cwd, run_id: str, env_extra: dict | None = None):
     env = {**os.environ, segments.RUN_ENV: run_id, **(env_extra or {})}
     if not env_extra or "RAY_ADDRESS" not in env_extra:
@@ -140,6 +114,22 @@ def test_a_killed_actor_rank_restarts_the_run_or_ends_it_in_one_sentence(tmp_pat
         assert "resumed from" in resumed
 
 
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A local Ray cluster of two nodes (2 CPU slots each), as `ray start` would make on two machines. The tests
+    below it join it: one Ray start for the module instead of one per run (the killed-rank tests above start their
+    own, whose processes must all be gone when the run ends)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
 def _placed(out: Path) -> dict[str, list[int]]:
     placement = json.loads((out / "placement.json").read_text())
     return {component: [w["slot"] for w in workers] for component, workers in placement.items()}
@@ -154,9 +144,11 @@ def _placed(out: Path) -> dict[str, list[int]]:
     ("hybrid", ['cluster.component_placement="env: 0; rollout: 1; actor: 0-1"', "rollout.pipeline_stage_num=2"],
      {"env": [0], "rollout": [1], "actor": [0, 1]}),
 ])
-def test_placement_modes_run_where_they_say(tmp_path, mode, options, slots):
-    cli(["train", *TOY, "actor.cpu_world_size=2", "runner.max_steps=2", *options, f"runner.experiment_name={mode}"],
-        tmp_path, f"p{mode[:3]}{os.urandom(3).hex()}")
+def test_placement_modes_run_where_they_say(tmp_path, mode, options, slots, two_node_cluster):
+    """On the module's Ray cluster (the default cluster.num_nodes=1: two slots of one node, as on a private Ray of a
+    2-core machine), not a private Ray started for each mode."""
+    cli(["train", *TOY, f"cluster.ray_address={two_node_cluster.address}", "actor.cpu_world_size=2",
+         "runner.max_steps=2", *options, f"runner.experiment_name={mode}"], tmp_path, f"p{mode[:3]}{os.urandom(3).hex()}")
     out = tmp_path / "outputs" / mode
     assert _placed(out) == slots
     records = [r for r in read_metrics(out / "metrics.jsonl") if "train/return" in r]
@@ -165,18 +157,34 @@ def test_placement_modes_run_where_they_say(tmp_path, mode, options, slots):
     assert [r["actor/onloaded"] for r in records] == ([0.0, 1.0] if mode == "collocated" else [0.0, 0.0])
 
 
-@pytest.fixture(scope="module")
-def two_node_cluster():
-    """A local Ray cluster of two nodes (2 CPU slots each), as `ray start` would make on two machines."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    try:
-        yield cluster
-    finally:
-        cluster.shutdown()
+@pytest.mark.slow
+def test_two_ranks_train_as_one_and_checkpoints_move_between_rank_counts(tmp_path, two_node_cluster):
+    """The four runs join the module's Ray cluster instead of starting a private Ray each (one Ray start instead of
+    four): with the default cluster.num_nodes=1 each run's workers share two slots of one node, as on a private Ray
+    of a 2-core machine, and what they compare does not depend on who started Ray."""
+    run = os.urandom(3).hex()
+    joined = [f"cluster.ray_address={two_node_cluster.address}"]
+    for ranks in (1, 2):
+        cli(["train", *EQUAL, *joined, f"actor.cpu_world_size={ranks}", "runner.max_steps=3",
+             f"runner.experiment_name=r{ranks}"], tmp_path, f"r{ranks}{run}")
+    one = read_metrics(tmp_path / "outputs" / "r1" / "metrics.jsonl")
+    two = read_metrics(tmp_path / "outputs" / "r2" / "metrics.jsonl")
+    assert [r["actor/world_size"] for r in one] == [1.0] * 3
+    assert [r["actor/world_size"] for r in two] == [2.0] * 3
+    _close(one, two)
+    placement = json.loads((tmp_path / "outputs" / "r2" / "placement.json").read_text())
+    assert [a["rank"] for a in placement["actor"]] == [0, 1] and all(a["fsdp"] for a in placement["actor"])
+    assert len({a["pid"] for a in placement["actor"]}) == 2
+    # the 2-rank checkpoint of step 2 resumed by 1 rank (and the 1-rank one by 2) continues the run
+    for ranks, source, straight in ((1, "r2", two), (2, "r1", one)):
+        name = f"from_{source}"
+        cli(["train", *EQUAL, *joined, f"actor.cpu_world_size={ranks}", "runner.max_steps=3", f"runner.experiment_name={name}",
+             f"runner.resume_dir={tmp_path / 'outputs' / source / 'checkpoints' / 'step_2'}"], tmp_path,
+            f"{name}{run}")
+        resumed = read_metrics(tmp_path / "outputs" / name / "metrics.jsonl")
+        assert [r["actor/world_size"] for r in resumed] == [float(ranks)]
+        assert [r["actor/version"] for r in resumed] == [3.0]
+        _close(resumed, straight[2:])
 
 
 # README, "Running on a Ray cluster": the CPU-size example, exactly
@@ -186,8 +194,6 @@ README_CLUSTER_EXAMPLE = ["train", "cluster.num_nodes=2", 'cluster.component_pla
 
 @pytest.mark.slow
 def test_cli_on_a_two_node_cluster_places_components_and_uses_both_transports(tmp_path, two_node_cluster):
-    import ray
-
     run = f"m{os.urandom(3).hex()}"
     proc = _start([*README_CLUSTER_EXAMPLE, "runner.experiment_name=cluster", "runner.progress_bar=false",
                    "runner.save_interval=2"], tmp_path, run, {"RAY_ADDRESS": two_node_cluster.address})
@@ -195,14 +201,9 @@ def test_cli_on_a_two_node_cluster_places_components_and_uses_both_transports(tm
     assert proc.returncode == 0, output[-4000:]
     out = tmp_path / "outputs" / "cluster"
     placement = json.loads((out / "placement.json").read_text())
-    if ray.is_initialized():      # a private Ray another test file's fixture left running in this process
-        ray.shutdown()
-    ray.init(address=two_node_cluster.address)
-    try:
-        head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("node:__internal_head__"))
-        other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
-    finally:
-        ray.shutdown()
+    # the node ids as the cluster's own processes hold them (no driver of this process joins the cluster to ask)
+    head = two_node_cluster.head_node.node_id
+    [other] = [node.node_id for node in two_node_cluster.worker_nodes]
     # placement node 0 is the driver's (head) node: env worker 0 and the inference worker; node 1: env worker 1
     # and both actor ranks
     assert [e["node_id"] for e in placement["env"]] == [head, other]

