@@ -7,17 +7,23 @@ optimizer steps; 8 simulators), evaluating (greedy, the same 50 initial states w
 Smaller than the README's RL phase (16 simulators, 10 for evaluation) to keep the chain near 5 minutes: the
 simulators' start-up was a third of it.
 
-What it asserts is what held on every machine and seed measured: the SFT checkpoint pushes the cube home
-(0.38 in the README's run, 0.28 and 0.30 on this project's machine, 0.18 on issue 23's; the bar is 4 of 50, a
-chain whose SFT learned nothing starts near 0); RL trains the loaded policy (the greedy evaluation of an
-unchanged policy repeats itself exactly, so some episode's return must differ after the updates); and those
-updates do not wreck it (no fall of more than 15 points). The earlier RL settings (temperature 1, groups of 8, the
-full rate of 2e-4 from the first optimizer step) moved the policy by an approximate KL of 0.08-0.13 per update and
-failed that bar on a fresh machine of CI's kind (0.38 -> 0.18, 2026-12-01); from the same checkpoint these
-settings moved it by 0.003 and kept 0.38. Whether GRPO *raises* the success in a few steps is
-not asserted: from one checkpoint, 15 steps gave +0.34 (seed 1) and +0.04 (seed 2) on this machine, and
-+0.38 and +0.10 on two others; a draw that small is not a test. The README reports the longer runs; that GRPO
-learns at all is asserted where it is robust (``tests/runner/test_tiny_vla_learning.py``)."""
+What it asserts holds for any draw of the SFT checkpoint: the SFT fits the demonstrations (action-token
+accuracy over its last 20 steps >= 0.4; 0.58-0.62 measured, chance is 1/256); the checkpoint RL loads acts as
+the SFT left it (greedy return per episode on the 50 initial states: mean >= 3.5, where the untrained tiny policy
+gets 1.63 and at most 3.04 in any episode, and three SFT checkpoints 5.9, 13.7 and 16.5); RL trains the loaded
+policy (the greedy evaluation of an unchanged policy repeats itself exactly, so some episode's return must
+differ after the updates); and those updates do not wreck it (no fall of more than 15 points of success, mean
+return at least 0.7 of its start; 0.88-1.0 measured). The checkpoint's greedy *success* is printed, not
+asserted: it is a draw of the closed loop, not of the fit. Until 2026-12-03 it had to reach 4 of 50 (0.38 in
+the README's run, 0.26-0.30 on this project's machine, 0.18 on issue 23's), and a change of summation order in
+the SFT loss alone (the same token accuracy to 0.001 over the last 20 steps) took it to 0.04 on this machine.
+The earlier RL settings (temperature 1, groups of 8, the full rate of 2e-4 from the first optimizer step) moved
+the policy by an approximate KL of 0.08-0.13 per update and failed the no-fall bar on a fresh machine of CI's
+kind (0.38 -> 0.18, 2026-12-01); from the same checkpoint these settings moved it by 0.003 and kept 0.38.
+Whether GRPO *raises* the success in a few steps is not asserted: from one checkpoint, 15 steps gave +0.34
+(seed 1) and +0.04 (seed 2) on this machine, and +0.38 and +0.10 on two others; a draw that small is not a test.
+The README reports the longer runs; that GRPO learns at all is asserted where it is robust
+(``tests/runner/test_tiny_vla_learning.py``)."""
 
 from __future__ import annotations
 
@@ -60,11 +66,16 @@ def test_rl_trains_an_sft_checkpoint_through_the_cli(tmp_path):
     cli(["sft", *COMMON, *SFT, f"data.path={ds}", f"runner.output_dir={sft}"], tmp_path)
     model = sft / "checkpoints" / "step_300" / "model"
     cli(["train", *COMMON, *RL, f"model.path={model}", f"runner.output_dir={rl}"], tmp_path)
+    fit = [r["sft/token_accuracy"] for r in read_metrics(sft / "metrics.jsonl") if "sft/token_accuracy" in r]
+    assert len(fit) == 300 and sum(fit[-20:]) / 20 >= 0.4, f"the SFT did not fit the demonstrations: {fit[-20:]}"
     evals = {r["step"]: r["eval/success_rate"] for r in read_metrics(rl / "metrics.jsonl") if "eval/success_rate" in r}
-    print("greedy success by RL step:", evals)
-    assert sorted(evals) == [0, RL_STEPS]
-    assert evals[0] >= 0.08, f"the SFT checkpoint should already push the cube home sometimes: {evals}"
     before, after = _episodes(rl, 0), _episodes(rl, RL_STEPS)
+    returns = {step: sum(r for _, r in episodes.values()) / len(episodes) for step, episodes in ((0, before),
+                                                                                                (RL_STEPS, after))}
+    print("greedy success by RL step:", evals, "mean return:", returns)
+    assert sorted(evals) == [0, RL_STEPS]
     assert sorted(before) == sorted(after) and len(before) == 50          # the same 50 initial states
+    assert returns[0] >= 3.5, f"the loaded checkpoint acts like an untrained policy (mean return 1.63): {returns}"
     assert any(before[k][1] != after[k][1] for k in before), f"{RL_STEPS} GRPO steps left the greedy policy unchanged"
     assert evals[RL_STEPS] >= evals[0] - 0.15, f"{RL_STEPS} GRPO steps wrecked the SFT checkpoint: {evals}"
+    assert returns[RL_STEPS] >= 0.7 * returns[0], f"{RL_STEPS} GRPO steps wrecked the SFT checkpoint: {returns}"
