@@ -8,7 +8,8 @@ in three layers so that a crash, Ctrl-C or SIGKILL leaves nothing behind:
 1. the owner unlinks its segments when it closes them, at interpreter exit (``atexit``) and on
    SIGTERM (SIGINT becomes ``KeyboardInterrupt`` and reaches ``atexit`` through normal unwinding);
 2. with its first segment, each owning process starts a *janitor*: a tiny Python process in its own
-   session (so Ctrl-C to the terminal's process group does not reach it) that waits on a pidfd for
+   session (so Ctrl-C to the terminal's process group does not reach it), and not its child (so
+   Ray, which kills an exiting worker's children, does not take it along), that waits on a pidfd for
    its owner to exit, SIGKILL included, and then unlinks ``erl_<run>_<pid>_*``;
 3. the run's driver (:func:`own_run`) gets a janitor for the whole ``erl_<run>_*`` prefix and can
    :func:`sweep` a dead worker's segments when it replaces the worker.
@@ -54,8 +55,12 @@ _hooks_pid: int | None = None                  # pid that installed atexit/signa
 
 # The janitor: waits for a process to exit, then unlinks every /dev/shm entry starting with a prefix.
 # It prints one line once it is watching so that the owner never creates a segment it would miss.
+# It forks once and lets its parent exit, so it is not the owner's child: Ray kills a worker's
+# children when the worker exits, which would take the janitor with it before it could clean up.
 _JANITOR_CODE = r"""
 import os, select, sys, time
+if os.fork():
+    os._exit(0)
 pid, prefix, shm_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 def alive():
     try:
@@ -314,6 +319,5 @@ def _start_janitor(pid: int, prefix: str) -> None:
         proc.stdout.close()
     if line.strip() != b"watching":
         log.warning("shared-memory janitor for %s did not start; relying on atexit cleanup", prefix)
-    # The janitor outlives us by design; keep Popen from warning about an unreaped child.
-    proc.returncode = 0
+    proc.wait()   # the launcher exits at once; the janitor itself lives on as nobody's child here
     _janitor_for.add(key)

@@ -31,6 +31,12 @@ _OWNER = textwrap.dedent("""
     if sys.argv[1] == "exit":
         sys.stdin.readline()
         sys.exit(0)
+    if sys.argv[1] == "kill-children":  # what a Ray worker does as it exits: its children die first
+        import psutil
+        sys.stdin.readline()
+        for child in psutil.Process().children():
+            child.kill()
+        os._exit(0)
     time.sleep(600)
 """)
 
@@ -89,6 +95,16 @@ def test_owner_killed_by_signal_leaves_nothing(run_id, sig):
     proc, names = _spawn_owner("wait", run_id)
     os.kill(proc.pid, sig)
     proc.wait(30)
+    assert _wait_gone(names) == []
+
+
+def test_an_owner_that_kills_its_children_as_it_exits_leaves_nothing(run_id):
+    # Ray kills a worker's child processes when the worker exits; the janitor must not be one of them
+    # (it was, and a Ctrl-C'd Ray run left its actor's weights segment behind)
+    proc, names = _spawn_owner("kill-children", run_id)
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.wait(30) == 0
     assert _wait_gone(names) == []
 
 
