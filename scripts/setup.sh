@@ -86,11 +86,47 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip >/dev/null
 # every install below goes through the lock: a fresh machine gets exactly the tested versions
 PIP+=(-c "$ROOT/constraints.txt")
+# uv installs that same locked set (pip freeze is identical) in about half pip's time: a clean clone's installs took
+# 63 s instead of 118 s on the project's 2-core machine. It reads pip's wheel folders, indexes, constraints and
+# certificate (pip.conf, PIP_* variables) through `pip config list`, and compiles the bytecode as pip does (with
+# PYTHONDONTWRITEBYTECODE set, an uncompiled torch costs every later process ~10 CPU-s of imports). pip is the
+# fallback: where uv cannot be installed or fails, pip installs the same set.
+UV=()
+if "${PIP[@]}" uv >/dev/null 2>&1 && [[ -x "$VENV/bin/uv" ]]; then
+  mapfile -t UV_SOURCES < <("$VENV/bin/python" - <<'PY'
+import shlex, subprocess, sys
+listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+files, env = {}, {}
+for line in listed.splitlines():   # scope.key='value'; the environment's variables override pip's files
+    key, _, value = line.partition("=")
+    scope, _, name = key.rpartition(".")
+    (env if scope == ":env:" else files)[name] = " ".join(shlex.split(value))
+options = {**files, **env}
+for name, flag in (("index-url", "--index-url"), ("extra-index-url", "--extra-index-url"),
+                   ("find-links", "--find-links"), ("constraint", "--constraint")):
+    for value in options.get(name, "").split():
+        print(flag)
+        print(value)
+if options.get("cert"):
+    print("cert=" + options["cert"])
+PY
+)
+  UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --compile-bytecode --index-strategy unsafe-best-match
+      -c "$ROOT/constraints.txt")
+  for item in "${UV_SOURCES[@]}"; do
+    if [[ "$item" == cert=* ]]; then export SSL_CERT_FILE="${SSL_CERT_FILE:-${item#cert=}}"; else UV+=("$item"); fi
+  done
+fi
+install() {
+  if (( ${#UV[@]} )) && "${UV[@]}" "$@"; then return 0; fi
+  if (( ${#UV[@]} )); then log "uv could not install $*; pip installs the rest"; UV=(); fi
+  "${PIP[@]}" "$@"
+}
 # torch first and exactly: every later requirement that names torch is then already satisfied.
-"${PIP[@]}" torch==2.13.0
+install torch==2.13.0
 # libero 0.1.1 declares robomimic (-> torchvision, CUDA-only here); its real runtime deps are ours.
-"${PIP[@]}" --no-deps libero==0.1.1
-"${PIP[@]}" -e "$ROOT[test]"
+install --no-deps libero==0.1.1
+install -e "$ROOT[test]"
 "$VENV/bin/python" -m embodirl.envs.libero.paths --write >/dev/null
 stamp_value > "$STAMP"
 log "done: $VENV"
