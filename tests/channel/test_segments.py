@@ -82,8 +82,11 @@ def test_close_unlinks_segment_and_fifos():
     assert not [n for n in names if n in segments.listing()]
 
 
-def test_normal_exit_without_close_cleans_up(run_id):
-    proc, names = _spawn_owner("exit", run_id)
+@pytest.mark.parametrize("mode", ["exit", "kill-children"])
+def test_an_exit_without_close_cleans_up(run_id, mode):
+    """``exit``: a normal exit. ``kill-children``: Ray kills a worker's child processes as the worker exits, and
+    the janitor must not be one of them (it was, and a Ctrl-C'd Ray run left its actor's weights segment)."""
+    proc, names = _spawn_owner(mode, run_id)
     proc.stdin.write("\n")
     proc.stdin.flush()
     assert proc.wait(30) == 0
@@ -95,16 +98,6 @@ def test_owner_killed_by_signal_leaves_nothing(run_id, sig):
     proc, names = _spawn_owner("wait", run_id)
     os.kill(proc.pid, sig)
     proc.wait(30)
-    assert _wait_gone(names) == []
-
-
-def test_an_owner_that_kills_its_children_as_it_exits_leaves_nothing(run_id):
-    # Ray kills a worker's child processes when the worker exits; the janitor must not be one of them
-    # (it was, and a Ctrl-C'd Ray run left its actor's weights segment behind)
-    proc, names = _spawn_owner("kill-children", run_id)
-    proc.stdin.write("\n")
-    proc.stdin.flush()
-    assert proc.wait(30) == 0
     assert _wait_gone(names) == []
 
 
