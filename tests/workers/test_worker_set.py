@@ -5,6 +5,8 @@ named by its rank, are in tests/workers/test_groups_ray.py (it shares that file'
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from embodirl.workers.worker_set import WorkerSet
@@ -24,6 +26,9 @@ class Counter:
 
     def fail(self, message: str) -> None:
         raise ValueError(f"worker {self.rank}: {message}")
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def close(self) -> None:
         Counter.closed.append(self.rank)
