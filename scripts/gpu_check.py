@@ -8,13 +8,13 @@ Steps, in order; the first that fails ends the check (exit status 1) with its er
 1. ``environment``: torch, transformers, peft, the device and its memory;
 2. ``dry_run``: the preset on the meta device (:mod:`embodirl.dry_run`): FLOPs per decision of ``act`` and of
    an update, and the actor's bytes (the compute bound below comes from it);
-3. ``policy``: ``scripts/bench_policy.py`` - parallel vs autoregressive decoding and ``policy.act`` decisions/s
-   at several batch sizes;
-4. ``actor``: ``scripts/bench_actor.py --preset full`` - one FSDP2 actor rank in this process: one update,
-   publication, offload and onload, peak memory;
-5. ``train``: the real CLI, the in-process path (``cluster.use_ray=false model.device=<device>``) with the preset
+3. ``train``: the real CLI, the in-process path (``cluster.use_ray=false model.device=<device>``) with the preset
    on ``env=toy_reach`` and GRPO, 3 training steps with an evaluation and a checkpoint at the third;
-6. ``eval``: ``embodirl eval`` from that checkpoint;
+4. ``eval``: ``embodirl eval`` from that checkpoint;
+5. ``policy``: ``scripts/bench_policy.py`` - parallel vs autoregressive decoding and ``policy.act`` decisions/s
+   at several batch sizes;
+6. ``actor``: ``scripts/bench_actor.py --preset full`` - one FSDP2 actor rank in this process: one update,
+   publication, offload and onload, peak memory;
 7. ``pi0``: the second VLA family at full size (``pi0``: 3.6 B parameters, bf16; ``pi0_tiny`` on the CPU):
    ``scripts/bench_pi0.py`` - ``act`` decisions/s and FLOPs per decision at several batch sizes - and
    ``scripts/bench_actor.py --preset full --model pi0`` - one FSDP2 update with gradient checkpointing, peak memory.
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BF16_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "L4": 121.0}
 MODES = {
     "gpu": {"preset": "openvla_oft", "device": "cuda", "dtype": "bfloat16",
-            "policy": ["--rounds", "5", "--decode-batches", "1", "8", "--act-batches", "1", "8", "32", "64",
+            "policy": ["--rounds", "3", "--decode-batches", "1", "8", "--act-batches", "1", "8", "32", "64",
                        "--attn-implementation", "sdpa", "--merge-lora", "--compile"],
             # the measured setting: N16 x T8, micro-batch 8 (64 decisions per forward)
             "actor": ["--trajectories", "16", "--decisions", "8", "--micro-batch", "8", "--repeats", "2"],
@@ -304,10 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     report.data["preset"] = mode["preset"]
     report.step("environment", lambda: environment(mode["device"]))
     report.step("dry_run", lambda: dry_run_step(mode["preset"]))
-    report.step("policy", lambda: policy_step(report, mode))
-    report.step("actor", lambda: actor_step(report, mode))
+    # the end-to-end path first: a lent machine's call is time-limited, and a report cut short still says whether
+    # the CLI trained, evaluated and checkpointed on the device
     trained = report.step("train", lambda: train_step(report, mode, work))
     report.step("eval", lambda: eval_step(report, mode, work, trained["checkpoint"]))
+    report.step("policy", lambda: policy_step(report, mode))
+    report.step("actor", lambda: actor_step(report, mode))
     report.step("pi0", lambda: pi0_step(report, mode))
     report.data["targets"] = targets(report.data)
     report.data["ok"] = True

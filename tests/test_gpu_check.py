@@ -26,7 +26,7 @@ def test_gpu_check_cpu_mode_passes_and_writes_its_report(tmp_path):
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["ok"] and report["mode"] == "cpu" and report["preset"] == "openvla_oft_tiny"
-    assert list(report["steps"]) == ["environment", "dry_run", "policy", "actor", "train", "eval", "pi0"]
+    assert list(report["steps"]) == ["environment", "dry_run", "train", "eval", "policy", "actor", "pi0"]
     assert all(step["ok"] for step in report["steps"].values())
     train = report["steps"]["train"]["result"]
     assert [s["step"] for s in train["steps"]] == [1, 2, 3] and train["eval"]["eval/episodes"] == 32
