@@ -113,11 +113,14 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _commit() -> str | None:
+    """The checked-out commit; ``EMBODIRL_COMMIT`` where the tree travelled without its git folder (a lent GPU
+    machine gets the working tree only: name the commit in the run's command)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+        found = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
     except Exception:
-        return None
+        found = ""
+    return found or os.environ.get("EMBODIRL_COMMIT") or None
 
 
 def run(report: Report, args: list[str], timeout_s: float, cwd: Path = ROOT) -> str:

@@ -7,6 +7,7 @@
 # On a lent GPU machine (Python 3.12, torch+CUDA and transformers preinstalled, no network, no Ray, no simulators)
 # the packages it lacks travel as wheels: `scripts/gpu_wheels.sh` downloads them here into .whl/ (git-ignored;
 # name .whl in the run's carry list), and this script installs them into /tmp/site before anything imports.
+# A tree sent without .git records EMBODIRL_COMMIT (set it in the run's command) as the report's commit.
 # EMBODIRL_PYTHON picks the interpreter (default: .venv/bin/python when set up, else python3); WHEELS the wheel folder.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
