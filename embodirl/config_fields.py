@@ -112,7 +112,7 @@ def check_fields(schema: type, node: Mapping, prefix: str) -> None:
     """Every ranged or choice field of ``schema`` (and of its nested section dataclasses) in ``node``."""
     hints = typing.get_type_hints(schema)   # real types also where a module postpones its annotations
     for f in dataclasses.fields(schema):
-        key = f"{prefix}.{f.name}"
+        key = f"{prefix}.{f.name}" if prefix else f.name
         value = node.get(f.name) if isinstance(node, Mapping) else None
         if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
             check_fields(f.default_factory, value or {}, key)
@@ -152,9 +152,9 @@ def instance(schema: type, node: Any, prefix: str):
         merged = OmegaConf.merge(template(schema), node)
     except OmegaConfBaseException as exc:
         key = str(getattr(exc, "full_key", "") or "")
-        raise ConfigError(f"{prefix}.{key}" if key else prefix, str(exc).splitlines()[0].strip()) from None
+        raise ConfigError(f"{prefix}.{key}" if key and prefix else (key or prefix), str(exc).splitlines()[0].strip()) from None
     missing = sorted(OmegaConf.missing_keys(merged))
     if missing:
-        raise ConfigError(f"{prefix}.{missing[0]}", "is missing from the configuration (see config/)")
+        raise ConfigError(f"{prefix}.{missing[0]}" if prefix else missing[0], "is missing from the configuration (see config/)")
     check_fields(schema, merged, prefix)
     return OmegaConf.to_object(merged)

@@ -237,10 +237,10 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     from embodirl.actor.actor import Actor, prepare_batch
     from embodirl.actor.settings import ActorSettings
     from embodirl.memory_plan import meta_model
-    from embodirl.models.base import SamplingParams
     from embodirl.models.registry import make_policy
     from embodirl.rollout.records import decisions_per_episode
     from embodirl.schema import run_config
+    from embodirl.workers.inference_worker import TRAIN, sampling_from_config
 
     cfg = run_config(cfg)
     seconds: dict[str, float] = {}
@@ -250,10 +250,11 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     seconds["build"] = time.perf_counter() - t0
     act_batch = int(act_batch or max(1, cfg.env.train.num_envs // cfg.env_workers.num_workers))
 
+    sampling = sampling_from_config(cfg.rollout)[TRAIN]    # as the inference workers sample in training
     t0 = time.perf_counter()
     flops = MetaDryRun(count=True)
     with gpu_attention(), flops:
-        out = policy.act(_observation(spec, act_batch), SamplingParams(temperature=float(cfg.rollout.temperature or 1.0)))
+        out = policy.act(_observation(spec, act_batch), sampling)
     act_flops = flops.flops / act_batch
     for key, value in out.items():
         if value.device != META:
@@ -269,7 +270,7 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     actor = dataclasses.replace(cfg.actor, micro_batch_size=1, global_batch_size=1,
                                 replay_buffer=dataclasses.replace(cfg.actor.replay_buffer, reuse_last_k=0))
     actor = Actor(policy, ActorSettings(algorithm=algorithm, actor=actor), task_table=spec.task_descriptions,
-                      temperature=float(cfg.rollout.temperature or 1.0), device=META)
+                      temperature=sampling.temperature, device=META)
     prepared, _ = prepare_batch(dry_run_batch(policy, spec, DRY_RUN_TRAJECTORIES, T), algorithm)
     params = list(policy.parameters())
     param_bytes = _nbytes(params) + _nbytes(policy.buffers())

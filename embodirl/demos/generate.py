@@ -24,28 +24,29 @@ from typing import Any
 
 import numpy as np
 
+from embodirl.config_fields import num, one_of, required
+from embodirl.demos.lerobot.layout import VIDEO_CODECS
 from embodirl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 CONFIG_NAME = "demos"
-KEYS = ("num_episodes", "seed", "max_attempts", "stop_at_success", "output_dir", "overwrite", "video_codec",
-        "progress_bar", "env")
 
 
 @dataclass
 class DemosConfig:
-    """``config/demos.yaml`` as the object generation runs on (the values live in the YAML; :func:`validate` checks
-    them, each rule one sentence). ``env``: the ManiSkill env group, the adapter's typed config."""
+    """``config/demos.yaml`` as the object generation runs on: each key's type and range declared once here
+    (:mod:`embodirl.config_fields`), its value in the YAML. ``env``: the ManiSkill env group's ``train`` options as the
+    adapter's typed config (:func:`validate` fills it in)."""
 
-    num_episodes: int
-    seed: int
-    max_attempts: int | None
-    stop_at_success: bool
-    output_dir: str
-    overwrite: bool
-    video_codec: str
-    progress_bar: bool
-    env: Any
+    num_episodes: int = num(1)
+    seed: int = num(0)
+    max_attempts: int | None = num(1, null=True)       # and at least num_episodes (validate)
+    stop_at_success: bool = required()
+    output_dir: str = required()
+    overwrite: bool = required()
+    video_codec: str = one_of(VIDEO_CODECS)
+    progress_bar: bool = required()
+    env: Any = None
 
 
 def compose(overrides: Sequence[str] = ()):
@@ -81,29 +82,22 @@ def compose(overrides: Sequence[str] = ()):
 def validate(cfg: Mapping) -> DemosConfig:
     """The composed demos config as the typed :class:`DemosConfig`, its keys checked in one sentence each and its env
     group checked by the ManiSkill adapter (converted once to the adapter's config class)."""
+    from omegaconf import OmegaConf
+
     from embodirl.demos.experts import CONTROL_MODES, EXPERTS
-    from embodirl.demos.lerobot.layout import VIDEO_CODECS
     from embodirl.envs.maniskill.simulator import check_config
     from embodirl.envs.registry import env_config
+    from embodirl.schema import to_object
 
-    unknown = sorted(set(cfg) - set(KEYS))
+    keys = [f.name for f in dataclasses.fields(DemosConfig) if f.name != "env"]
+    unknown = sorted(set(cfg) - {*keys, "env"})
     if unknown:
-        raise ConfigError(unknown[0], f"is not a demos key; config/demos.yaml lists them ({', '.join(KEYS[:-1])})")
-    demos = DemosConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(DemosConfig)})
-    for key in ("num_episodes", "seed"):
-        value = getattr(demos, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "num_episodes" else 0):
-            raise ConfigError(key, f"must be an integer >= {1 if key == 'num_episodes' else 0}, got {value!r}")
-    attempts = demos.max_attempts
-    if attempts is not None and (not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < demos.num_episodes):
+        raise ConfigError(unknown[0], f"is not a demos key; config/demos.yaml lists them ({', '.join(keys)})")
+    demos = to_object(DemosConfig, OmegaConf.masked_copy(cfg, keys))    # types and ranges, one sentence
+    if demos.max_attempts is not None and demos.max_attempts < demos.num_episodes:
         raise ConfigError("max_attempts", f"must be null or an integer >= num_episodes ({demos.num_episodes}), "
-                          f"got {attempts!r}")
-    if demos.video_codec not in VIDEO_CODECS:
-        raise ConfigError("video_codec", f"'{demos.video_codec}' is not supported; choose one of {', '.join(VIDEO_CODECS)}")
-    for key in ("stop_at_success", "overwrite", "progress_bar"):
-        if not isinstance(getattr(demos, key), bool):
-            raise ConfigError(key, f"must be true or false, got {getattr(demos, key)!r}")
-    env = env_config(demos.env.train, "env")
+                          f"got {demos.max_attempts}")
+    env = env_config(cfg.env.train, "env")
     if env.adapter != "maniskill":
         raise ConfigError("env", f"demos are generated for ManiSkill env options only; '{env.adapter}' is not one")
     if env.task not in EXPERTS:

@@ -166,8 +166,8 @@ class VideoRecorder:
     env_ids: Sequence[int]
     env_name: str
     task_descriptions: Sequence[str]
-    fps: float = 10
-    overlay: bool = True
+    fps: float                           # env.*.video.fps
+    overlay: bool                        # env.*.video.overlay
     env_offset: int = 0
     step: int | None = 0                 # None: files straight in out_dir (no step_<n> folder)
     written: list[Path] = field(default_factory=list)

@@ -6,7 +6,7 @@ distributed actor. Ranks join one torch.distributed group (gloo on CPU, NCCL on 
 :meth:`rendezvous` / :meth:`setup`; each builds the policy from the ``model`` config with the same
 seed (so a randomly initialised frozen base is identical on every rank and inference worker), wraps it
 with FSDP2 (:class:`~embodirl.actor.actor.Actor`) and then, each step, trains on its shard of the
-prepared batch. Rank 0 turns what an update changed into one packed publication for the rollout
+prepared batch. Rank 0 turns what an update changed into one packed publication for the inference
 workers (:mod:`embodirl.workers.weight_transfer`), keeping the snapshot that brings a new or
 restarted inference worker up to date.
 

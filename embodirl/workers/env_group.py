@@ -1,5 +1,5 @@
 """The env worker group: K :class:`~embodirl.workers.env_worker.EnvWorker` s in a
-:class:`~embodirl.workers.worker_set.WorkerSet` (in this process or on Ray), each connected to its rollout
+:class:`~embodirl.workers.worker_set.WorkerSet` (in this process or on Ray), each connected to its inference
 worker. One collection (:meth:`embodirl.workers.groups.WorkerGroups.collect`) is one ``EnvWorker.collect`` per
 env worker on its :meth:`~EnvWorkerGroup.split` of the starts, dead workers replaced
 (:mod:`embodirl.workers.recovery`)."""

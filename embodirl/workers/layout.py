@@ -1,4 +1,4 @@
-"""Worker layout: how N env slots split over env workers, pipeline stages and simulators, which rollout
+"""Worker layout: how N env slots split over env workers, pipeline stages and simulators, which inference
 worker serves which env worker, and the placement plan of every component.
 
 Layout (``K = env_workers.num_workers``, ``S = rollout.pipeline_stage_num``, ``R =
@@ -17,7 +17,7 @@ from embodirl.rollout.records import decisions_per_episode
 
 @dataclass(frozen=True)
 class RolloutLayout:
-    """How N env slots split over K env workers x S stages x B simulators, served by R rollout
+    """How N env slots split over K env workers x S stages x B simulators, served by R inference
     workers, for T decisions."""
 
     num_env_workers: int      # K

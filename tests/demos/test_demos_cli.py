@@ -28,9 +28,12 @@ def _cli_error(capsys, *args) -> str:
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["num_episodes=0"], "num_episodes: must be an integer >= 1"),
+    (["num_episodes=0"], "num_episodes: must be a positive integer, got 0"),
+    (["num_episodes=1.5"], "num_episodes: must be an integer, got '1.5'"),
+    (["seed=-1"], "seed: must be a non-negative integer, got -1"),
+    (["overwrite=maybe"], "overwrite: must be true or false, got 'maybe'"),
     (["max_attempts=1", "num_episodes=3"], "max_attempts: must be null or an integer >= num_episodes (3)"),
-    (["video_codec=vp9"], "video_codec: 'vp9' is not supported"),
+    (["video_codec=vp9"], "video_codec: 'vp9' is not one of libx264rgb, h264, libsvtav1"),
     (["env=maniskill_peginsertion"], "env.task: no demonstration expert for PegInsertionSide-v1"),
     (["env.train.control_mode=pd_joint_pos"], "env.control_mode: the experts act in pd_ee_delta_pos"),
     (["env=libero_10"], "env: demos are generated for ManiSkill env options only"),

@@ -36,9 +36,9 @@ def toy_venv(n, *, record, **kwargs) -> ProcessVectorEnv:
                             record_env_ids=record, **kwargs)
 
 
-def recorder(tmp_path, venv, **kwargs) -> VideoRecorder:
+def recorder(tmp_path, venv, *, overlay: bool) -> VideoRecorder:
     return VideoRecorder(tmp_path, env_ids=venv.record_env_ids, env_name="toy_reach",
-                         task_descriptions=venv.spec.task_descriptions, fps=10, **kwargs)
+                         task_descriptions=venv.spec.task_descriptions, fps=10, overlay=overlay)
 
 
 def test_episode_video_name():

@@ -146,7 +146,7 @@ def test_libero_grpo_with_tiny_openvla_through_ray_then_eval(tmp_path):
 def test_maniskill_rgb_grpo_with_tiny_openvla_through_ray_then_eval(tmp_path):
     during, after = train_and_eval(tmp_path, "maniskill", ["env=maniskill_pickcube_rgb",
                                                            "runner.eval_episodes_per_task=2"], n_episodes=2, n_tasks=1)
-    # greedy evaluation of the checkpoint replays the evaluation at its step: same weights in the rollout
+    # greedy evaluation of the checkpoint replays the evaluation at its step: same weights in the inference
     # workers, same episodes (dense rewards, so any difference in actions shows in the returns)
     assert [e["return"] for e in after["per_episode"]] == [e["return"] for e in during["per_episode"]]
 

@@ -10,7 +10,7 @@ Registered as policy ``openvla_oft`` (``model.name``). Files, along the dataflow
 * ``sampling.py``   - temperature / top-k / top-p over the action ids, log-probs, entropy;
 * ``lora.py``       - peft adapters and fully trainable heads;
 * ``names.py``      - public (Prismatic/timm) parameter names <-> our modules, tensor by tensor;
-* ``weights.py`` / ``adapters.py`` / ``checkpoint.py`` - weight files, LoRA adapters, and the whole
+* ``weights.py`` / ``adapters.py`` / ``hf_checkpoint.py`` - weight files, LoRA adapters, and the whole
   public checkpoint directory, read and written;
 * ``policy.py``     - the :class:`~embodirl.models.base.Policy` (``act`` / ``evaluate`` / reference mode).
 """

@@ -38,10 +38,11 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from embodirl.errors import ConfigError
+from embodirl.models.pi0.schema import Gemma
 
 log = logging.getLogger(__name__)
 
@@ -59,19 +60,15 @@ FLOW_KEYS = ("time_sampling_beta_alpha", "time_sampling_beta_beta", "time_sampli
              "min_period", "max_period")
 
 
-@dataclass(frozen=True)
-class GemmaSize:
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+def _variant(width: int, depth: int, mlp_dim: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Gemma:
+    return Gemma(hidden_size=width, num_hidden_layers=depth, intermediate_size=mlp_dim, num_attention_heads=num_heads,
+                 num_key_value_heads=num_kv_heads, head_dim=head_dim)
 
 
-#: ``get_gemma_config`` of modeling_pi0.py (width, depth, mlp_dim, num_heads, num_kv_heads, head_dim)
-GEMMA_VARIANTS = {"gemma_300m": GemmaSize(1024, 18, 4096, 8, 1, 256),
-                  "gemma_2b": GemmaSize(2048, 18, 16_384, 8, 1, 256)}
+#: ``get_gemma_config`` of modeling_pi0.py (width, depth, mlp_dim, num_heads, num_kv_heads, head_dim), as the
+#: schema's ``model.language`` / ``model.expert`` sizes
+GEMMA_VARIANTS = {"gemma_300m": _variant(1024, 18, 4096, 8, 1, 256),
+                  "gemma_2b": _variant(2048, 18, 16_384, 8, 1, 256)}
 #: what ``PaliGemmaWithExpertModel`` fixes for a VLM of those variants: the vocabulary (and image token id) and the
 #: SigLIP so400m/14 tower (PaliGemma's default vision config with intermediate_size 4304)
 LEROBOT_VOCAB = 257_152
@@ -293,9 +290,9 @@ def size_fix(checkpoint: LeRobotCheckpoint) -> str:
             "option's sizes (model.language, model.vision, model.expert) stand in: give the ones of this network")
 
 
-def _gemma(size: GemmaSize | None, preset) -> dict:
+def _gemma(size: Gemma | None, preset: Gemma) -> dict:
     chosen = size if size is not None else preset
-    return {k: int(getattr(chosen, k)) for k in GemmaSize.__dataclass_fields__}
+    return {f.name: int(getattr(chosen, f.name)) for f in fields(Gemma)}
 
 
 def network_config(checkpoint: LeRobotCheckpoint, model):
