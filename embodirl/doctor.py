@@ -6,7 +6,7 @@ Every check returns a :class:`Check` row (name, pass/fail, what was found, the o
 check               what it looks at                                                              fast
 ==================  ============================================================================  ======
 config              the cross-field rules of :func:`embodirl.config.validate`                     -
-render/mujoco       an offscreen MuJoCo GL context (``MUJOCO_GL``: egl, osmesa), LIBERO envs       yes
+render/mujoco       LIBERO's renderer (EGL on a GPU, or OSMesa in software) and an offscreen context   yes
 render/vulkan       the Vulkan device SAPIEN renders with (name, software or GPU), ManiSkill envs  yes
 assets/<env>        LIBERO's asset folder complete for the suite's tasks and its config file        -
                     written (no prompt); ManiSkill's task data (the download command)
@@ -20,7 +20,8 @@ ray                 the cluster's nodes and devices against ``cluster.component_
 ==================  ============================================================================  ======
 
 ``embodirl train`` / ``eval`` run the fast ones (:func:`preflight`) after the config checks and before any
-worker starts: a machine that cannot render or hold the model stops at once with one sentence.
+worker starts: a machine that cannot render or hold the model stops at once with one sentence. A row can also pass
+with a warning (``WARN``): a machine with GPUs whose simulators would render in software.
 Rendering is probed in a child process, so a driver that crashes or hangs cannot take the caller with it.
 """
 
@@ -59,6 +60,7 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    warn: bool = False        # passes, but the fix is worth making (e.g. software rendering beside GPUs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,17 +82,36 @@ def _probe(code: str) -> tuple[bool, str]:
     return proc.returncode == 0, (lines[-1] if lines else f"exit status {proc.returncode}")
 
 
-def check_mujoco() -> Check:
-    gl = os.environ.get("MUJOCO_GL", "egl")
+def machine_gpus() -> int:
+    """NVIDIA GPUs on this machine, whatever this process may use."""
+    from embodirl.runtime import nvidia_gpus
+
+    return len(nvidia_gpus({}))
+
+
+def check_mujoco(gpus_on_machine: int | None = None) -> Check:
+    """The renderer LIBERO's simulators use (:func:`embodirl.runtime.choose_mujoco_gl`; under Ray each env worker chooses
+    for the GPU it is placed on) and an offscreen context made with it in a child process. Software rendering on a
+    machine with GPUs passes with a warning."""
+    from embodirl.runtime import choose_mujoco_gl
+
+    gl, device, why = choose_mujoco_gl()
+    name = {"egl": f"EGL on GPU {device}" if device is not None else "EGL", "osmesa": "OSMesa"}.get(gl, gl)
     ok, out = _probe("import mujoco; c = mujoco.GLContext(64, 64); c.make_current(); c.free(); print('ok')")
-    if ok:
-        return Check("render/mujoco", True, f"MUJOCO_GL={gl}: offscreen context made")
-    other = "osmesa" if gl == "egl" else "egl"
-    return Check("render/mujoco", False, f"MUJOCO_GL={gl}: {out}",
-                 f"run scripts/setup.sh (installs EGL and OSMesa), or set MUJOCO_GL={other}")
+    if not ok:
+        other = "osmesa" if gl == "egl" else "egl"
+        return Check("render/mujoco", False, f"MUJOCO_GL={gl} ({name}; {why}): {out}",
+                     f"run scripts/setup.sh (installs EGL and OSMesa), or set MUJOCO_GL={other}")
+    gpus = machine_gpus() if gpus_on_machine is None else gpus_on_machine
+    detail = f"LIBERO renders with {name} (MUJOCO_GL={gl}; {why}); offscreen context made"
+    if gl != "egl" and gpus:
+        return Check("render/mujoco", True, f"{detail}; this machine has {gpus} GPU(s) but LIBERO would render in "
+                                            "software", "install NVIDIA's EGL library (libegl-nvidia0) and leave "
+                                            "MUJOCO_GL unset: each env worker then renders on its GPU", warn=True)
+    return Check("render/mujoco", True, detail)
 
 
-def check_vulkan() -> Check:
+def check_vulkan(gpus_on_machine: int | None = None) -> Check:
     ok, out = _probe("import sapien; s = sapien.render.get_device_summary(); "
                      "print(next(l for l in s.splitlines() if l.startswith('GPU:'))[4:].strip())")
     if not ok:
@@ -99,8 +120,14 @@ def check_vulkan() -> Check:
                      "and set EMBODIRL_VULKAN=system")
     kind = "software" if any(s in out.lower() for s in SOFTWARE_VULKAN) else "GPU"
     if kind == "GPU":
-        return Check("render/vulkan", True, f"{out} ({kind})")
-    return Check("render/vulkan", True, f"{out} ({kind}); {brdf_table()}")
+        return Check("render/vulkan", True, f"ManiSkill renders with {out} ({kind})")
+    detail = f"ManiSkill renders with {out} ({kind}); {brdf_table()}"
+    gpus = machine_gpus() if gpus_on_machine is None else gpus_on_machine
+    if gpus:
+        return Check("render/vulkan", True, f"{detail}; this machine has {gpus} GPU(s) but ManiSkill would render "
+                                            "in software", "set EMBODIRL_VULKAN=system to render with the GPU's Vulkan "
+                                            "driver (NVIDIA's ICD installed)", warn=True)
+    return Check("render/vulkan", True, detail)
 
 
 def brdf_table() -> str:
@@ -443,8 +470,9 @@ def format_table(rows: list[Check]) -> str:
     width = max(len(r.name) for r in rows)
     lines = [f"{'check':<{width}}  status  found", f"{'-' * width}  ------  {'-' * 40}"]
     for r in rows:
-        lines.append(f"{r.name:<{width}}  {'PASS' if r.ok else 'FAIL':<6}  {r.detail}")
-        if not r.ok:
+        status = "FAIL" if not r.ok else "WARN" if r.warn else "PASS"
+        lines.append(f"{r.name:<{width}}  {status:<6}  {r.detail}")
+        if not r.ok or r.warn:
             lines.append(f"{'':<{width}}  {'':<6}  fix: {r.fix}")
     return "\n".join(lines)
 
@@ -458,6 +486,8 @@ def preflight(cfg) -> None:
     for row in fast_checks(cfg):
         if not row.ok:
             raise PreflightFailed(f"{row.name}: {row.detail.rstrip('.')}; fix: {row.fix}")
+        if row.warn:
+            print(f"embodirl: warning: {row.name}: {row.detail}; fix: {row.fix}", file=sys.stderr)
 
 
 def main(overrides: list[str]) -> int:

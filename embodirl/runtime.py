@@ -1,7 +1,10 @@
 """Process-level set-up for simulators, done once before any of them is imported.
 
-* MuJoCo renders offscreen through EGL (``MUJOCO_GL=egl``) unless the user chose otherwise
-  (``osmesa`` also works; it is slower).
+* MuJoCo (LIBERO) renders offscreen through EGL on the NVIDIA GPU this process may use (the first of
+  ``CUDA_VISIBLE_DEVICES``, which Ray sets to the GPU an env worker is placed on; all GPUs without it), and through
+  OSMesa where it sees none (:func:`choose_mujoco_gl`). On a machine without a GPU both are Mesa's llvmpipe: the
+  same images bit for bit. A ``MUJOCO_GL`` the user set is kept; one embodirl chose is chosen again in each process
+  (``EMBODIRL_MUJOCO_GL_CHOSEN`` marks it), since a worker's GPU is not its driver's.
 * SAPIEN/ManiSkill needs a Vulkan device even for state observations. On machines without a GPU the
   set-up script unpacks Mesa 25's lavapipe (software Vulkan) into ``.deps/vulkan``; here we point the
   Vulkan loader at it (``VK_ICD_FILENAMES``) and load its newer ``libdrm`` by absolute path so that
@@ -32,6 +35,53 @@ _DONE = False
 command_started: float | None = None
 
 
+#: set beside ``MUJOCO_GL`` when :func:`configure` chose it (a child process then chooses again)
+GL_CHOSEN_VAR = "EMBODIRL_MUJOCO_GL_CHOSEN"
+EGL_DEVICE_CHOSEN_VAR = "EMBODIRL_MUJOCO_EGL_DEVICE_CHOSEN"
+#: where the NVIDIA kernel driver lists its GPUs, and where NVIDIA's EGL library registers with libglvnd
+NVIDIA_GPUS_DIR = Path("/proc/driver/nvidia/gpus")
+NVIDIA_EGL_VENDOR = (Path("/usr/share/glvnd/egl_vendor.d/10_nvidia.json"), Path("/etc/glvnd/egl_vendor.d/10_nvidia.json"))
+
+
+def nvidia_gpus(environ: dict | None = None, gpus_dir: Path = NVIDIA_GPUS_DIR) -> list[int]:
+    """Ids of the NVIDIA GPUs this process may use (without importing torch): the driver's GPUs, narrowed by
+    ``CUDA_VISIBLE_DEVICES`` (Ray sets it to a worker's GPUs, and to nothing for a worker without one)."""
+    environ = os.environ if environ is None else environ
+    try:
+        count = len(list(gpus_dir.iterdir()))
+    except OSError:
+        return []
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    ids = []
+    for item in visible.split(","):
+        item = item.strip()
+        if item.isdigit() and int(item) < count:
+            ids.append(int(item))
+        elif item:                       # a UUID or MIG name: the device exists, its EGL index is unknown
+            ids.append(len(ids))
+    return ids
+
+
+def choose_mujoco_gl(environ: dict | None = None, gpus: list[int] | None = None,
+                     nvidia_egl: bool | None = None) -> tuple[str, int | None, str]:
+    """``(MUJOCO_GL, EGL device or None, why)`` for this process: the user's ``MUJOCO_GL``; else ``egl`` on the first
+    NVIDIA GPU it may use when NVIDIA's EGL library is installed; else ``osmesa`` (software rendering)."""
+    environ = os.environ if environ is None else environ
+    chosen = environ.get("MUJOCO_GL")
+    if chosen and environ.get(GL_CHOSEN_VAR) != chosen:
+        return chosen, None, "MUJOCO_GL set by the user"
+    gpus = nvidia_gpus(environ) if gpus is None else gpus
+    if nvidia_egl is None:
+        nvidia_egl = any(p.is_file() for p in NVIDIA_EGL_VENDOR)
+    if gpus and nvidia_egl:
+        return "egl", gpus[0], f"GPU {gpus[0]}"
+    if gpus:
+        return "osmesa", None, f"software: GPU {gpus[0]} is visible but NVIDIA's EGL library is not installed"
+    return "osmesa", None, "software: no GPU visible to this process"
+
+
 def local_vulkan_dir() -> Path | None:
     path = deps_dir() / "vulkan"
     return path if (path / "icd.json").is_file() else None
@@ -43,9 +93,21 @@ def configure() -> None:
     if _DONE:
         return
     _DONE = True
-    os.environ.setdefault("MUJOCO_GL", "egl")
-    if os.environ["MUJOCO_GL"] in ("egl", "osmesa"):
-        os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
+    gl, device, _ = choose_mujoco_gl()
+    if os.environ.get("MUJOCO_GL") != gl or os.environ.get(GL_CHOSEN_VAR) == gl:   # embodirl's choice, not the user's
+        os.environ["MUJOCO_GL"] = os.environ[GL_CHOSEN_VAR] = gl
+        # the EGL device: ours to set or clear unless the user set it (robosuite refuses one outside
+        # CUDA_VISIBLE_DEVICES, so a device a parent process chose must not linger)
+        ours = os.environ.get("MUJOCO_EGL_DEVICE_ID") in (None, os.environ.get(EGL_DEVICE_CHOSEN_VAR))
+        if ours and device is not None:
+            os.environ["MUJOCO_EGL_DEVICE_ID"] = os.environ[EGL_DEVICE_CHOSEN_VAR] = str(device)
+        elif ours:
+            os.environ.pop("MUJOCO_EGL_DEVICE_ID", None)
+            os.environ.pop(EGL_DEVICE_CHOSEN_VAR, None)
+        if gl in ("egl", "osmesa"):
+            os.environ["PYOPENGL_PLATFORM"] = gl
+    elif gl in ("egl", "osmesa"):
+        os.environ.setdefault("PYOPENGL_PLATFORM", gl)
     if os.environ.get("EMBODIRL_VULKAN", "local") == "system":
         return
     vk = local_vulkan_dir()

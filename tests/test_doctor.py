@@ -27,7 +27,7 @@ def rows(stdout: str) -> dict[str, tuple[str, str]]:
     out, last = {}, None
     for line in stdout.splitlines():
         parts = line.split(None, 2)
-        if len(parts) >= 2 and parts[1] in ("PASS", "FAIL"):
+        if len(parts) >= 2 and parts[1] in ("PASS", "FAIL", "WARN"):
             last = parts[0]
             out[last] = (parts[1], parts[2] if len(parts) > 2 else "")
         elif line.strip().startswith("fix: ") and last is not None:
@@ -50,6 +50,9 @@ def test_every_check_passes_on_this_machine(overrides, expected, tmp_path):
     assert expected <= set(table) and not failing(proc.stdout), proc.stdout
     if "render/vulkan" in expected and os.environ.get("EMBODIRL_VULKAN", "local") != "system":
         assert "BRDF table 128" in table["render/vulkan"][1], proc.stdout     # lavapipe with brdf_lut.so
+    if "render/mujoco" in expected and not doctor.machine_gpus() and "MUJOCO_GL" not in os.environ:
+        assert table["render/mujoco"][1].startswith("LIBERO renders with OSMesa (MUJOCO_GL=osmesa; software: no GPU "
+                                                    "visible to this process)"), proc.stdout
     assert list(tmp_path.iterdir()) == []
 
 
@@ -142,3 +145,18 @@ def test_packages_off_the_lock(tmp_path):
     assert not check.ok and "2 of 2 packages" in check.detail and "numpy" in check.detail
     assert "scripts/setup.sh" in check.fix
     assert doctor.check_dependencies().ok
+
+
+def test_software_rendering_beside_gpus_is_a_warning(monkeypatch):
+    """On a machine with GPUs, a simulator that would render in software passes with a warning and its fix (this
+    machine has none: the GPU count is handed in, the renderers are this machine's real ones)."""
+    for var in ("MUJOCO_GL", "EMBODIRL_MUJOCO_GL_CHOSEN"):
+        monkeypatch.delenv(var, raising=False)
+    row = doctor.check_mujoco(gpus_on_machine=8)
+    assert row.ok and row.warn and "OSMesa" in row.detail and "8 GPU(s) but LIBERO would render in software" in row.detail
+    assert "NVIDIA's EGL library" in row.fix
+    assert not doctor.check_mujoco(gpus_on_machine=0).warn
+    if os.environ.get("EMBODIRL_VULKAN", "local") != "system":
+        row = doctor.check_vulkan(gpus_on_machine=8)
+        assert row.ok and row.warn and "(software)" in row.detail and "EMBODIRL_VULKAN=system" in row.fix
+        assert "WARN" in doctor.format_table([row]) and "fix: set EMBODIRL_VULKAN=system" in doctor.format_table([row])

@@ -56,6 +56,8 @@ class EnvSpec:
     action_low: float | list[float] = -1.0
     action_high: float | list[float] = 1.0
     name: str = ""
+    #: per task: the suite (or other group) it belongs to, which evaluation reports group by; empty: all ``name``
+    task_groups: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -203,7 +203,8 @@ def episode_results(traj, part: list[tuple[int, int, int]], spec, videos: Mappin
     episode_return = (step_reward.sum(-1) * valid).sum(-1)                       # (N,)
     # chunk-level rewards: the largest chunk (action-level: step) reward of the episode
     max_reward = step_reward.masked_fill(~valid[..., None], float("-inf")).amax(dim=(1, 2))   # (N,)
-    return [EpisodeResult(suite=spec.name, task_id=task_id, task=spec.task_descriptions[task_id],
+    return [EpisodeResult(suite=spec.task_groups[task_id] if spec.task_groups else spec.name, task_id=task_id,
+                          task=spec.task_descriptions[task_id],
                           init_state_id=init_id, success=bool(success[i]) and i not in crashed,
                           crashed=i in crashed, episode_return=float(episode_return[i]),
                           length=int(length[i]), video_path=videos.get(i), episode_ix=episode_ix,

@@ -63,6 +63,7 @@ from embodirl import runtime
 from embodirl.config_fields import instance, num, required
 from embodirl.envs.base import ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
 from embodirl.envs.libero import paths as libero_paths
+from embodirl.envs.libero import pro
 from embodirl.envs.libero.patches import (
     EEF_POS,
     EEF_QUAT,
@@ -161,6 +162,8 @@ class LiberoSimEnv(SimEnv):
         env = LiberoAdapter.check_config(cfg)
         self.cfg = env
         self.suite = suite_info(env)
+        if set(self.suite.groups) - set(SUITE_NUM_TASKS):
+            pro.register_objects()              # LIBERO-PRO's object variants, before a perturbed scene is built
         self.task_ids = task_pool(env)
         self.camera_names = list(env.cameras)
         self._rs_cameras = [CAMERAS[c] for c in self.camera_names]
@@ -178,7 +181,7 @@ class LiberoSimEnv(SimEnv):
             action_dim=ACTION_DIM, max_episode_steps=self.max_episode_steps,
             task_descriptions=list(self.suite.descriptions), camera_names=list(self.camera_names),
             image_size=self.image_size if self.camera_names else None, state_dim=STATE_DIM,
-            num_init_states=list(self.suite.num_init_states),
+            num_init_states=list(self.suite.num_init_states), task_groups=list(self.suite.groups),
             action_low=[-1.0] * (ACTION_DIM - 1) + [0.0], action_high=[1.0] * ACTION_DIM, name=self.suite.name)
         self.rng = np.random.default_rng(seed)
         self._scenes: OrderedDict[int, Scene] = OrderedDict()
@@ -392,6 +395,7 @@ class LiberoEnvConfig(CommonEnvConfig):
     assets_path: str | None = required()
     max_cached_tasks: int = num(1)
     scene_seeding: str = required()
+    perturbations: list[str] | None = required()
 
     @property
     def task_subset(self) -> list[int] | None:
@@ -417,6 +421,15 @@ class LiberoAdapter:
         if suite not in SUITE_NUM_TASKS:
             raise ConfigError("suite", f"unknown LIBERO suite '{suite}'; available: {', '.join(SUITE_NUM_TASKS)}")
         num_tasks = SUITE_NUM_TASKS[suite]
+        perturbations = env.perturbations
+        if perturbations is not None:
+            entries = (pro.ORIGINAL, *pro.FAMILIES)
+            unknown = [p for p in perturbations if p not in entries]
+            if unknown or not perturbations or len(set(perturbations)) != len(perturbations):
+                raise ConfigError("perturbations", f"must be null or a list of distinct entries of {', '.join(entries)} "
+                                                   f"({pro.ORIGINAL}: the suite unperturbed), got {list(perturbations)}")
+            if set(perturbations) - {pro.ORIGINAL} and suite not in pro.BASE_SUITES:
+                raise ConfigError("perturbations", f"LIBERO-PRO perturbs {', '.join(pro.BASE_SUITES)}, not {suite}")
         task_ids = env.task_ids
         if task_ids is not None:
             bad = [t for t in task_ids if not 0 <= t < num_tasks]
