@@ -15,6 +15,10 @@ Parts (``--parts``, comma-separated; default: all):
                 Target >= 1.7x on 2 free cores.
 * ``maniskill`` ManiSkill PickCube-v1 env-steps/s with state and with rgb observations (one process each,
                 through the registered adapter).
+* ``assets``    LIBERO's original assets (installed from the registry) against another asset folder
+                (``--standins``, e.g. the stand-ins of ``../shared/libero_assets`` earlier versions used): the
+                scene build, physics-only steps/s (cameras off) and steps/s rendering two cameras at decisions, for
+                ``--assets-task`` (default ``libero_spatial:0``, whose black bowl is a 180,960-vertex scan).
 
     .venv/bin/python scripts/bench_envs.py                       # everything (a few minutes)
     .venv/bin/python scripts/bench_envs.py --parts render,reset --chunks 40
@@ -26,13 +30,14 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from omegaconf import OmegaConf
 
 from embodirl import runtime
 
-PARTS = ("render", "reset", "processes", "maniskill")
+PARTS = ("render", "reset", "processes", "maniskill", "assets")
 SETTLE_ACTION = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0]
 
 
@@ -287,14 +292,71 @@ def bench_maniskill(args, rows: list) -> None:
                      f"{timer.rate:8.1f} steps/s", "", ""))
 
 
+def bench_assets(args, rows: list) -> None:
+    """Original assets against ``--standins``, the modes alternating chunk by chunk (module docstring). libero 0.1.1
+    reads its asset folder from a module variable when a scene is built, so the four simulators are built one after
+    another, each right after its config points LIBERO at its folder; stepping a built scene reads no file."""
+    from embodirl.envs.libero import paths as libero_paths
+    from embodirl.envs.libero.simulator import LiberoSimEnv
+
+    if not args.standins or not (Path(args.standins) / "scenes").is_dir():
+        raise SystemExit(f"assets part: --standins must name a LIBERO asset folder, got {args.standins!r}")
+    suite, _, task = args.assets_task.partition(":")
+    task = int(task or 0)
+    folders = {"original": str(libero_paths.installed_assets_dir()), "stand-ins": str(Path(args.standins).resolve())}
+    envs, build_s = {}, {}
+    try:
+        for name, folder in folders.items():
+            for cams in (True, False):
+                cfg = env_config(suite, assets_path=folder, task_ids=[task], image_size=[args.image_size] * 2,
+                                 cameras=["agentview", "wrist"] if cams else [])
+                start = time.perf_counter()
+                env = envs[(name, cams)] = LiberoSimEnv(cfg, seed=0)
+                env.reset(task, 0)
+                build_s[(name, cams)] = time.perf_counter() - start
+        rng = np.random.default_rng(0)
+        modes = {key: Timer() for key in envs}
+
+        def chunk_of(key) -> Callable[[], int]:
+            env = envs[key]
+
+            def run() -> int:
+                if env.elapsed + args.chunk_len > env.max_episode_steps:
+                    env.reset(task, 0)
+                return env.step_chunk(chunk).steps
+            return run
+
+        for _ in range(args.chunks):
+            chunk = random_chunk(rng, args.chunk_len, envs[("original", True)].spec)
+            for key in envs:
+                modes[key].time(chunk_of(key))
+    finally:
+        for env in envs.values():
+            env.close()
+    label = f"{suite} task {task}"
+    for cams, what in ((False, "physics only (cameras off)"), (True, f"2 cams {args.image_size}px at decisions")):
+        original, standin = modes[("original", cams)], modes[("stand-ins", cams)]
+        rows.append((f"{label}, original assets: {what}", f"{original.rate:8.1f} steps/s",
+                     f"{original.cpu_rate:8.1f} /CPU-s", f"x{original.rate / standin.rate:.2f} of the stand-ins' "
+                     f"(per CPU-s x{original.cpu_rate / standin.cpu_rate:.2f})"))
+        rows.append((f"{label}, stand-in assets: {what}", f"{standin.rate:8.1f} steps/s",
+                     f"{standin.cpu_rate:8.1f} /CPU-s", ""))
+    built, built_standin = build_s[("original", True)], build_s[("stand-ins", True)]
+    rows.append((f"{label}: scene build + first reset, original / stand-ins", f"{built:8.2f} s",
+                 f"{built_standin:8.2f} s", f"x{built / built_standin:.2f}"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(p for p in PARTS if p != "assets"),
+                        help=f"comma-separated subset of {', '.join(PARTS)} (assets needs --standins)")
     parser.add_argument("--chunks", type=int, default=25, help="chunks per mode")
     parser.add_argument("--chunk-len", type=int, default=8)
     parser.add_argument("--resets", type=int, default=4, help="episode starts per mode (reset part)")
     parser.add_argument("--image-size", type=int, default=128)
     parser.add_argument("--task", type=int, default=0, help="LIBERO-10 task id")
+    parser.add_argument("--standins", default=None, help="assets part: the asset folder to compare the originals with")
+    parser.add_argument("--assets-task", default="libero_spatial:0", help="assets part: suite:task")
     args = parser.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))

@@ -1,8 +1,9 @@
 """OFT's image pipeline, held to TensorFlow's own output.
 
-``fixtures/oft_image_pipeline.npz`` was written once by ``scripts/make_image_goldens.py`` with TensorFlow (the
+``fixtures/oft_image_pipeline.npz`` was written by ``scripts/make_image_goldens.py`` with TensorFlow 2.21 (the
 ops of openvla-oft's resize_image_for_policy and center_crop_image) from two 256 px LIBERO camera images
-(libero_10 task 0, init state 0: agentview and wrist) and a synthetic image with hard edges. embodirl runs the
+(libero_10 task 0, init state 0: agentview and wrist, rendered from LIBERO's original assets) and a synthetic image
+with hard edges. embodirl runs the
 same pipeline without TensorFlow; every stage must agree within one uint8 level.
 """
 
