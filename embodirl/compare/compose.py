@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from embodirl.runner.paired import SPENDING
 from embodirl.schema import Config
 
 COMPARE_FILE = "compare.yaml"
+#: the comparison's report in its output folder
+INFO_FILE = "compare_info.json"
 SECTION = "compare"
 SIDES = ("a", "b")
 #: the two kinds of checkpoint a side may name
@@ -189,7 +192,19 @@ def check_run_checkpoint(label: str, source: Path, model_name: str) -> None:
 
 
 def check_output_dir(out_dir: Path, sides: Sequence[tuple[str, Path, Path | None]]) -> None:
-    """The comparison writes its own folder: not a training run's, not inside a checkpoint it reads."""
+    """The comparison writes its own folder: not a training run's, not inside a checkpoint it reads, not another
+    comparison's (the same two checkpoints again write over their earlier report)."""
+    earlier = out_dir / INFO_FILE
+    if earlier.is_file():
+        try:
+            info = json.loads(earlier.read_text())
+            compared = (info["a"]["path"], info["b"]["path"])
+        except (ValueError, KeyError, TypeError):
+            compared = None
+        if compared != tuple(str(path) for _, path, _ in sides):
+            what = f"the comparison of {compared[0]} and {compared[1]}" if compared else f"a {INFO_FILE}"
+            raise ConfigError("runner.output_dir", f"{out_dir} holds {what}; choose another runner.output_dir for "
+                                                   "these two checkpoints")
     for marker in RUN_MARKERS:
         if (out_dir / marker).exists():
             raise ConfigError("runner.output_dir", f"{out_dir} is a training run's folder (it holds {marker}); "

@@ -36,12 +36,11 @@ import logging
 import time
 from pathlib import Path
 
-from embodirl.compare.compose import CompareJob
+from embodirl.compare.compose import INFO_FILE, CompareJob
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info, plot_success, write_eval_info
 from embodirl.runner.paired import GroupSequentialMcNemar, compare_stats, plan_looks
 
 log = logging.getLogger(__name__)
-INFO_FILE = "compare_info.json"
 
 
 def run(job: CompareJob) -> dict:

@@ -149,6 +149,8 @@ def _refusals(run_dir, tmp_path):
         "another model's checkpoint": ([other, step_8], "compare.a: "),
         "a training run's folder as output": ([step_2, step_8, f"runner.output_dir={run_dir}"],
                                               "runner.output_dir: "),
+        "another comparison's folder": ([step_2, step_8, f"runner.output_dir={run_dir.parent / 'swapped'}"],
+                                        "runner.output_dir: "),
         "one checkpoint": ([step_2], "compare.a: embodirl compare takes two checkpoints"),
         "a flag": ([step_2, step_8, "--cfg", "job"], "embodirl compare takes two checkpoints and Hydra overrides"),
         "sampled actions": ([step_2, step_8, "runner.eval_greedy=false"], "runner.eval_greedy: "),
@@ -158,9 +160,13 @@ def _refusals(run_dir, tmp_path):
 
 
 def test_bad_input_is_refused_in_one_sentence_before_any_worker_starts(run_dir, tmp_path):
+    step_8_weights = run_dir / "checkpoints" / "step_8" / "policy" / "trainable.safetensors"
+    if not (run_dir.parent / "swapped" / "compare_info.json").is_file():       # this test run alone
+        compare(run_dir.parent, step_8_weights, run_dir / "checkpoints" / "step_2", out="swapped")
     fragments = {"a folder without a checkpoint": "holds no checkpoint",
                  "another model's checkpoint": "is a checkpoint of model.name=openvla_oft_tiny",
-                 "a training run's folder as output": "is a training run's folder"}
+                 "a training run's folder as output": "is a training run's folder",
+                 "another comparison's folder": f"holds the comparison of {step_8_weights}"}
     for name, (args, start) in _refusals(run_dir, tmp_path).items():
         out = tmp_path / "refused"
         args = [str(a) for a in args]
