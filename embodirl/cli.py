@@ -1,5 +1,6 @@
-"""The ``embodirl`` command: ``embodirl train|eval|doctor [overrides]``, and ``embodirl demos|sft [overrides]``
-(expert demonstrations as a LeRobot dataset, action-token SFT on it: :mod:`embodirl.demos`, :mod:`embodirl.sft`).
+"""The ``embodirl`` command: ``embodirl train|eval|doctor [overrides]``, ``embodirl demos|sft [overrides]``
+(expert demonstrations as a LeRobot dataset, action-token SFT on it: :mod:`embodirl.demos`, :mod:`embodirl.sft`), and
+``embodirl compare A B [overrides]`` (two checkpoints on the same evaluation episodes: :mod:`embodirl.compare`).
 
 Overrides use Hydra's syntax (``env=libero_10 model=openvla_oft actor.optim.lr=1e-5``); Hydra's own
 flags work too (``--cfg job`` prints the composed config, ``-m`` runs a sweep). ``eval`` is ``train``
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: embodirl {train,eval,doctor,demos,sft} [hydra overrides] [--cfg job] [-m]
+USAGE = """usage: embodirl {train,eval,doctor,demos,sft,compare} [hydra overrides] [--cfg job] [-m]
 
   embodirl train                                   the default job (see README)
   embodirl train env=libero_10 model=openvla_oft   choose a task family and a policy
@@ -22,8 +23,10 @@ USAGE = """usage: embodirl {train,eval,doctor,demos,sft} [hydra overrides] [--cf
   embodirl demos env=maniskill_pushcube_rgb num_episodes=50   expert demos as a LeRobot dataset (config/demos.yaml)
   embodirl sft env=maniskill_pushcube_rgb model=openvla_oft_tiny data.path=outputs/demos/maniskill_pushcube_rgb_50
                                                    action-token SFT on those demos (config/sft.yaml)
+  embodirl compare /ckptA /ckptB env=libero_10 model=openvla_oft   both on the same episodes, paired tests
+                                                   (config/compare.yaml)
 """
-COMMANDS = ("train", "eval", "doctor", "demos", "sft")
+COMMANDS = ("train", "eval", "doctor", "demos", "sft", "compare")
 # Hydra flags that take a value (the value is not an override).
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                      "--config-dir", "-cd", "--experimental-rerun"}
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     from embodirl.config import check_group_overrides, compose, sweep_jobs, validate
     from embodirl.errors import AssetsMissing, ConfigError
 
+    if command == "compare":
+        _compare(rest)
     if command in OWN_COMMANDS and any(a.startswith("-") for a in rest):
         try:
             _own_command_flags(command, rest, overrides)
@@ -167,6 +172,23 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, AssetsMissing, PreflightFailed) as exc:
         _fail(str(exc))
     _hydra_main(rest)
+
+
+def _compare(args: list[str]) -> None:
+    """``embodirl compare A B [overrides]`` (:mod:`embodirl.compare`): bad input is one sentence and status 2 before
+    any worker starts."""
+    from embodirl.compare import cli as compare_cli
+    from embodirl.doctor import PreflightFailed
+    from embodirl.errors import AssetsMissing, ConfigError, RunFailed
+
+    try:
+        code = compare_cli.main(args)
+    except (ConfigError, AssetsMissing, PreflightFailed) as exc:
+        _fail(str(exc))
+    except RunFailed as exc:
+        print(f"embodirl: {exc}", file=sys.stderr)
+        sys.exit(EXIT_RUN_FAILED)
+    sys.exit(code)
 
 
 def _hydra_main(rest: list[str]) -> None:

@@ -248,7 +248,7 @@ LAYERS = [
     {"schema"},                   # the typed config: what the layers above read; choice lists from the leaves below
     {"rollout"}, {"actor"}, {"workers"}, {"runner"},
     {"config"},                   # composition and validation (runs the runner's own rules)
-    {"memory_plan", "dry_run"}, {"doctor"}, {"demos", "sft"}, {"cli"},
+    {"memory_plan", "dry_run"}, {"doctor"}, {"demos", "sft", "compare"}, {"cli"},
 ]
 
 

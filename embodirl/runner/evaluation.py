@@ -146,14 +146,34 @@ def run_sweep(groups, cfg: Config, *, out_dir: str | Path, seed: int) -> dict:
     dict. The first batch's first ``runner.eval_num_videos`` episodes are recorded (with
     ``runner.eval_episodes``: every chosen episode) straight into ``out_dir/videos``."""
     t_start = time.perf_counter()
+    results, reruns = sweep_episodes(groups, cfg, out_dir=out_dir, seed=seed)
+    return build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
+
+
+def sweep_schedule(groups, cfg: Config) -> list[tuple[int, int, int]]:
+    """``(episode_ix, task_id, init_state_id)`` of the evaluation sweep ``cfg`` runs on ``groups`` (its episodes
+    ``runner.eval_episodes`` only, when set)."""
+    cfg = run_config(cfg)
+    schedule = eval_schedule(eval_env_cfg(cfg), len(groups.eval_spec().task_descriptions))
+    return select_episodes(schedule, check_eval_episodes(cfg.runner))
+
+
+def sweep_episodes(groups, cfg: Config, *, out_dir: str | Path, seed: int, episodes: Sequence[int] | None = None,
+                   videos: bool = True) -> tuple[list[EpisodeResult], int]:
+    """:func:`run_sweep`'s episodes and how many a simulator crash made the collector run again. ``episodes``: only
+    these ``episode_ix`` of :func:`sweep_schedule`, in this order (``embodirl compare`` runs the sweep in parts);
+    each plays out as in the whole sweep (see module docstring). ``videos=False``: none recorded."""
     out_dir = Path(out_dir).resolve()                    # the workers' cwd may differ
     cfg = run_config(cfg)
     env = eval_env_cfg(cfg)
     spec = groups.eval_spec()
     chosen = check_eval_episodes(cfg.runner)
-    schedule = select_episodes(eval_schedule(env, len(spec.task_descriptions)), chosen)
+    schedule = sweep_schedule(groups, cfg)
+    if episodes is not None:
+        by_ix = {j: (j, t, k) for j, t, k in schedule}
+        schedule = [by_ix[j] for j in episodes]
     N = env.num_envs
-    num_videos = len(env.video.env_ids)
+    num_videos = len(env.video.env_ids) if videos else 0
     results: list[EpisodeResult] = []
     reruns = 0
     for start in range(0, len(schedule), N):
@@ -170,11 +190,11 @@ def run_sweep(groups, cfg: Config, *, out_dir: str | Path, seed: int) -> dict:
         stats = groups.eval_env.last_stats()
         reruns += sum(s.recollected_rows for s in stats)
         crashed = {slot for s in stats for slot in s.crashed_slots}
-        videos = _videos_by_slot(groups.eval_env.videos if video_dir else [], num_videos, out_dir)
-        results += episode_results(traj, part, spec, videos, seed, crashed=crashed)
+        recorded = _videos_by_slot(groups.eval_env.videos if video_dir else [], num_videos, out_dir)
+        results += episode_results(traj, part, spec, recorded, seed, crashed=crashed)
         log.info("eval: %d/%d episodes, success so far %.3f", len(results), len(schedule),
                  np.mean([r.success for r in results]))
-    return build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
+    return results, reruns
 
 
 def _videos_by_slot(paths: list[str], num_videos: int, out_dir: Path) -> dict[int, str]:

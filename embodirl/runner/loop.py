@@ -28,6 +28,7 @@ complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -61,6 +62,8 @@ from embodirl.workers.groups import WorkerGroups
 log = logging.getLogger(__name__)
 #: evaluation videos per evaluation sent to TensorBoard / wandb (all of them stay on disk)
 EVAL_VIDEOS_LOGGED = 2
+#: the evaluation sweep's seeds start at runner.seed + this (apart from the training rollouts' seeds)
+EVAL_SEED_OFFSET = 7919
 
 
 def seed_everything(seed: int) -> None:
@@ -143,14 +146,31 @@ class Runner:
                              wandb_mode=lc.wandb_mode, project=lc.project, run_name=self.cfg.runner.experiment_name,
                              config=dataclasses.asdict(self.cfg), resume_step=resume_step)
 
+    @property
+    def eval_seed(self) -> int:
+        """The evaluation sweep's base seed (episode ``j`` is reset with ``eval_seed + j``)."""
+        return self.seed + EVAL_SEED_OFFSET
+
     def _evaluate(self, groups: WorkerGroups, step: int, out_dir: Path) -> dict:
-        info = run_sweep(groups, self.cfg, out_dir=out_dir, seed=self.seed + 7919)
+        info = run_sweep(groups, self.cfg, out_dir=out_dir, seed=self.eval_seed)
         write_eval_info(info, out_dir)
         plot_success(info, out_dir / "eval_success.png")
         return info
 
     # --- evaluation only ---------------------------------------------------------------------------------
     def run_eval(self) -> dict:
+        with self.eval_workers() as (groups, step):
+            info = self._evaluate(groups, step=step, out_dir=self.out)
+        print_table(info)
+        print(f"eval_info: {self.out / 'eval_info.json'}")
+        return info
+
+    @contextlib.contextmanager
+    def eval_workers(self):
+        """The evaluation-only workers (``embodirl eval``; ``embodirl compare`` builds them once per side and part
+        of the sweep), acting with the weights under evaluation: ``model.path``'s, or those of the checkpoint
+        ``runner.resume_dir`` names. Writes the run's ``config.yaml``; yields ``(groups, step)``, the checkpoint's
+        step (0 without one)."""
         model_path = ckpt.eval_model_path(self.cfg.runner)
         if model_path is not None:
             # runner.resume_dir names a model checkpoint (e.g. a public OpenVLA-OFT one): load it as model.path
@@ -163,10 +183,7 @@ class Runner:
             if source is not None:
                 load_policy_weights(groups.policy, source, self.cfg)
                 groups.load_weights(groups.policy.trainable_state_dict(), version=0)
-            info = self._evaluate(groups, step=ckpt.checkpoint_step(source) if source else 0, out_dir=self.out)
-        print_table(info)
-        print(f"eval_info: {self.out / 'eval_info.json'}")
-        return info
+            yield groups, (ckpt.checkpoint_step(source) if source else 0)
 
     # --- training -------------------------------------------------------------------------------------------
     def _resume_source(self) -> Path | None:
