@@ -28,7 +28,6 @@ Rendering is probed in a child process, so a driver that crashes or hangs cannot
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -146,17 +145,6 @@ def brdf_table() -> str:
 # --------------------------------------------------------------------------------------------------
 # assets
 # --------------------------------------------------------------------------------------------------
-def _libero_object_types(bddl: Path) -> set[str]:
-    """The object and fixture types a task's BDDL file places (``name - type`` lines)."""
-    text = bddl.read_text()
-    types = set()
-    for section in ("fixtures", "objects"):
-        match = re.search(rf"\(:{section}(.*?)\)", text, re.S)
-        if match:
-            types |= {line.split(" - ")[1].strip() for line in match.group(1).splitlines() if " - " in line}
-    return types
-
-
 def libero_assets_problem(env) -> str | None:
     """None when the asset folder holds what the env group's tasks place, else what is missing (``env``: the typed
     LIBERO env group)."""
@@ -171,7 +159,7 @@ def libero_assets_problem(env) -> str | None:
     info = libero_suite.suite_info(env)
     absent: set[str] = set()
     for task in libero_suite.task_pool(env):
-        absent |= _libero_object_types(info.bddl_files[task]) - names - LIBERO_ARENA_FIXTURES
+        absent |= libero_suite.placed_types(info.bddl_files[task]) - names - LIBERO_ARENA_FIXTURES
     if absent:
         return f"{assets} has no asset for {', '.join(sorted(absent))} (placed by {env.suite}'s tasks)"
     if not (libero_paths.config_path() / "config.yaml").is_file():

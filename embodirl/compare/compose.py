@@ -25,6 +25,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from embodirl import checkpoint_layout as layout
+from embodirl.config import apply_runner_defaults, apply_section_overrides, override_key
 from embodirl.config_fields import num, one_of, required
 from embodirl.errors import ConfigError
 from embodirl.paths import config_dir
@@ -90,13 +91,9 @@ def split_args(args: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
         raise ConfigError("", f"embodirl compare takes two checkpoints and Hydra overrides; {flags[0]} is not one "
                               "(print the evaluation's config with embodirl eval --cfg job [overrides])")
     positional = [a for a in args if "=" not in a and not a.startswith(("~", "+"))]
-    own = [a for a in args if a not in positional and _key(a).split(".")[0] == SECTION]
+    own = [a for a in args if a not in positional and override_key(a).split(".")[0] == SECTION]
     rest = [a for a in args if a not in positional and a not in own]
     return positional, own, rest
-
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
 
 
 def compose(args: Sequence[str]) -> tuple[DictConfig, CompareSection]:
@@ -110,14 +107,7 @@ def compose(args: Sequence[str]) -> tuple[DictConfig, CompareSection]:
     defaults = OmegaConf.load(config_dir() / COMPARE_FILE)
     section = OmegaConf.create({SECTION: defaults[SECTION]})
     OmegaConf.set_struct(section, True)
-    for override in own:
-        if "=" not in override:
-            raise ConfigError(_key(override), "needs a value (key=value)")
-        key, value = override.split("=", 1)
-        key = key.lstrip("+")
-        if OmegaConf.select(section, key, default="__missing__") == "__missing__":
-            raise ConfigError(key, f"is not one of the compare keys in config/{COMPARE_FILE}")
-        OmegaConf.update(section, key, _yaml_value(value), merge=False)
+    apply_section_overrides(section, own, COMPARE_FILE)
     if positional:
         if len(positional) != 2:
             raise ConfigError("compare.a", f"embodirl compare takes two checkpoints, A and B, got {len(positional)} "
@@ -127,24 +117,8 @@ def compose(args: Sequence[str]) -> tuple[DictConfig, CompareSection]:
                 raise ConfigError(f"compare.{label}", f"is given twice: as compare.{label}= and as a positional "
                                                       "checkpoint; give one")
             section[SECTION][label] = value
-    set_on_command_line = {_key(o) for o in rest}
-    OmegaConf.set_struct(cfg, False)
-    for key, value in defaults.runner.items():
-        if f"runner.{key}" not in set_on_command_line:
-            if key == "output_dir":
-                value = str(value).format(experiment_name=cfg.runner.experiment_name)
-            cfg.runner[key] = value
-    OmegaConf.set_struct(cfg, True)
+    apply_runner_defaults(cfg, defaults.runner, rest)
     return cfg, to_object(CompareSection, section[SECTION], SECTION)
-
-
-def _yaml_value(text: str):
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
 
 
 def resolve_side(label: str, given: str | None) -> tuple[Path, str, Path | None]:

@@ -20,37 +20,20 @@ SFT_MODELS = ("openvla_oft", "pi0")
 OFT_ONLY = ("l1_head", "stop_token")
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def compose(overrides: Sequence[str]) -> DictConfig:
     """The SFT run's config (see module docstring)."""
+    from embodirl.config import apply_runner_defaults, apply_section_overrides, override_key
     from embodirl.config import compose as compose_main
 
-    own = [o for o in overrides if _key(o).split(".")[0] in OWN_SECTIONS]
+    own = [o for o in overrides if override_key(o).split(".")[0] in OWN_SECTIONS]
     rest = [o for o in overrides if o not in own]
     cfg = compose_main(rest)
     defaults = OmegaConf.load(config_dir() / SFT_FILE)
     sections = OmegaConf.create({k: defaults[k] for k in OWN_SECTIONS})
     OmegaConf.set_struct(sections, True)
-    for override in own:
-        if "=" not in override:
-            raise ConfigError(_key(override), "needs a value (key=value)")
-        key, value = override.split("=", 1)
-        key = key.lstrip("+")
-        if OmegaConf.select(sections, key, default="__missing__") == "__missing__":
-            section = key.split(".")[0]
-            raise ConfigError(key, f"is not one of the {section} keys in config/{SFT_FILE}")
-        # yaml-typed: "8" -> 8, "true" -> True, "null" -> None
-        OmegaConf.update(sections, key, _yaml_value(value), merge=False)
-    set_on_command_line = {_key(o) for o in rest}
+    apply_section_overrides(sections, own, SFT_FILE)
+    apply_runner_defaults(cfg, defaults.runner, rest)
     OmegaConf.set_struct(cfg, False)
-    for key, value in defaults.runner.items():
-        if f"runner.{key}" not in set_on_command_line:
-            if key == "output_dir":
-                value = str(value).format(experiment_name=cfg.runner.experiment_name)
-            cfg.runner[key] = value
     cfg.sft = sections.sft
     cfg.data = sections.data
     OmegaConf.set_struct(cfg, True)
@@ -65,15 +48,6 @@ def main_config(cfg: DictConfig) -> DictConfig:
     out = OmegaConf.create(container)
     OmegaConf.set_struct(out, True)
     return out
-
-
-def _yaml_value(text: str):
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
 
 
 def sections(cfg: DictConfig) -> SftSections:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 from embodirl.envs.libero import paths as libero_paths
 from embodirl.envs.libero import pro
 from embodirl.envs.libero.simulator import LiberoAdapter, LiberoSimEnv
-from embodirl.envs.libero.suite import suite_info
+from embodirl.envs.libero.suite import placed_types, suite_info
 from embodirl.errors import ConfigError
 from tests.envs.test_libero import libero_cfg, noop_chunk
 
@@ -55,16 +54,6 @@ def _declarations(folder: Path) -> dict[str, tuple[tuple[str, ...], tuple[str, .
     return found
 
 
-def _placed_categories(bddl: Path) -> set[str]:
-    text = bddl.read_text()
-    found = set()
-    for section in ("objects", "fixtures"):
-        match = re.search(rf"\(:{section}(.*?)\)", text, re.S)
-        if match:
-            found |= {line.split(" - ")[1].strip() for line in match.group(1).splitlines() if " - " in line}
-    return found
-
-
 def test_variants_are_declared_as_the_package_declares_them():
     """Every category the perturbed suites place that LIBERO lacks is registered, as a subclass of the LIBERO class
     the package declares it like (same bases, decorators and body but for the names)."""
@@ -73,7 +62,7 @@ def test_variants_are_declared_as_the_package_declares_them():
     placed = set()
     for suite in PRO_SUITES:
         for name in pro.task_names(suite):
-            placed |= _placed_categories(pro.bddl_file(suite, name))
+            placed |= placed_types(pro.bddl_file(suite, name))
     new = placed - set(ours) - ARENA_FIXTURES
     assert new == set(pro.VARIANT_OF), "LIBERO-PRO places categories without a declared variant (or lists unused ones)"
     for category, like in pro.VARIANT_OF.items():

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import io
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,17 @@ def suite_info(env) -> SuiteInfo:
     assets = libero_paths.resolve_assets_dir(env.assets_path)
     perturbations = tuple(env.perturbations) if env.perturbations is not None else None
     return _suite_info(env.suite, perturbations, str(assets))
+
+
+def placed_types(bddl: Path) -> set[str]:
+    """The object and fixture types a task's BDDL file places (its ``name - type`` lines)."""
+    text = Path(bddl).read_text()
+    types = set()
+    for section in ("fixtures", "objects"):
+        match = re.search(rf"\(:{section}(.*?)\)", text, re.S)
+        if match:
+            types |= {line.split(" - ")[1].strip() for line in match.group(1).splitlines() if " - " in line}
+    return types
 
 
 def task_pool(env) -> list[int]:
