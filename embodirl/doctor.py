@@ -181,9 +181,10 @@ def check_assets(cfg, env_key: str) -> Check:
 
 def check_heldout(cfg) -> Check:
     """Whether training starts from states the evaluation runs (``cfg``: typed or composed)."""
+    from embodirl.runner.evaluation import eval_env_cfg
     from embodirl.runner.heldout import check_states
 
-    result = check_states(cfg)
+    result = check_states(cfg, eval_env_cfg(cfg))
     detail = result.detail if result.ok else f"{result.key}: {result.detail}"
     return Check("heldout", result.ok, detail, result.fix)
 

@@ -165,12 +165,12 @@ def run_sweep(groups, cfg: Config, *, out_dir: str | Path, seed: int) -> dict:
     schedule = select_episodes(eval_schedule(env, len(spec.task_descriptions)), chosen)
     results, reruns = _run_schedule(groups, env, spec, schedule, out_dir, seed, chosen is not None)
     info = build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
-    states = heldout.check_states(cfg)
+    states = heldout.check_states(cfg, env)
     info["init_states"] = {"disjoint": states.disjoint, "detail": states.detail}
     per_task = cfg.runner.eval_train_states_per_task
     if per_task and chosen is None:          # chosen episodes replay the sweep's own
         t_train = time.perf_counter()
-        train = [(len(schedule) + j, t, k) for j, (t, k) in enumerate(heldout.train_schedule(cfg, per_task))]
+        train = [(len(schedule) + j, t, k) for j, (t, k) in enumerate(heldout.train_schedule(cfg, env, per_task))]
         train_results, train_reruns = _run_schedule(groups, dataclasses.replace(env, video=dataclasses.replace(
             env.video, enabled=False, env_ids=[])), spec, train, out_dir, seed, False)
         info["training_states"] = build_eval_info(train_results, eval_s=time.perf_counter() - t_train,

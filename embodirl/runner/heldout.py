@@ -15,7 +15,6 @@ An adapter with evaluation states of its own provides ``training_states(train_en
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,8 +22,6 @@ from embodirl.envs.base import TRAIN_INIT_STATE_BASE, TrainingStates
 from embodirl.envs.registry import get_adapter
 from embodirl.errors import ConfigError
 from embodirl.schema import Config, run_config
-
-log = logging.getLogger(__name__)
 
 KEY = "env.train.train_init_states"
 GAP_KEY = "runner.eval_train_states_per_task"
@@ -43,16 +40,15 @@ class StatesCheck:
     key: str = ""               # the key that makes them meet
 
 
-def training_states(cfg: Config) -> TrainingStates | None:
-    """``env.train``'s training starts beside the evaluation sweep as evaluation runs it (None: the adapter has no
-    evaluation states of its own, or the two groups use different adapters)."""
-    from embodirl.runner.evaluation import eval_env_cfg
-
+def training_states(cfg: Config, eval_env) -> TrainingStates | None:
+    """``env.train``'s training starts beside the evaluation sweep of ``eval_env`` (``env.eval`` as evaluation runs it:
+    :func:`~embodirl.runner.evaluation.eval_env_cfg`); None: the adapter has no evaluation states of its own, or the two
+    groups use different adapters."""
     train = cfg.env.train
     adapter = get_adapter(train.adapter)
-    if cfg.env.eval.adapter != train.adapter or not hasattr(adapter, "training_states"):
+    if eval_env.adapter != train.adapter or not hasattr(adapter, "training_states"):
         return None
-    return adapter.training_states(train, eval_env_cfg(cfg))
+    return adapter.training_states(train, eval_env)
 
 
 def _ids(ids: Sequence[int]) -> str:
@@ -68,10 +64,11 @@ def _starts(pairs: Sequence[tuple[int, int]]) -> str:
     return shown + (f" and {len(pairs) - _SHOWN} more" if len(pairs) > _SHOWN else "")
 
 
-def check_states(cfg) -> StatesCheck:
-    """Where ``cfg`` (typed, or composed: converted) trains and evaluates from, and whether that may run."""
+def check_states(cfg, eval_env) -> StatesCheck:
+    """Where ``cfg`` (typed, or composed: converted) trains from and ``eval_env`` evaluates from, and whether that may
+    run."""
     cfg = run_config(cfg)
-    states = training_states(cfg)
+    states = training_states(cfg, eval_env)
     if states is None:
         return StatesCheck(True, True, f"{cfg.env.train.adapter}: no evaluation states of its own to hold out")
     first = next(iter(states.pools.values()), range(0))
@@ -93,21 +90,21 @@ def check_states(cfg) -> StatesCheck:
                                      f"runs too ({_starts(states.shared)})", fix, key=states.key)
 
 
-def check(cfg: Config) -> None:
+def check(cfg: Config, eval_env) -> None:
     """Refuse (one :class:`ConfigError` sentence naming the keys and the fix) a run whose training starts from
     evaluation states without saying so, and a training-state sweep that cannot run."""
-    result = check_states(cfg)
+    result = check_states(cfg, eval_env)
     if not result.ok:
         raise ConfigError(result.key, f"{result.detail}; {result.fix}")
     per_task = cfg.runner.eval_train_states_per_task
     if per_task:
-        train_schedule(cfg, per_task)          # raises when it cannot run
+        train_schedule(cfg, eval_env, per_task)          # raises when it cannot run
 
 
-def train_schedule(cfg: Config, per_task: int) -> list[tuple[int, int]]:
+def train_schedule(cfg: Config, eval_env, per_task: int) -> list[tuple[int, int]]:
     """``(task_id, init_state_id)`` of the training-state sweep: the first ``per_task`` training states of each task
     ``env.train`` trains on; ConfigError when the run has none apart from the evaluation's."""
-    states = training_states(cfg)
+    states = training_states(cfg, eval_env)
     if states is None or not states.same_tasks:
         raise ConfigError(GAP_KEY, f"evaluates training states on the evaluation simulators, and env.eval does not run "
                                    f"env.train's tasks with training states of their own ({cfg.env.train.adapter}); "

@@ -210,7 +210,7 @@ class Runner:
         from embodirl.workers.actor_group import ActorRankDied
 
         self._write_config()
-        states = heldout.check_states(self.cfg)
+        states = heldout.check_states(self.cfg, eval_env_cfg(self.cfg))
         if not states.disjoint:         # allowed on purpose (train_init_states: official); the report says so too
             log.warning("training and evaluation states meet: %s", states.detail)
         restarts = self.cfg.runner.max_restarts
