@@ -10,6 +10,8 @@ render/mujoco       LIBERO's renderer (EGL on a GPU, or OSMesa in software) and 
 render/vulkan       the Vulkan device SAPIEN renders with (name, software or GPU), ManiSkill envs  yes
 assets/<env>        LIBERO's asset folder complete for the suite's tasks and its config file        -
                     written (no prompt); ManiSkill's task data (the download command)
+heldout             training's init states apart from the evaluation's (LIBERO's official ones,      -
+                    ManiSkill's seeds from 0), or the same on purpose (:mod:`embodirl.runner.heldout`)
 dependencies        installed versions against the lock ``constraints.txt``                        -
 checkpoint          ``model.path``: files, heads and image count vs the model config, RL-ready     -
                     (:mod:`embodirl.models.openvla_oft.autoconfig`)
@@ -190,6 +192,16 @@ def check_assets(cfg, env_key: str) -> Check:
         return Check(name, False, str(exc), "change the key named in the message")
     return Check(name, True, f"ManiSkill {env.task}: task data present" if adapter == "maniskill"
                  else f"{adapter}: none needed")
+
+
+def check_heldout(cfg) -> Check:
+    """Whether training starts from states the evaluation runs (``cfg``: typed or composed)."""
+    from embodirl.runner.evaluation import eval_env_cfg
+    from embodirl.runner.heldout import check_states
+
+    result = check_states(cfg, eval_env_cfg(cfg))
+    detail = result.detail if result.ok else f"{result.key}: {result.detail}"
+    return Check("heldout", result.ok, detail, result.fix)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -445,11 +457,12 @@ def all_checks(cfg: DictConfig) -> list[Check]:
     rows += fast_checks(cfg)
     env_keys = ["env.train"] if cfg.env.train == cfg.env.eval else ["env.train", "env.eval"]
     rows += [_guarded(f"assets/{k.split('.')[-1]}", lambda k=k: check_assets(cfg, k)) for k in env_keys]
+    rows.append(_guarded("heldout", lambda: check_heldout(cfg)))
     rows.append(_guarded("dependencies", check_dependencies))
     rows.append(_guarded("checkpoint", lambda: check_checkpoint(cfg)))
     rows.append(_guarded("ray", lambda: check_ray(cfg)))
-    order = ["config", "render/mujoco", "render/vulkan", "assets/train", "assets/eval", "dependencies", "checkpoint",
-             "memory", "video", "ray"]
+    order = ["config", "render/mujoco", "render/vulkan", "assets/train", "assets/eval", "heldout", "dependencies",
+             "checkpoint", "memory", "video", "ray"]
     return sorted(rows, key=lambda r: order.index(r.name) if r.name in order else len(order))
 
 

@@ -247,7 +247,7 @@ LAYERS = [
     {"envs"}, {"data"}, {"algorithms", "channel"}, {"models"},
     {"schema"},                   # the typed config: what the layers above read; choice lists from the leaves below
     {"rollout"}, {"actor"}, {"workers"}, {"runner"},
-    {"config"},                   # composition and validation (runs the runner's own rules)
+    {"config", "overrides"},      # composition and validation (runs the runner's own rules); commands' own sections
     {"memory_plan", "dry_run"}, {"doctor"}, {"demos", "sft", "compare"}, {"cli"},
 ]
 

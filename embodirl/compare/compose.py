@@ -25,9 +25,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from embodirl import checkpoint_layout as layout
-from embodirl.config import apply_runner_defaults, apply_section_overrides, override_key
 from embodirl.config_fields import num, one_of, required
 from embodirl.errors import ConfigError
+from embodirl.overrides import apply_runner_defaults, apply_section_overrides, override_key
 from embodirl.paths import config_dir
 from embodirl.runner.paired import SPENDING
 from embodirl.schema import Config

@@ -28,7 +28,9 @@ and ``info["success"]`` is "succeeded at some step of this episode so far".
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -41,6 +43,15 @@ CHUNK_LEVEL = "chunk_level"
 ACTION_LEVEL = "action_level"
 REWARD_TYPES = (CHUNK_LEVEL, ACTION_LEVEL)
 
+#: ``train_init_states``: where training episodes start. ``heldout``: from states apart from the ones the benchmark
+#: evaluates (LIBERO: sampled as LIBERO made its init files, :mod:`embodirl.envs.libero.states`; ManiSkill: seeds from
+#: :data:`TRAIN_INIT_STATE_BASE` on); ``official``: from the evaluation's own states, on purpose (a paper's setting)
+HELDOUT, OFFICIAL = "heldout", "official"
+TRAIN_INIT_STATES = (HELDOUT, OFFICIAL)
+#: init state ids from this one on name held-out training states, those below it the benchmark's evaluation states
+#: (LIBERO: official init state k; ManiSkill: episode seed k), so the two sets never share an id
+TRAIN_INIT_STATE_BASE = 2**30
+
 
 @dataclass
 class EnvSpec:
@@ -52,7 +63,8 @@ class EnvSpec:
     camera_names: list[str] = field(default_factory=list)   # V cameras, in image order
     image_size: tuple[int, int] | None = None                # (h, w) of every camera image
     state_dim: int = 0                    # S; 0 when the env has no state vector
-    num_init_states: list[int] = field(default_factory=list)  # per task; empty when states are random
+    num_init_states: list[int] = field(default_factory=list)  # per task: training resets draw from this many init
+    first_init_state: int = 0             # ... states, ids first_init_state + 0..n-1; empty: random seeds from it on
     action_low: float | list[float] = -1.0
     action_high: float | list[float] = 1.0
     name: str = ""
@@ -176,6 +188,9 @@ class CommonEnvConfig:
     init_state_ids: list[int] | None = required()
     num_trials_per_task: int = num(1)
     video: VideoConfig = section(VideoConfig)
+    #: the keys that define the training-state set; evaluation takes env.train's, so that the training states it can
+    #: sweep (``runner.eval_train_states_per_task``) are the ones training started from
+    training_state_keys: ClassVar[tuple[str, ...]] = ()
 
     @property
     def task_subset(self) -> list[int] | None:
@@ -188,3 +203,21 @@ class CommonEnvConfig:
         """The name a checkpoint's action statistics are kept under for this env (a dataset or suite name, as
         OpenVLA-OFT's ``unnorm_key``); None: the env names none."""
         return None
+
+
+@dataclass
+class TrainingStates:
+    """Where an env group's training episodes start, beside the evaluation sweep of another group (the adapters with
+    evaluation states of their own: ``training_states(train_env, eval_env)``)."""
+
+    pools: dict[int, Sequence[int]]       # task id -> the init state ids training resets draw from
+    shared: list[tuple[int, int]]         # (task id, init state id) of the evaluation sweep that training starts from too
+    key: str                              # the key that makes them shared (``env.train.init_state_ids``, ...)
+    on_purpose: bool                      # ``train_init_states: official``: training uses the evaluation states
+    same_tasks: bool                      # the evaluation group runs the training group's tasks (suite, task)
+
+
+def shared_starts(schedule: Sequence[tuple[int, int]], pools: dict[int, Sequence[int]]) -> list[tuple[int, int]]:
+    """The ``(task, init state)`` pairs of an evaluation ``schedule`` that the training ``pools`` (task -> ids, ranges
+    included) also hold."""
+    return [(task, k) for task, k in schedule if task in pools and k in pools[task]]

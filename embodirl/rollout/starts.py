@@ -3,7 +3,9 @@
 Env slots are numbered globally ``0 .. N-1`` across env workers and pipeline stages (worker-major,
 then stage, then simulator: slot ``n = (k * S + s) * B + b``). GRPO compares trajectories that share an
 init state, so slots form groups of ``group_size`` consecutive ids (``group_id = n // G``) and, with
-``use_fixed_reset_state_ids``, every slot of a group starts from the same ``(task_id, init_state_id)``.
+``use_fixed_reset_state_ids``, every slot of a group starts from the same ``(task_id, init_state_id)``, drawn as the
+simulators draw theirs: from ``init_state_ids`` when listed, else from the env's training states (``spec.num_init_states``
+per task, ids from ``spec.first_init_state``: :data:`~embodirl.envs.base.TRAIN_INIT_STATE_BASE` for held-out ones).
 Without it the adapter chooses each start (``None``) unless the caller passes explicit ones
 (evaluation sweeps over init states).
 """
@@ -80,9 +82,13 @@ def plan_starts(env_cfg, spec: EnvSpec, num_slots: int, group_size: int, rng: np
     tasks = allowed_tasks(env, spec)
     num_groups = num_slots // group_size
     task_per_group = np.asarray([tasks[i] for i in rng.integers(len(tasks), size=num_groups)], np.int64)  # (groups,)
-    if spec.num_init_states:
+    first = spec.first_init_state           # held-out training states: ids from TRAIN_INIT_STATE_BASE on
+    if env.init_state_ids:                  # the listed states (the simulators draw from them too)
+        listed = np.asarray(env.init_state_ids, np.int64)
+        init_per_group = listed[rng.integers(len(listed), size=num_groups)]                   # (groups,)
+    elif spec.num_init_states:
         limits = np.asarray([spec.num_init_states[t] for t in task_per_group], np.int64)
-        init_per_group = (rng.random(num_groups) * limits).astype(np.int64)                   # (groups,)
+        init_per_group = first + (rng.random(num_groups) * limits).astype(np.int64)           # (groups,)
     else:
-        init_per_group = rng.integers(RANDOM_INIT_RANGE, size=num_groups, dtype=np.int64)
+        init_per_group = rng.integers(first, RANDOM_INIT_RANGE, size=num_groups, dtype=np.int64)
     return EpisodeStarts(np.repeat(task_per_group, group_size), np.repeat(init_per_group, group_size))

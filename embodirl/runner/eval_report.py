@@ -17,8 +17,15 @@ seed``), so the file reads in LeRobot users' tooling. A task group is a suite::
       "per_group":   the same as per_suite (LeRobot's name),
       "overall":     {"n_episodes", "n_successes", "crashed", "success_rate", "success_rate_ci95", "avg_return",
                       "avg_length", "n_rerun_after_crash", "eval_s", "eval_ep_s", "pc_success", "avg_sum_reward",
-                      "avg_max_reward", "video_paths"}
+                      "avg_max_reward", "video_paths"},
+      "init_states": {"disjoint", "detail"},    # training's starts beside these (embodirl/runner/heldout.py)
+      "training_states": {"per_episode", "per_task", "per_suite", "per_group", "overall"}
     }
+
+The evaluation runs the benchmark's evaluation states (LIBERO's official init states), which training holds out by
+default; ``init_states.disjoint`` is False when training started from them too (on purpose: ``train_init_states:
+official``). ``training_states`` (with ``runner.eval_train_states_per_task``) is the same report for episodes started
+from training states, so that success on trained starts stands beside success on held-out ones.
 
 ``success_rate_ci95`` is the Wilson score interval at 95 % ([low, high], :func:`wilson_interval`): unlike
 p ± 1.96·sqrt(p(1-p)/n) it stays inside [0, 1] and does not collapse to a point at 0 or n successes, which
@@ -144,11 +151,27 @@ def write_eval_info(info: dict, output_dir: str | Path) -> Path:
 
 
 def print_table(info: dict) -> None:
-    """Per-task success on the console (rich table)."""
+    """Per-task success on the console (rich tables): the evaluation states', then the training states' when swept."""
     from rich.console import Console
+
+    console = Console()
+    states = info.get("init_states")
+    held_out = states is None or states["disjoint"]
+    console.print(_table(info, "evaluation (success with its 95 % Wilson interval)" if held_out else
+                         "evaluation (success with its 95 % Wilson interval) - training started from these states too"))
+    if states is not None and not held_out:
+        console.print(f"training and evaluation states meet: {states['detail']}")
+    if "training_states" in info:
+        console.print(_table(info["training_states"], "on training states (success with its 95 % Wilson interval)"))
+        trained, evaluated = info["training_states"]["overall"], info["overall"]
+        console.print(f"success on training states {trained['success_rate']:.1%} {_interval(trained)}, on held-out "
+                      f"evaluation states {evaluated['success_rate']:.1%} {_interval(evaluated)}")
+
+
+def _table(info: dict, title: str):
     from rich.table import Table
 
-    table = Table(title="evaluation (success with its 95 % Wilson interval)")
+    table = Table(title=title)
     for column in ("suite", "task", "episodes", "success", "95 % interval", "crashed", "return", "length"):
         table.add_column(column, justify="left" if column in ("suite", "task") else "right")
 
@@ -162,7 +185,7 @@ def print_table(info: dict) -> None:
         for suite, row in info["per_suite"].items():
             table.add_row(suite, "(suite)", *cells(row), style="italic")
     table.add_row("all", "", *cells(info["overall"]), style="bold")
-    Console().print(table)
+    return table
 
 
 def _interval(row: dict) -> str:

@@ -21,6 +21,12 @@ not end the sweep: it counts as a failure, as OpenVLA-OFT's ``run_libero_eval.py
 raised (``run_episode``'s ``except Exception``, moojink/openvla-oft @213c5ff8), and is reported as
 ``crashed`` per episode, per task and overall.
 
+Evaluation runs the benchmark's evaluation states (LIBERO's official init states, ManiSkill's seeds from 0), apart from
+the ones training starts from (:mod:`embodirl.runner.heldout`). With ``runner.eval_train_states_per_task = N`` the sweep
+also runs the first N training states of every trained task, reported apart (``training_states`` in
+``eval_info.json``, :func:`~embodirl.runner.eval_report.build_eval_info`): success on starts the policy was trained
+from beside success on held-out ones.
+
 Episode ``j`` of the sweep is reset with seed ``seed + j`` (slot ``i`` of the batch starting at ``j - i``),
 its ``seed`` in ``eval_info.json``. ``runner.eval_episodes=[j, ...]`` runs only those episodes of the sweep,
 each with its video. An episode is fixed by its (task, init state): the adapters seed the scene from them, and
@@ -43,6 +49,7 @@ from embodirl.envs.base import CommonEnvConfig
 from embodirl.envs.registry import get_adapter
 from embodirl.errors import ConfigError
 from embodirl.rollout.starts import EpisodeStarts
+from embodirl.runner import heldout
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
 from embodirl.schema import Config, run_config
 from embodirl.schema.sections import EVAL_PROTOCOLS  # parallel (the adapters' seeding) | oft (OFT's LIBERO seeding)
@@ -126,11 +133,15 @@ def eval_schedule(env: CommonEnvConfig, num_tasks: int) -> list[tuple[int, int]]
 def eval_env_cfg(cfg: Config) -> CommonEnvConfig:
     """``env.eval`` (typed) as evaluation runs it: ``runner.eval_protocol``'s seeding and ``runner.eval_num_envs``
     simulators, one episode per slot (no auto-reset), ``runner.eval_episodes_per_task`` trials per task when
-    set, the first ``runner.eval_num_videos`` slots recorded (every slot with ``runner.eval_episodes``). ``cfg``: the
-    typed config (a composed one is converted)."""
+    set, the first ``runner.eval_num_videos`` slots recorded (every slot with ``runner.eval_episodes``), and
+    ``env.train``'s training-state keys (``training_state_keys``: the training states it names are the ones training
+    started from). ``cfg``: the typed config (a composed one is converted)."""
     cfg = run_config(cfg)
     r = cfg.runner
     env = protocol_env_cfg(cfg.env.eval, r.eval_protocol, r.eval_num_envs)
+    train = cfg.env.train
+    if type(train) is type(env) and train.training_state_keys:
+        env = dataclasses.replace(env, **{key: getattr(train, key) for key in train.training_state_keys})
     trials = env.num_trials_per_task if r.eval_episodes_per_task is None else r.eval_episodes_per_task
     num_videos = min(r.eval_num_videos, env.num_envs)
     if check_eval_episodes(r) is not None:               # chosen episodes: every one with its video
@@ -147,7 +158,22 @@ def run_sweep(groups, cfg: Config, *, out_dir: str | Path, seed: int) -> dict:
     ``runner.eval_episodes``: every chosen episode) straight into ``out_dir/videos``."""
     t_start = time.perf_counter()
     results, reruns = sweep_episodes(groups, cfg, out_dir=out_dir, seed=seed)
-    return build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
+    info = build_eval_info(results, eval_s=time.perf_counter() - t_start, rerun_after_crash=reruns)
+    cfg = run_config(cfg)
+    env = eval_env_cfg(cfg)
+    states = heldout.check_states(cfg, env)
+    info["init_states"] = {"disjoint": states.disjoint, "detail": states.detail}
+    per_task = cfg.runner.eval_train_states_per_task
+    if per_task and check_eval_episodes(cfg.runner) is None:          # chosen episodes replay the sweep's own
+        t_train = time.perf_counter()
+        first = len(results)
+        train = [(first + j, t, k) for j, (t, k) in enumerate(heldout.train_schedule(cfg, env, per_task))]
+        no_video = dataclasses.replace(env, video=dataclasses.replace(env.video, enabled=False, env_ids=[]))
+        train_results, train_reruns = _run_schedule(groups, no_video, groups.eval_spec(), train, Path(out_dir).resolve(),
+                                                    seed, False)
+        info["training_states"] = build_eval_info(train_results, eval_s=time.perf_counter() - t_train,
+                                                  rerun_after_crash=train_reruns)
+    return info
 
 
 def sweep_schedule(groups, cfg: Config) -> list[tuple[int, int, int]]:
@@ -172,8 +198,18 @@ def sweep_episodes(groups, cfg: Config, *, out_dir: str | Path, seed: int, episo
     if episodes is not None:
         by_ix = {j: (j, t, k) for j, t, k in schedule}
         schedule = [by_ix[j] for j in episodes]
+    if not videos:
+        env = dataclasses.replace(env, video=dataclasses.replace(env.video, enabled=False, env_ids=[]))
+    return _run_schedule(groups, env, spec, schedule, out_dir, seed, chosen is not None)
+
+
+def _run_schedule(groups, env: CommonEnvConfig, spec, schedule: list[tuple[int, int, int]], out_dir: Path, seed: int,
+                  every_video: bool) -> tuple[list[EpisodeResult], int]:
+    """``(episode_ix, task_id, init_state_id)`` rows in batches of ``env.num_envs`` slots; the results and the number
+    of episodes a simulator crash made the collector run again. Videos: the first batch's, or every batch's
+    (``every_video``), when ``env`` records any."""
     N = env.num_envs
-    num_videos = len(env.video.env_ids) if videos else 0
+    num_videos = len(env.video.env_ids) if env.video.enabled else 0
     results: list[EpisodeResult] = []
     reruns = 0
     for start in range(0, len(schedule), N):
@@ -181,7 +217,7 @@ def sweep_episodes(groups, cfg: Config, *, out_dir: str | Path, seed: int, episo
         padded = part + [part[-1]] * (N - len(part))     # keep every slot busy; extra rows are dropped
         starts = EpisodeStarts(np.asarray([t for _, t, _ in padded], np.int64),
                                np.asarray([k for _, _, k in padded], np.int64))
-        video_dir = str(out_dir / "videos") if (start == 0 or chosen) and num_videos else None
+        video_dir = str(out_dir / "videos") if (start == 0 or every_video) and num_videos else None
         batch_seed = seed + part[0][0]                   # slot i: seed + episode_ix in the whole sweep
         # step=None: the files go straight into <out_dir>/videos/ (out_dir is the evaluation's step folder)
         traj = groups.evaluate(starts, seed=batch_seed, video_dir=video_dir, step=None)

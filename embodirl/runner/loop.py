@@ -51,6 +51,7 @@ from embodirl.progress import Ticker
 from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import plan_starts
 from embodirl.runner import checkpoint as ckpt
+from embodirl.runner import heldout
 from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.eval_report import plot_learning_curve, plot_success, print_table, write_eval_info
 from embodirl.runner.evaluation import eval_env_cfg, run_sweep
@@ -226,6 +227,9 @@ class Runner:
         from embodirl.workers.actor_group import ActorRankDied
 
         self._write_config()
+        states = heldout.check_states(self.cfg, eval_env_cfg(self.cfg))
+        if not states.disjoint:         # allowed on purpose (train_init_states: official); the report says so too
+            log.warning("training and evaluation states meet: %s", states.detail)
         restarts = self.cfg.runner.max_restarts
         for attempt in range(restarts + 1):
             seed_everything(self.seed)
@@ -419,6 +423,8 @@ class Runner:
                           "eval/episode_length": o["avg_length"], "eval/episodes": o["n_episodes"],
                           "eval/success_rate_ci95_low": low, "eval/success_rate_ci95_high": high,
                           "time/eval": o.get("eval_s", 0.0), "time/elapsed_min": elapsed})
+        if "training_states" in info:   # runner.eval_train_states_per_task: success on trained starts beside held-out
+            logger.log(step, {"eval/train_states_success_rate": info["training_states"]["overall"]["success_rate"]})
         self._dashboards(logger, step, info, out_dir)
         # the success curve so far, one line per evaluation
         self._curve.append((step, elapsed, o["success_rate"]))

@@ -82,6 +82,7 @@ class Runner:
     eval_protocol: str = one_of(EVAL_PROTOCOLS)
     eval_episodes: list[int] | None = required()
     eval_num_envs: int | None = num(1, null=True)
+    eval_train_states_per_task: int = num(0)
     guard: Guard = section(Guard)
 
     @staticmethod

@@ -22,8 +22,8 @@ OFT_ONLY = ("l1_head", "stop_token")
 
 def compose(overrides: Sequence[str]) -> DictConfig:
     """The SFT run's config (see module docstring)."""
-    from embodirl.config import apply_runner_defaults, apply_section_overrides, override_key
     from embodirl.config import compose as compose_main
+    from embodirl.overrides import apply_runner_defaults, apply_section_overrides, override_key
 
     own = [o for o in overrides if override_key(o).split(".")[0] in OWN_SECTIONS]
     rest = [o for o in overrides if o not in own]

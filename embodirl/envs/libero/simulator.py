@@ -6,7 +6,8 @@ The protocol (OpenVLA-OFT ``experiments/robot/libero/run_libero_eval.py``), and 
 * **Scene**: one ``OffScreenRenderEnv`` per task, built from the task's BDDL file with cameras of
   ``image_size`` (OFT renders 256x256 and lets the processor resize).
 * **Episode start**: ``env.reset()``, then ``env.set_init_state(init_states[k])`` with the package's
-  ``get_task_init_states`` (50 per task); trial k of a task uses init state k (:func:`eval_schedule`).
+  ``get_task_init_states`` (50 per task); trial k of a task uses init state k (:func:`eval_schedule`). Training
+  starts from states held out from these (``train_init_states``, ids from 2**30: :mod:`embodirl.envs.libero.states`).
   Then ``num_settle_steps`` (10) no-op steps ``[0, 0, 0, 0, 0, 0, -1]`` let objects settle; they do not
   count towards ``max_episode_steps`` (220 / 280 / 300 / 520 / 400 policy steps for spatial / object /
   goal / 10 / 90, in the suite YAMLs) and their done flag is ignored.
@@ -56,14 +57,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from embodirl import runtime
 from embodirl.config_fields import instance, num, required
-from embodirl.envs.base import ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
+from embodirl.envs.base import TRAIN_INIT_STATE_BASE, ChunkResult, CommonEnvConfig, EnvSpec, SimEnv, TrainingStates
 from embodirl.envs.libero import paths as libero_paths
 from embodirl.envs.libero import pro
+from embodirl.envs.libero import states as libero_states
 from embodirl.envs.libero.patches import (
     EEF_POS,
     EEF_QUAT,
@@ -177,15 +180,16 @@ class LiberoSimEnv(SimEnv):
         #: scene_seeding oft: task -> (trials whose resets have drawn, numpy RNG state after them)
         self._oft_rng: dict[int, tuple[int, tuple]] = {}
         self._init_pool = env.init_state_ids
+        self.starts = libero_states.StartStates(env, self.suite)    # what an init state id names
         self.spec = EnvSpec(
             action_dim=ACTION_DIM, max_episode_steps=self.max_episode_steps,
             task_descriptions=list(self.suite.descriptions), camera_names=list(self.camera_names),
             image_size=self.image_size if self.camera_names else None, state_dim=STATE_DIM,
-            num_init_states=list(self.suite.num_init_states), task_groups=list(self.suite.groups),
+            num_init_states=[len(self.starts.training_ids(t)) for t in range(len(self.suite.descriptions))],
+            first_init_state=self.starts.first_training_id, task_groups=list(self.suite.groups),
             action_low=[-1.0] * (ACTION_DIM - 1) + [0.0], action_high=[1.0] * ACTION_DIM, name=self.suite.name)
         self.rng = np.random.default_rng(seed)
         self._scenes: OrderedDict[int, Scene] = OrderedDict()
-        self._init_states: dict[int, np.ndarray] = {}
         self.task_id: int | None = None
         self.init_state_id: int | None = None
         self.elapsed = 0                       # policy steps of the current episode
@@ -212,19 +216,14 @@ class LiberoSimEnv(SimEnv):
         log.info("built LIBERO %s task %d in %.1f s", self.suite.name, task_id, time.perf_counter() - start)
         return scene
 
-    def _task_init_states(self, task_id: int) -> np.ndarray:
-        if task_id not in self._init_states:
-            self._init_states[task_id] = self.suite.init_states(task_id)
-        return self._init_states[task_id]
-
     # -- SimEnv ----------------------------------------------------------------------------------
     def reset(self, task_id: int | None = None, init_state_id: int | None = None,
               seed: int | None = None) -> dict[str, np.ndarray]:
         """Start an episode of ``task_id`` from init state ``init_state_id`` and return its first
         observation (after the settle steps). Unset ids are drawn with the env's RNG (``seed`` re-seeds
-        it) from ``task_ids`` / ``init_state_ids``; with ``use_fixed_reset_state_ids`` an unseeded reset
-        without ids (an auto-reset) repeats the previous episode's start, so a GRPO group keeps
-        sharing its init state."""
+        it) from ``task_ids`` / ``init_state_ids`` (unset: the task's training states); with
+        ``use_fixed_reset_state_ids`` an unseeded reset without ids (an auto-reset) repeats the previous
+        episode's start, so a GRPO group keeps sharing its init state."""
         if seed is not None:
             self.rng = np.random.default_rng(seed)
         elif self.fixed_starts and task_id is None and init_state_id is None and self.task_id is not None:
@@ -234,21 +233,18 @@ class LiberoSimEnv(SimEnv):
         task_id = int(task_id)
         if not 0 <= task_id < len(self.suite.descriptions):
             raise ValueError(f"{self.suite.name} has tasks 0..{len(self.suite.descriptions) - 1}, not {task_id}")
-        num_states = self.suite.num_init_states[task_id]
         if init_state_id is None:
-            pool = self._init_pool if self._init_pool is not None else range(num_states)
-            init_state_id = int(list(pool)[int(self.rng.integers(len(pool)))])
+            pool = self._init_pool if self._init_pool is not None else self.starts.training_ids(task_id)
+            init_state_id = int(pool[int(self.rng.integers(len(pool)))])
         init_state_id = int(init_state_id)
-        if not 0 <= init_state_id < num_states:
-            raise ValueError(f"{self.suite.name} task {task_id} has init states 0..{num_states - 1}, "
-                             f"not {init_state_id}")
+        init_state = self.starts.state(task_id, init_state_id)      # ValueError naming the valid ids
         scene = self._scene(task_id)
         env, gate = scene.env, scene.gate
         self.task_id, self.init_state_id = task_id, init_state_id
         if gate is not None:
             gate.open = False                           # the reset's own forced render is wasted
             gate.keep_snapshot = False
-        if self.scene_seeding == "oft":
+        if self.scene_seeding == "oft" and init_state_id < TRAIN_INIT_STATE_BASE:   # OFT's order: its trials only
             self._oft_reset(env, task_id, init_state_id)
         else:
             with global_numpy_seed(scene_seed(task_id, init_state_id)):   # fixture placement (module docstring)
@@ -257,7 +253,7 @@ class LiberoSimEnv(SimEnv):
         scene.attach_controllers()
         if gate is not None:
             gate.open = self.num_settle_steps == 0      # without settle steps this is the first observation
-        raw = env.set_init_state(self._task_init_states(task_id)[init_state_id])
+        raw = env.set_init_state(init_state)
         self._warnings_at_reset = self._bad_state_warnings()
         with scene.stepping():
             for k in range(self.num_settle_steps):
@@ -396,6 +392,10 @@ class LiberoEnvConfig(CommonEnvConfig):
     max_cached_tasks: int = num(1)
     scene_seeding: str = required()
     perturbations: list[str] | None = required()
+    train_init_states: str = required()     # heldout | official | <path>.npz (embodirl/envs/libero/states.py)
+    num_init_states: int = num(1)           # heldout: states sampled per task
+    init_states_seed: int = num(0)          # heldout: the sampler's seed
+    training_state_keys: ClassVar[tuple[str, ...]] = ("train_init_states", "num_init_states", "init_states_seed")
 
     @property
     def task_subset(self) -> list[int] | None:
@@ -446,13 +446,17 @@ class LiberoAdapter:
             raise ConfigError("scene_seeding", f"must be one of {', '.join(SCENE_SEEDINGS)}, got "
                                                f"{env.scene_seeding!r}")
         info = suite_info(env)                      # AssetsMissing when the asset folder is absent
+        libero_states.check_config(env, info)       # train_init_states
         counts = {info.num_init_states[t] for t in task_pool(env)}
         limit = min(counts)
         init_ids = env.init_state_ids
         if init_ids is not None:
-            bad = [i for i in init_ids if not 0 <= i < limit]
+            training = min((libero_states.training_ids(env, info, t) for t in task_pool(env)), key=len)
+            bad = [i for i in init_ids if not (0 <= i < limit or i in training)]
             if bad or not init_ids:
-                raise ConfigError("init_state_ids", f"{suite} tasks have init states 0..{limit - 1}, got {list(init_ids)}")
+                also = f" and training states {training.start}..{training.stop - 1}" if training.start and len(training) else ""
+                raise ConfigError("init_state_ids", f"{suite} tasks have init states 0..{limit - 1}{also}, got "
+                                                    f"{list(init_ids)}")
         elif env.num_trials_per_task > limit:
             raise ConfigError("num_trials_per_task", f"{suite} tasks have {limit} init states, so at most {limit} "
                                                      f"trials per task, got {env.num_trials_per_task}")
@@ -462,6 +466,12 @@ class LiberoAdapter:
     def eval_schedule(cfg) -> list[tuple[int, int]]:
         """Ordered ``(task_id, init_state_id)`` pairs of an evaluation sweep (see :func:`eval_schedule`)."""
         return eval_schedule(instance(LiberoEnvConfig, cfg, "env"))
+
+    @staticmethod
+    def training_states(train_cfg, eval_cfg) -> TrainingStates:
+        """Where ``train_cfg``'s episodes start beside ``eval_cfg``'s sweep (:func:`.states.training_states`)."""
+        return libero_states.training_states(instance(LiberoEnvConfig, train_cfg, "env.train"),
+                                             instance(LiberoEnvConfig, eval_cfg, "env.eval"))
 
     @classmethod
     def make(cls, cfg, *, num_envs: int, seed: int, env_offset: int = 0):

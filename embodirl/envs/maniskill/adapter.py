@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 
+from embodirl.envs.base import TrainingStates
+from embodirl.envs.maniskill import simulator
 from embodirl.envs.maniskill.simulator import GPU_BACKEND, ManiSkillEnvConfig, check_config, make_sim_env, resolve_sim_backend
 from embodirl.envs.registry import register_adapter
 
@@ -22,6 +24,16 @@ class ManiSkillAdapter:
         the choices), the GPU simulator without CUDA: :class:`ConfigError`; missing downloadable data:
         :class:`~embodirl.errors.AssetsMissing` with the command that fetches it."""
         check_config(cfg)
+
+    @staticmethod
+    def eval_schedule(cfg) -> list[tuple[int, int]]:
+        """Ordered ``(task_id, init_state_id)`` pairs of an evaluation sweep (:func:`.simulator.eval_schedule`)."""
+        return simulator.eval_schedule(simulator.settings_of(cfg))
+
+    @staticmethod
+    def training_states(train_cfg, eval_cfg) -> TrainingStates:
+        """Where ``train_cfg``'s episodes start beside ``eval_cfg``'s sweep (:func:`.simulator.training_states`)."""
+        return simulator.training_states(simulator.settings_of(train_cfg), simulator.settings_of(eval_cfg))
 
     @staticmethod
     def make(cfg, *, num_envs: int, seed: int, env_offset: int = 0):

@@ -166,7 +166,7 @@ class ManiSkillGPUEnv(ChunkVectorEnv):
         wanted = [None] * len(ids) if init_state_ids is None else np.asarray(init_state_ids).reshape(-1).tolist()
         if len(wanted) != len(ids):
             raise ValueError(f"init_state_ids has {len(wanted)} entries for {len(ids)} envs to reset")
-        inits = np.array([draw_init_state(self._rngs[i], self.settings.num_init_states) if w is None or int(w) < 0
+        inits = np.array([draw_init_state(self._rngs[i], self.settings) if w is None or int(w) < 0
                           else int(w) for i, w in zip(ids.tolist(), wanted)], np.int64)
         self._reset_envs(ids, inits)
         frames: list = [None] * self.num_envs
@@ -241,7 +241,7 @@ class ManiSkillGPUEnv(ChunkVectorEnv):
                             final_task_id=np.full(B, TASK_ID, np.int64), final_init_state_id=self._init_state.copy())
             if done.any():
                 ids = np.flatnonzero(done)
-                inits = np.array([draw_init_state(self._rngs[i], self.settings.num_init_states) for i in ids], np.int64)
+                inits = np.array([draw_init_state(self._rngs[i], self.settings) for i in ids], np.int64)
                 self._reset_envs(ids, inits)
                 for i in ids.tolist():
                     if recorded[i]:

@@ -29,8 +29,11 @@ Conventions shared by both simulators (the helpers below are used by both):
   (see :func:`step_without_observation`). Rewards are returned per executed step.
 * **Init states**: ``reset(init_state_id=k)`` seeds ManiSkill's episode with seed ``k``, so envs that
   share ``k`` (a GRPO group, possibly in different processes) start from the same scene. Without an
-  id the env draws one from ``0 .. num_init_states - 1`` with its own RNG (``num_init_states: null``:
-  any 31-bit seed). Tasks that rebuild their scene on every reset (``reconfiguration_freq``, e.g.
+  id the env draws one of its training states with its own RNG (:func:`training_init_states`):
+  ``init_state_ids`` when listed, else ``num_init_states`` seeds (``null``: every 31-bit one) from
+  :data:`~embodirl.envs.base.TRAIN_INIT_STATE_BASE` = 2**30 on (``train_init_states: heldout``), apart from
+  the evaluation's seeds ``0 .. num_trials_per_task - 1``, or from 0 on (``official``: the evaluation's own,
+  on purpose). Tasks that rebuild their scene on every reset (``reconfiguration_freq``, e.g.
   PegInsertionSide's peg shapes) build it from the same seed, so the rule holds for them too.
 * **Assets**: tasks that need downloaded data fail in :meth:`ManiSkillAdapter.check_config` (and at
   construction) with one sentence naming the asset and the ``download_asset`` command.
@@ -46,7 +49,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from embodirl.config_fields import instance, num, one_of, required
-from embodirl.envs.base import ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
+from embodirl.envs.base import (
+    OFFICIAL,
+    TRAIN_INIT_STATE_BASE,
+    TRAIN_INIT_STATES,
+    ChunkResult,
+    CommonEnvConfig,
+    EnvSpec,
+    SimEnv,
+    TrainingStates,
+    shared_starts,
+)
 from embodirl.envs.maniskill.tasks import asset_prompt_guard, check_assets, instruction, task_spec
 from embodirl.errors import ConfigError
 from embodirl.runtime import configure
@@ -79,6 +92,7 @@ class ManiSkillEnvConfig(CommonEnvConfig):
     cameras: list[str] | None = required()      # rgb: camera names in image order (None: the task's sensors)
     image_size: list[int] = required()          # [h, w]
     sim_backend: str = one_of(SIM_BACKENDS)     # auto | physx_cpu | physx_cuda (as configured)
+    train_init_states: str = one_of(TRAIN_INIT_STATES)   # heldout: seeds from 2**30 on | official: from 0 on
     num_init_states: int | None = num(1, null=True)   # None: any seed
 
 
@@ -89,6 +103,12 @@ def settings_of(cfg) -> ManiSkillEnvConfig:
     size = settings.image_size
     if len(size) != 2 or any(s <= 0 for s in size):
         raise ConfigError("env.image_size", f"must be [height, width] in pixels, got {size}")
+    first = first_training_seed(settings)
+    if settings.num_init_states is not None and settings.num_init_states > MAX_SEED - first:
+        raise ConfigError("env.num_init_states", f"training seeds start at {first} "
+                                                 f"(train_init_states={settings.train_init_states}), so at most "
+                                                 f"{MAX_SEED - first} of them fit below 2**31, got "
+                                                 f"{settings.num_init_states}")
     return settings
 
 
@@ -218,9 +238,46 @@ def init_state_seed(init_state_id: int) -> int:
     return int(init_state_id)
 
 
-def draw_init_state(rng: np.random.Generator, num_init_states: int | None) -> int:
-    """An init state id for an episode whose caller did not choose one."""
-    return int(rng.integers(num_init_states if num_init_states is not None else MAX_SEED))
+def first_training_seed(settings: ManiSkillEnvConfig) -> int:
+    """The first seed of the training states: 0 with ``train_init_states: official``, else 2**30."""
+    return 0 if settings.train_init_states == OFFICIAL else TRAIN_INIT_STATE_BASE
+
+
+def training_init_states(settings: ManiSkillEnvConfig) -> range | list[int]:
+    """The init state ids (episode seeds) training resets draw from: ``init_state_ids`` when listed, else
+    ``num_init_states`` seeds from :func:`first_training_seed` on (``null``: up to 2**31)."""
+    if settings.init_state_ids:
+        return list(settings.init_state_ids)
+    first = first_training_seed(settings)
+    return range(first, MAX_SEED if settings.num_init_states is None else first + settings.num_init_states)
+
+
+def eval_schedule(settings: ManiSkillEnvConfig) -> list[tuple[int, int]]:
+    """The evaluation sweep: init states (seeds) ``init_state_ids``, or ``0 .. num_trials_per_task - 1``, of the one
+    task."""
+    trials = settings.init_state_ids or range(settings.num_trials_per_task)
+    return [(TASK_ID, int(k)) for k in trials]
+
+
+def training_states(train: ManiSkillEnvConfig, evaluation: ManiSkillEnvConfig) -> TrainingStates:
+    """Where ``train``'s episodes start beside ``evaluation``'s sweep: the sweep's seeds that training draws too."""
+    pools = {TASK_ID: training_init_states(train)}
+    same_tasks = train.task == evaluation.task
+    shared = shared_starts(eval_schedule(evaluation), pools) if same_tasks else []
+    if train.init_state_ids:
+        key = "env.train.init_state_ids"
+    elif train.train_init_states == OFFICIAL:
+        key = "env.train.train_init_states"
+    else:                                       # held-out seeds meet the sweep only where it reaches 2**30
+        key = "env.eval.init_state_ids" if evaluation.init_state_ids else "env.eval.num_trials_per_task"
+    return TrainingStates(pools=pools, shared=shared, key=key, on_purpose=train.train_init_states == OFFICIAL,
+                          same_tasks=same_tasks)
+
+
+def draw_init_state(rng: np.random.Generator, settings: ManiSkillEnvConfig) -> int:
+    """An init state id for an episode whose caller did not choose one: one of the training states."""
+    pool = training_init_states(settings)
+    return int(pool[int(rng.integers(len(pool)))])
 
 
 def sparse_from_info(settings: ManiSkillEnvConfig) -> bool:
@@ -312,6 +369,7 @@ def make_spec(settings: ManiSkillEnvConfig, base, converter: ObsConverter, state
                    image_size=tuple(settings.image_size) if settings.obs_mode == "rgb" else None,
                    state_dim=state_dim,
                    num_init_states=[settings.num_init_states] if settings.num_init_states is not None else [],
+                   first_init_state=first_training_seed(settings),
                    action_low=low.tolist(), action_high=high.tolist(), name=settings.task)
 
 
@@ -348,7 +406,7 @@ class ManiSkillSimEnv(SimEnv):
         if seed is not None:
             self._rng = np.random.default_rng(seed)
         if init_state_id is None:
-            init_state_id = draw_init_state(self._rng, self.settings.num_init_states)
+            init_state_id = draw_init_state(self._rng, self.settings)
         self.init_state_id = int(init_state_id)
         raw, _ = self._env.reset(seed=init_state_seed(self.init_state_id), options=dict(reconfigure=False))
         self._elapsed = 0
