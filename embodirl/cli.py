@@ -32,6 +32,10 @@ _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "
                      "--config-dir", "-cd", "--experimental-rerun"}
 EXIT_BAD_CONFIG = 2
 EXIT_RUN_FAILED = 1
+#: `embodirl train` into a folder already trained to runner.max_steps: nothing trained (a script must not take it for 0)
+EXIT_ALREADY_TRAINED = 3
+#: `embodirl eval`'s folder when the command names none: its own, never a training run's outputs/<env>_<model>
+EVAL_OUTPUT_DIR = "runner.output_dir=outputs/eval/${runner.experiment_name}"
 
 
 def _split(args: list[str]) -> tuple[list[str], bool]:
@@ -115,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         # next to the user's overrides: Hydra's parser takes them as one run (`eval a=1 --cfg job`, `eval --cfg job a=1`)
         overrides = _split(rest)[0]
         at = max((i for i, a in enumerate(rest) if overrides and a == overrides[-1]), default=len(rest) - 1) + 1
-        rest = [*rest[:at], "runner.only_eval=true", *rest[at:]]
+        from embodirl.config import override_key
+
+        named = {override_key(a) for a in overrides} & {"runner.output_dir", "runner.experiment_name"}
+        rest = [*rest[:at], "runner.only_eval=true", *([] if named else [EVAL_OUTPUT_DIR]), *rest[at:]]
     overrides, multirun = _split(rest)
 
     from embodirl.config import check_group_overrides, compose, sweep_jobs, validate
@@ -211,7 +218,7 @@ def _run(cfg) -> None:
     from omegaconf import OmegaConf
 
     from embodirl.config import validate
-    from embodirl.errors import AssetsMissing, ConfigError
+    from embodirl.errors import AlreadyTrained, AssetsMissing, ConfigError
 
     hydra_cfg = HydraConfig.get()
     OmegaConf.resolve(cfg)                     # the ${hydra:...} interpolations too, while Hydra's config is at hand
@@ -235,10 +242,13 @@ def _run(cfg) -> None:
     except RunFailed as exc:
         print(f"embodirl: {exc}", file=sys.stderr)
         sys.exit(EXIT_RUN_FAILED)
+    except AlreadyTrained as exc:
+        print(f"embodirl: {exc}", file=sys.stderr)
+        sys.exit(EXIT_ALREADY_TRAINED)
     except KeyboardInterrupt:
         # workers are closed by the runner's context managers; checkpoints written so far are kept
         print(f"embodirl: interrupted; completed checkpoints are in {cfg.runner.output_dir}/checkpoints "
-              "(the next run with the same output_dir resumes from the latest)", file=sys.stderr)
+              "(the same command resumes from the latest)", file=sys.stderr)
         sys.exit(130)
 
 

@@ -32,3 +32,9 @@ class RunFailed(RuntimeError):
 class NonFiniteUpdate(RunFailed):
     """A loss term or the gradient of an update is not finite: the optimizer step was not taken (the weights are
     the previous step's). The message names the training step and the term."""
+
+
+class AlreadyTrained(RuntimeError):
+    """A training run's folder already holds a checkpoint at ``runner.max_steps``: there is nothing to train. The
+    message is one sentence saying how to continue; the CLI prints it and exits with status 3, not 0, so that a script
+    does not take a run that trained nothing for one that trained."""

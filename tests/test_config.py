@@ -53,12 +53,13 @@ def test_tiny_and_full_models_never_share_an_output_folder(compose_cfg):
 
 @pytest.mark.parametrize("model", ["openvla_oft_tiny", "openvla_oft"])
 def test_eval_of_the_tiny_model_prints_its_own_output_folder(model, tmp_path):
-    """`embodirl eval env=libero_10 model=openvla_oft_tiny`, as a new user tries it (here with --cfg job)."""
+    """`embodirl eval env=libero_10 model=openvla_oft_tiny`, as a new user tries it (here with --cfg job): its own
+    folder, apart from the training runs of that env and model (outputs/libero_10_<model>)."""
 
     proc = cli_runs.run(["eval", "env=libero_10", f"model={model}", "--cfg", "job", "--resolve"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     cfg = OmegaConf.create(proc.stdout)
-    assert cfg.runner.output_dir == f"outputs/libero_10_{model}" and cfg.runner.only_eval is True
+    assert cfg.runner.output_dir == f"outputs/eval/libero_10_{model}" and cfg.runner.only_eval is True
     assert list(tmp_path.iterdir()) == []
 
 

@@ -243,7 +243,7 @@ def test_no_import_cycles_among_embodirl_modules():
 #: (imports inside functions count too). A folder-level arrow that runs back up fails the test below.
 LAYERS = [
     {"errors", "paths", "registry", "progress", "placement", "runtime", "dtypes", "checkpoint_layout",
-     "config_fields"},
+     "config_fields", "atomic_folder"},
     {"envs"}, {"data"}, {"algorithms", "channel"}, {"models"},
     {"schema"},                   # the typed config: what the layers above read; choice lists from the leaves below
     {"rollout"}, {"actor"}, {"workers"}, {"runner"},

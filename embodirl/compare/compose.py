@@ -16,7 +16,6 @@ Each side names a checkpoint of the policy ``model=`` selects:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from embodirl.errors import ConfigError
 from embodirl.overrides import apply_runner_defaults, apply_section_overrides, override_key
 from embodirl.paths import config_dir
 from embodirl.runner.paired import SPENDING
+from embodirl.runner.weights import weights_digest
 from embodirl.schema import Config
 
 COMPARE_FILE = "compare.yaml"
@@ -41,7 +41,6 @@ SIDES = ("a", "b")
 MODEL_PATH, RUN_CHECKPOINT = "model_path", "run_checkpoint"
 #: files of a training run's folder: compare never writes into one
 RUN_MARKERS = (layout.CHECKPOINTS, "metrics.jsonl")
-HASH_CHUNK = 1 << 20
 
 
 @dataclass
@@ -190,20 +189,6 @@ def check_output_dir(out_dir: Path, sides: Sequence[tuple[str, Path, Path | None
             if inside is not None and inside.is_dir() and out_dir.resolve().is_relative_to(inside.resolve()):
                 raise ConfigError("runner.output_dir", f"{out_dir} is inside {inside}, which compare.{label} names; "
                                                        "choose a runner.output_dir outside the checkpoints compared")
-
-
-def weights_digest(path: Path) -> str:
-    """SHA-256 of a weights file, or of a folder's files (each one's relative name, size and bytes, in name
-    order): equal digests, equal weights."""
-    digest = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for file in files:
-        name = file.name if file == path else str(file.relative_to(path))
-        digest.update(f"{name}\0{file.stat().st_size}\0".encode())
-        with file.open("rb") as handle:
-            while chunk := handle.read(HASH_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def side_node(cfg: DictConfig, label: str, path: Path, kind: str, source: Path | None, out_dir: Path) -> DictConfig:

@@ -107,8 +107,16 @@ def validate(cfg: Mapping) -> DemosConfig:
                           f"'{env.control_mode}'; use env.control_mode={CONTROL_MODES[0]}")
     demos.env = check_config(env)
     out = Path(demos.output_dir)
-    if out.exists() and any(out.iterdir()) and not demos.overwrite:
-        raise ConfigError("output_dir", f"{out} already exists and is not empty; choose another output_dir or overwrite=true")
+    if out.exists() and any(out.iterdir()):
+        from embodirl.demos.lerobot.layout import INFO_PATH
+        from embodirl.demos.lerobot.writer import is_dataset
+
+        if not demos.overwrite:
+            raise ConfigError("output_dir", f"{out} already exists and is not empty; choose another output_dir or "
+                                            "overwrite=true")
+        if not is_dataset(out):
+            raise ConfigError("output_dir", f"{out} is not a LeRobot dataset (no {INFO_PATH}), and overwrite=true "
+                                            "replaces only a dataset; choose another output_dir")
     return demos
 
 
@@ -168,6 +176,9 @@ def generate(demos: DemosConfig) -> dict:
             lengths.append(len(actions))
             bar.update(1)
             bar.set_postfix(success_rate=f"{len(lengths) / attempts:.2f}", mean_len=f"{np.mean(lengths):.1f}")
+    except BaseException:
+        writer.abort()             # a dataset being replaced stays as it was
+        raise
     finally:
         bar.close()
         env.close()

@@ -10,8 +10,8 @@ Atomicity: a checkpoint is written into a temporary sibling folder ``.tmp_step_<
 is flushed to disk, the ``COMPLETE`` marker is written, and only then is the folder renamed into place.
 A crash (even SIGKILL) mid-save therefore never leaves a ``step_<n>`` that looks complete, and
 :func:`list_checkpoints` / :func:`latest_checkpoint` ignore temporary folders and folders without the
-marker. Older checkpoints are never touched by a save (except by ``keep_last``); temporary folders of
-dead processes are removed by the next save.
+marker. Older checkpoints are never touched by a save (except by ``keep_last``, which spares the newest, the one
+just written and the collapse guard's best); temporary folders of dead processes are removed by the next save.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -80,9 +80,10 @@ def _remove_stale_temporaries(root: Path) -> None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, parts: Mapping[str, Callable[[Path], None]],
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, keep: Iterable[str | Path | None] = ()) -> Path:
     """Write ``step_<step>`` atomically (see module docstring); each part writes into
-    ``<folder>/<part name>/``. ``keep_last`` removes all but the newest complete checkpoints."""
+    ``<folder>/<part name>/``. ``keep_last`` (``runner.keep_last``) removes all but the newest complete checkpoints,
+    never the one just written nor those in ``keep`` (the collapse guard's best)."""
     root = checkpoint_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(root)
@@ -110,8 +111,10 @@ def save_checkpoint(output_dir: str | Path, step: int, parts: Mapping[str, Calla
         os.replace(tmp, final)
     _fsync_dir(root)
     if keep_last:
+        kept = {Path(p).resolve() for p in (final, *keep) if p}
         for stale in list_checkpoints(output_dir)[:-keep_last]:
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale.resolve() not in kept:
+                shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -221,8 +224,8 @@ def written_with(source: Path, cfg) -> str:
         for section in _LAYOUT_SECTIONS:
             a, b = (flatten(OmegaConf.to_container(OmegaConf.select(c, section) or {}, resolve=True), section + ".")
                     for c in (old, new))
-            differ += [f"{key}={_show(a.get(key))} (this run: {_show(b.get(key))})" for key in sorted(a.keys() | b.keys())
-                       if key not in _LAYOUT_FREE and a.get(key) != b.get(key)]
+            differ += [f"{key}={show_value(a.get(key))} (this run: {show_value(b.get(key))})"
+                       for key in sorted(a.keys() | b.keys()) if key not in _LAYOUT_FREE and a.get(key) != b.get(key)]
         what = ", ".join(differ[:3]) if differ else what
     except Exception:                                        # an unreadable config.yaml: the name alone, if any
         try:
@@ -232,7 +235,7 @@ def written_with(source: Path, cfg) -> str:
     return f" (the checkpoint was written with {what}; use that run's model options, see {written})"
 
 
-def _show(value) -> str:
+def show_value(value) -> str:
     """A YAML-like spelling of a config value (``false``, ``null``, ``[a, b]``)."""
     return json.dumps(value) if isinstance(value, bool | None | list) else str(value)
 

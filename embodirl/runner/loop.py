@@ -18,12 +18,13 @@ One step::
 Every ``runner.train_video_interval`` steps the first rollout of the step is recorded to
 ``videos/train/step_<n>/`` (the envs of ``env.train.video.env_ids``).
 
-Resuming: ``runner.resume_mode=auto`` continues from the latest complete checkpoint of
-``runner.output_dir`` (or ``runner.resume_dir``); the actor ranks restore their state (from any number
-of ranks that wrote it), RNG states (the inference workers' too) and the start-planning generator are
-restored, and the acting policy starts from the restored weights and version. A actor rank that dies
-ends the run with one sentence, or with ``runner.max_restarts`` rebuilds the workers from the last
-complete checkpoint.
+The run holds its folder (:mod:`~embodirl.runner.run_folder`: a lock, and a folder holding another run is refused
+before any worker starts). Resuming: ``runner.resume_mode=auto`` continues from the latest complete checkpoint of
+``runner.output_dir`` when its saved config has the same hyper-parameters (or from ``runner.resume_dir``); the
+actor ranks restore their state (from any number of ranks that wrote it), RNG states (the inference workers' too)
+and the start-planning generator are restored, and the acting policy starts from the restored weights and version.
+A actor rank that dies ends the run with one sentence, or with ``runner.max_restarts`` rebuilds the workers from the
+last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ from embodirl.runner.eval_report import plot_learning_curve, plot_success, print
 from embodirl.runner.evaluation import eval_env_cfg, run_sweep
 from embodirl.runner.guard import ROLLBACK, STOP, CollapseGuard
 from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
+from embodirl.runner.run_folder import FolderLock, check_eval_folder, no_room, training_start
+from embodirl.runner.weights import complete_record, describe, weights_record
 from embodirl.schema import Config, EnvGroups, run_config
 from embodirl.workers.groups import WorkerGroups
 
@@ -134,6 +137,7 @@ class Runner:
         self._elapsed_offset = 0.0
         self._curve: list[tuple[int, float, float]] = []
         self._restart_source: Path | None = None
+        self._start_source: Path | None = None      # the checkpoint training starts from (run_folder.training_start)
         self.guard = CollapseGuard()
 
     # --- shared pieces -------------------------------------------------------------------------------
@@ -152,35 +156,50 @@ class Runner:
         """The evaluation sweep's base seed (episode ``j`` is reset with ``eval_seed + j``)."""
         return self.seed + EVAL_SEED_OFFSET
 
-    def _evaluate(self, groups: WorkerGroups, step: int, out_dir: Path) -> dict:
+    def _evaluate(self, groups: WorkerGroups, step: int, out_dir: Path, weights: dict | None = None) -> dict:
         info = run_sweep(groups, self.cfg, out_dir=out_dir, seed=self.eval_seed)
+        if weights is not None:
+            info["weights"] = weights
         write_eval_info(info, out_dir)
         plot_success(info, out_dir / "eval_success.png")
         return info
 
     # --- evaluation only ---------------------------------------------------------------------------------
     def run_eval(self) -> dict:
-        with self.eval_workers() as (groups, step):
-            info = self._evaluate(groups, step=step, out_dir=self.out)
+        """``embodirl eval``: the weights the command names (:meth:`eval_source`) scored into this evaluation's own
+        folder, which it holds for the whole run; ``eval_info.json`` and the console record the weights."""
+        with FolderLock(self.out):
+            weights = weights_record(self.cfg.model.path, self.eval_source(), self.seed)
+            check_eval_folder(self.out, weights)
+            print(describe(weights), flush=True)
+            with self.eval_workers() as (groups, step):
+                info = self._evaluate(groups, step=step, out_dir=self.out, weights=complete_record(weights))
         print_table(info)
+        print(describe(info["weights"]))
         print(f"eval_info: {self.out / 'eval_info.json'}")
         return info
 
-    @contextlib.contextmanager
-    def eval_workers(self):
-        """The evaluation-only workers (``embodirl eval``; ``embodirl compare`` builds them once per side and part
-        of the sweep), acting with the weights under evaluation: ``model.path``'s, or those of the checkpoint
-        ``runner.resume_dir`` names. Writes the run's ``config.yaml``; yields ``(groups, step)``, the checkpoint's
-        step (0 without one)."""
+    def eval_source(self) -> Path | None:
+        """The run checkpoint evaluation loads over ``model.path``: the one ``runner.resume_dir`` names, never one found
+        by itself in ``runner.output_dir``. A model checkpoint named there becomes ``model.path`` (in ``self.cfg``)."""
         model_path = ckpt.eval_model_path(self.cfg.runner)
         if model_path is not None:
             # runner.resume_dir names a model checkpoint (e.g. a public OpenVLA-OFT one): load it as model.path
             self.cfg = dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, path=model_path),
                                            runner=dataclasses.replace(self.cfg.runner, resume_dir=layout.DISABLE))
+        resume_dir = self.cfg.runner.resume_dir
+        return None if resume_dir in (None, "", "auto") else ckpt.resume_source(resume_dir, "auto", self.out)
+
+    @contextlib.contextmanager
+    def eval_workers(self):
+        """The evaluation-only workers (``embodirl eval``; ``embodirl compare`` builds them once per side and part
+        of the sweep), acting with the weights under evaluation: ``model.path``'s, or those of the checkpoint
+        ``runner.resume_dir`` names (:meth:`eval_source`). Writes the evaluation's ``config.yaml``; yields ``(groups,
+        step)``, the checkpoint's step (0 without one)."""
+        source = self.eval_source()
         self._write_config()
         seed_everything(self.seed)
         with self._workers(train=False) as groups:
-            source = self._resume_source()
             if source is not None:
                 load_policy_weights(groups.policy, source, self.cfg)
                 groups.load_weights(groups.policy.trainable_state_dict(), version=0)
@@ -188,12 +207,9 @@ class Runner:
 
     # --- training -------------------------------------------------------------------------------------------
     def _resume_source(self) -> Path | None:
-        """The checkpoint this run starts from, by ``runner.resume_dir`` / ``runner.resume_mode``
-        (:func:`~embodirl.runner.checkpoint.resume_source`), or after a restart the latest one."""
-        if self._restart_source is not None:
-            return self._restart_source
-        r = self.cfg.runner
-        return ckpt.resume_source(r.resume_dir, r.resume_mode, self.out)
+        """The checkpoint training starts from (:func:`~embodirl.runner.run_folder.training_start`), or after a
+        restart the latest one."""
+        return self._restart_source if self._restart_source is not None else self._start_source
 
     def _workers(self, *, train: bool) -> WorkerGroups:
         """The run's workers. The driver holds a policy object in this process (the one the actor rank trains and
@@ -222,11 +238,31 @@ class Runner:
         (self.out / "placement.json").write_text(json.dumps(where, indent=1))
 
     def run_train(self) -> None:
+        """Train in the run's folder, held for the whole run; the folder rules
+        (:func:`~embodirl.runner.run_folder.training_start`) pick the checkpoint it starts from or refuse it before
+        any worker starts. A write that finds the disk full ends the run in one sentence naming the last complete
+        checkpoint."""
+        with FolderLock(self.out):
+            self._start_source = training_start(self.cfg, self.out)
+            self._write_config()
+            try:
+                self._train_attempts()
+            except (ConfigError, RunFailed, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:             # torch's CheckpointException is a BaseException
+                reason = no_room(exc)
+                if reason is None:
+                    raise
+                latest = ckpt.latest_checkpoint(self.out)
+                kept = f"the last complete checkpoint, {latest}, is kept" if latest else "no checkpoint was written yet"
+                raise RunFailed(f"no room left to write in {self.out} ({reason}); {kept}: free space or lower "
+                                "runner.keep_last, then run the same command to resume") from None
+
+    def _train_attempts(self) -> None:
         """Train; with ``runner.max_restarts > 0`` a actor rank that dies rebuilds every worker group
         and the run goes on from its last complete checkpoint."""
         from embodirl.workers.actor_group import ActorRankDied
 
-        self._write_config()
         states = heldout.check_states(self.cfg, eval_env_cfg(self.cfg))
         if not states.disjoint:         # allowed on purpose (train_init_states: official); the report says so too
             log.warning("training and evaluation states meet: %s", states.detail)
@@ -473,7 +509,8 @@ class Runner:
             (folder / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg))
 
         path = ckpt.save_checkpoint(self.out, step, {layout.POLICY: write_policy, layout.ACTOR: write_actor,
-                                                     layout.RUNNER: write_runner, layout.CONFIG: write_config})
+                                                     layout.RUNNER: write_runner, layout.CONFIG: write_config},
+                                    keep_last=self.cfg.runner.keep_last, keep=[self.guard.state.best_checkpoint])
         log.info("checkpoint: %s", path)
         return path
 

@@ -6,7 +6,9 @@ an image summary, what TensorBoard's video panel reads, encoded here without mov
 
 ``metrics.jsonl`` holds one JSON object per logged step: ``{"step": n, "wall_time": s, <name>: value}``.
 When a run resumes from step k, lines for steps after k (written by the interrupted run after its last
-checkpoint) are dropped so the file reads as one uninterrupted run.
+checkpoint) are dropped so the file reads as one uninterrupted run. Every record is flushed and fsync'ed as it
+is appended, and the file is rewritten on resume through a temporary file and a rename, so a power loss or a full
+disk costs at most the line being written: a torn line (not JSON) is skipped with a warning when the file is read.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -63,17 +66,32 @@ class MetricsLogger:
                                          resume="allow")
 
     def _truncate_after(self, step: int) -> None:
+        """Keep the records up to ``step`` (and drop torn lines): a temporary file renamed over the old one."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", -1) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        kept = [record for record in read_metrics(self.path) if record.get("step", -1) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with tmp.open("w", encoding="utf-8") as handle:
+            handle.write("".join(json.dumps(record) + "\n" for record in kept))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path)
+        fd = os.open(self.output_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _append(self, record: dict) -> None:
+        """One line, on disk before the call returns."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
 
     def log(self, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
         clean = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
         record = {"step": int(step), "wall_time": round(time.time() - self._start, 3), **clean}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append(record)
         if self._tb is not None:
             for key, value in clean.items():
                 self._tb.add_scalar(key, value, global_step=step)
@@ -91,8 +109,7 @@ class MetricsLogger:
         clean = {k: v for k, v in ((k, _scalar(v)) for k, v in (metrics or {}).items()) if v is not None}
         record = {"step": int(step), "wall_time": round(time.time() - self._start, 3), "event": kind,
                   "message": message, **clean}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append(record)
         if self._tb is not None:
             self._tb.add_text(f"events/{kind}", message, global_step=step)
             for key, value in clean.items():
@@ -185,5 +202,18 @@ def flatten(tree: Mapping, prefix: str = "") -> dict:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a ``metrics.jsonl``."""
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """All records of a ``metrics.jsonl``; a line that is not JSON (torn by a power loss or a full disk while it
+    was written) is skipped with a warning naming it."""
+    records = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            log.warning("%s: line %d is not a JSON record (a write cut short); skipped", path, number)
+            continue
+        records.append(record)
+    return records

@@ -69,6 +69,7 @@ class Runner:
     val_check_interval: int = num(0)
     val_before_train: bool = required()
     save_interval: int = num(0)
+    keep_last: int | None = num(1, null=True)
     resume_dir: str | None = required()
     resume_mode: str = one_of(RESUME_MODES)
     max_restarts: int = num(0)

@@ -26,6 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from embodirl import checkpoint_layout as layout
+from embodirl.atomic_folder import remove_stale
 from embodirl.models.openvla_oft.hf_checkpoint import TOKENS_TRAINED
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.loop import load_actor_state, seed_everything
@@ -63,6 +64,8 @@ def _evaluate(cfg: DictConfig, model_dir: Path, out_dir: Path) -> dict:
         eval_cfg.runner.resume_mode = "disable"
         eval_cfg.runner.logger.tensorboard = False
         eval_cfg.runner.logger.wandb = False
+    # an evaluation of this step by an attempt of this run that was cut short is done again (of the weights now there)
+    (out_dir / "eval_info.json").unlink(missing_ok=True)
     return Runner(eval_cfg).run_eval()
 
 
@@ -74,6 +77,8 @@ def run(cfg: DictConfig, own: SftSections, dataset, spec, camera_keys: list[str]
     r, s = cfg.runner, own.sft
     out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for folder in (out / "eval").glob("step_*"):     # an evaluation's model export that a kill cut short
+        remove_stale(folder)
     seed = int(r.seed)
     seed_everything(seed)
     key = unnorm_key(cfg, spec)
@@ -167,6 +172,7 @@ def _save(cfg: DictConfig, actors, out: Path, step: int, marker: dict) -> Path:
         (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
     path = ckpt.save_checkpoint(out, step, {MODEL: write_model, layout.POLICY: write_policy, layout.ACTOR: write_actor,
-                                            layout.RUNNER: write_runner, layout.CONFIG: write_config})
+                                            layout.RUNNER: write_runner, layout.CONFIG: write_config},
+                                keep_last=cfg.runner.keep_last)
     log.info("checkpoint: %s", path)
     return path

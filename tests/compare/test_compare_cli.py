@@ -24,7 +24,8 @@ def run_dir(tmp_path_factory):
     """A toy run trained for 8 steps with checkpoints at steps 2, 4, 6, 8 (about 10 s)."""
     root = tmp_path_factory.mktemp("compare")
     cli_runs.run(["train", *TOY, "actor.optim.lr=3e-3", "runner.max_steps=8", "runner.save_interval=2",
-                  "runner.val_check_interval=0", f"runner.output_dir={root / 'run'}"], root, expect=0)
+                  "runner.keep_last=null", "runner.val_check_interval=0", f"runner.output_dir={root / 'run'}"], root,
+                 expect=0)
     return root / "run"
 
 

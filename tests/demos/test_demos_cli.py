@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from embodirl.config import compose
 from embodirl.demos.experts import EXPERTS
 from embodirl.demos.lerobot.reader import LeRobotDataset
 from embodirl.envs.maniskill.simulator import ManiSkillSimEnv
+from tests import cli_runs
 
 EXE = [sys.executable, "-m", "embodirl.cli"]
 
@@ -53,6 +55,43 @@ def test_an_existing_dataset_is_not_overwritten_unless_asked(capsys, tmp_path):
     err = _cli_error(capsys, f"output_dir={tmp_path / 'out'}")
     assert "output_dir:" in err and "overwrite=true" in err
     assert (tmp_path / "out" / "keep").exists()
+
+
+def test_overwrite_replaces_only_a_dataset(capsys, tmp_path):
+    """`embodirl demos output_dir=outputs overwrite=true` used to delete every run in outputs/ before generating."""
+    runs = tmp_path / "outputs"
+    (runs / "push" / "checkpoints").mkdir(parents=True)
+    (runs / "push" / "metrics.jsonl").write_text("{}\n")
+    err = _cli_error(capsys, "env=maniskill_pushcube", "num_episodes=1", f"output_dir={runs}", "overwrite=true")
+    assert f"output_dir: {runs} is not a LeRobot dataset (no meta/info.json), and overwrite=true replaces only a " \
+           "dataset" in err
+    assert (runs / "push" / "metrics.jsonl").read_text() == "{}\n" and (runs / "push" / "checkpoints").is_dir()
+
+
+def test_overwrite_keeps_the_old_dataset_until_the_new_one_is_complete(capsys, tmp_path):
+    """A `demos overwrite=true` killed while it generates leaves the old dataset whole (it used to delete it first),
+    and the next one replaces it, with no temporary folder left beside it."""
+    out = tmp_path / "d"
+    assert _demos(capsys, f"output_dir={out}", "num_episodes=1") == 0
+    old = LeRobotDataset(out).episodes_meta
+    proc = cli_runs.start(["demos", "env=maniskill_pushcube", "progress_bar=false", f"output_dir={out}",
+                           "num_episodes=500", "overwrite=true"], tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        # the new dataset is being written beside the old one (or, before, the old one was already deleted)
+        while not ([p for p in tmp_path.iterdir() if p.name.startswith(".d.")]
+                   or not (out / "meta" / "info.json").is_file()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-2000:]
+            time.sleep(0.01)
+        time.sleep(1.0)                                         # a few episodes into the new dataset
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert LeRobotDataset(out).episodes_meta == old
+    assert _demos(capsys, f"output_dir={out}", "num_episodes=2", "seed=3", "overwrite=true") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    assert [r["init_state_id"] for r in LeRobotDataset(out).episodes_meta] == [3, 4]
 
 
 def _demos(capsys, *args) -> int:

@@ -454,3 +454,53 @@ def test_fully_fine_tuned_towers_are_written_with_the_same_outputs(public, tmp_p
     obs = observation()
     a, b = (p.act(obs, SamplingParams(greedy=True), return_value=True) for p in (policy, again))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- the export is atomic ---------------------------------------------------------------------------------------------
+EXPORT_LOOP = """
+import sys
+from embodirl.envs.base import EnvSpec
+from embodirl.models.openvla_oft import build_policy
+from embodirl.models.openvla_oft.resolve import load_preset
+spec = EnvSpec(action_dim=7, max_episode_steps=100, task_descriptions=["t"], camera_names=["agentview", "wrist"],
+               image_size=(64, 64), state_dim=8, name="libero_10")
+policy = build_policy(load_preset("openvla_oft_tiny"), spec)
+print("built", flush=True)
+step = 0
+while True:                                   # exports into the same folder, one after the other
+    step += 1
+    policy.save_pretrained(sys.argv[1], step=step)
+"""
+
+
+def test_an_export_killed_mid_write_leaves_the_folder_whole_and_no_temporary(tmp_path):
+    """SIGKILL while `save_pretrained` writes over an earlier export: the earlier export is there, whole, and the next
+    export into the same folder leaves no temporary folder. The export used to write into a randomly named hidden
+    folder that nothing removed (7B large), and deleted the old folder before renaming the new one in."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target = tmp_path / "model"
+    proc = subprocess.Popen([sys.executable, "-c", EXPORT_LOOP, str(target)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "built"
+        deadline = time.monotonic() + 120
+        while not (target.is_dir() and [n for n in os.listdir(tmp_path) if n.startswith(".")]):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.001)                     # an export over an earlier one is being written: kill it now
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    left = sorted(n for n in os.listdir(tmp_path) if n != "model")
+    assert left, "the kill should have found the export at work"
+    torch.manual_seed(4)
+    policy = build_policy(tiny(), SPEC)
+    policy.save_pretrained(target, step=7)                                   # the next export into that folder
+    assert os.listdir(tmp_path) == ["model"], os.listdir(tmp_path)
+    assert json.loads((target / "config.json").read_text())["embodirl"]["step"] == 7
+    again = build_policy(tiny(path=str(target)), SPEC)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in policy.state_dict().items())

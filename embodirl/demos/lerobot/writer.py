@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embodirl import atomic_folder
 from embodirl.demos.lerobot.layout import (
     ACTION_KEY,
     CHUNK_SIZE,
@@ -38,8 +39,10 @@ class LeRobotWriter:
     ``cameras``: camera name (or feature key) -> (h, w). ``state_dim``: None for no ``observation.state``.
     Episodes are written as they are added (parquet + one mp4 per camera); :meth:`close` (or leaving the
     ``with`` block without an exception) writes ``meta/`` - a folder without ``meta/info.json`` is not a
-    dataset. ``overwrite``: replace an existing folder at ``root``; otherwise an existing non-empty folder is
-    an error.
+    dataset. ``overwrite``: replace an existing dataset at ``root`` (a folder with ``meta/info.json``; any other
+    non-empty folder is an error, as is an existing dataset without ``overwrite``). The new dataset is then written
+    beside it and takes its place in :meth:`close`, when it is complete (:mod:`embodirl.atomic_folder`); until then,
+    and after :meth:`abort` or a kill, the old one is untouched.
     """
 
     def __init__(self, root: str | Path, *, fps: int, cameras: Mapping[str, Sequence[int]], action_dim: int,
@@ -48,11 +51,15 @@ class LeRobotWriter:
                  overwrite: bool = False):
         if video_codec not in VIDEO_CODECS:
             raise ConfigError("video_codec", f"'{video_codec}' is not supported; choose one of {', '.join(VIDEO_CODECS)}")
-        self.root = Path(root)
-        if self.root.exists() and any(self.root.iterdir()):
+        self.final = self.root = Path(root)
+        atomic_folder.remove_stale(self.final.parent)
+        if self.final.exists() and any(self.final.iterdir()):
             if not overwrite:
-                raise DatasetError(f"{self.root} already exists and is not empty; choose another folder or overwrite it")
-            shutil.rmtree(self.root)
+                raise DatasetError(f"{self.final} already exists and is not empty; choose another folder or overwrite it")
+            if not is_dataset(self.final):
+                raise DatasetError(f"{self.final} is not a LeRobot dataset (no {INFO_PATH}), and overwrite replaces "
+                                   "only a dataset; choose another folder")
+            self.root = atomic_folder.temporary(self.final)   # the new dataset, swapped in by close()
         self.root.mkdir(parents=True, exist_ok=True)
         self.fps = int(fps)
         self.cameras = {camera_key(k): (int(v[0]), int(v[1])) for k, v in cameras.items()}
@@ -73,6 +80,8 @@ class LeRobotWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
+        else:
+            self.abort()
 
     @property
     def num_frames(self) -> int:
@@ -150,6 +159,16 @@ class LeRobotWriter:
             stats[STATE_KEY] = FeatureStats.of(np.concatenate(self._states)).to_json()
         (self.root / STATS_PATH).write_text(json.dumps(stats, indent=2))
         (self.root / INFO_PATH).write_text(json.dumps(self.info(), indent=2))
+        if self.root != self.final:
+            self.root = atomic_folder.swap_in(self.root, self.final)
+        self._closed = True
+
+    def abort(self) -> None:
+        """Give up a dataset being written: a replacement is deleted (the old dataset stays); a new folder is left
+        as it is (without ``meta/info.json``: not a dataset)."""
+        if not self._closed and self.root != self.final:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = self.final
         self._closed = True
 
     def info(self) -> dict:
@@ -187,3 +206,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 # --------------------------------------------------------------------------------------------------
 # reader
 # --------------------------------------------------------------------------------------------------
+
+
+def is_dataset(folder: str | Path) -> bool:
+    """``folder`` is a LeRobot dataset: it has ``meta/info.json``."""
+    return (Path(folder) / INFO_PATH).is_file()

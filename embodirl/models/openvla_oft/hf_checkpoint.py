@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from embodirl import atomic_folder
 from embodirl.models.normalization import STATS_FILENAME, load_statistics
 from embodirl.models.openvla_oft.adapters import (
     ADAPTER_CONFIG,
@@ -268,22 +268,20 @@ def save(core: torch.nn.Module, cfg: OFTConfig, directory: str | os.PathLike, *,
          model_cfg, statistics: Mapping | None, tokenizer, image_config: Mapping,
          source: LoadedCheckpoint | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
          marker: Mapping | None = None) -> Path:
-    """Write the checkpoint layout described in the module docstring; atomic (temp dir + rename).
-    ``marker``: entries added to ``config.json["embodirl"]`` (e.g. :data:`TOKENS_TRAINED` from ``embodirl sft``);
-    a source checkpoint's :data:`TOKENS_TRAINED` record is carried over."""
+    """Write the checkpoint layout described in the module docstring, atomically (:mod:`embodirl.atomic_folder`: into
+    ``.<name>.writing-<pid>`` beside it; an existing folder is deleted only once the new one is in its place; what a
+    killed export left is cleared first). ``marker``: entries added to ``config.json["embodirl"]`` (e.g.
+    :data:`TOKENS_TRAINED` from ``embodirl sft``); a source checkpoint's :data:`TOKENS_TRAINED` record is carried
+    over."""
     final = Path(directory).expanduser().resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp = atomic_folder.temporary(final)
     try:
         _write(core, cfg, tmp, final, step=step, model_cfg=model_cfg, statistics=statistics, tokenizer=tokenizer,
                image_config=image_config, source=source, max_shard_bytes=max_shard_bytes, marker=marker)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
+    return atomic_folder.swap_in(tmp, final)
 
 
 def _write(core, cfg: OFTConfig, out: Path, final: Path, *, step, model_cfg, statistics, tokenizer, image_config,
