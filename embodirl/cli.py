@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         # next to the user's overrides: Hydra's parser takes them as one run (`eval a=1 --cfg job`, `eval --cfg job a=1`)
         overrides = _split(rest)[0]
         at = max((i for i, a in enumerate(rest) if overrides and a == overrides[-1]), default=len(rest) - 1) + 1
-        from embodirl.config import override_key
+        from embodirl.overrides import override_key
 
         named = {override_key(a) for a in overrides} & {"runner.output_dir", "runner.experiment_name"}
         rest = [*rest[:at], "runner.only_eval=true", *([] if named else [EVAL_OUTPUT_DIR]), *rest[at:]]
