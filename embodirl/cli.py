@@ -32,6 +32,7 @@ _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "
                      "--config-dir", "-cd", "--experimental-rerun"}
 EXIT_BAD_CONFIG = 2
 EXIT_RUN_FAILED = 1
+# 3 (embodirl.runner.preemption.EXIT_PREEMPTED): stopped on SIGTERM/SIGUSR1 after writing a checkpoint to resume from
 
 
 def _split(args: list[str]) -> tuple[list[str], bool]:
@@ -140,12 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     if command == "sft":
         from embodirl.errors import RunFailed
         from embodirl.sft import cli as sft_cli
+        from embodirl.workers.deadlines import WorkerHung
 
         try:
             code = sft_cli.main(overrides)
         except (ConfigError, AssetsMissing) as exc:
             _fail(str(exc))
-        except RunFailed as exc:
+        except (RunFailed, WorkerHung) as exc:      # WorkerHung: an actor rank stuck past its deadline
             print(f"embodirl: {exc}", file=sys.stderr)
             sys.exit(EXIT_RUN_FAILED)
         sys.exit(code)
@@ -180,12 +182,13 @@ def _compare(args: list[str]) -> None:
     from embodirl.compare import cli as compare_cli
     from embodirl.doctor import PreflightFailed
     from embodirl.errors import AssetsMissing, ConfigError, RunFailed
+    from embodirl.workers.deadlines import WorkerHung
 
     try:
         code = compare_cli.main(args)
     except (ConfigError, AssetsMissing, PreflightFailed) as exc:
         _fail(str(exc))
-    except RunFailed as exc:
+    except (RunFailed, WorkerHung) as exc:
         print(f"embodirl: {exc}", file=sys.stderr)
         sys.exit(EXIT_RUN_FAILED)
     sys.exit(code)
@@ -227,14 +230,19 @@ def _run(cfg) -> None:
     runtime.set_torch_threads(cfg.runner.torch_threads)
 
     from embodirl.errors import RunFailed
+    from embodirl.runner.preemption import EXIT_PREEMPTED, Preempted
+    from embodirl.workers.deadlines import WorkerHung
 
     try:
         run(cfg)
     except (ConfigError, AssetsMissing) as exc:
         _fail(str(exc))
-    except RunFailed as exc:
+    except (RunFailed, WorkerHung) as exc:       # WorkerHung: an evaluation's worker stuck past its deadline
         print(f"embodirl: {exc}", file=sys.stderr)
         sys.exit(EXIT_RUN_FAILED)
+    except Preempted as exc:
+        print(f"embodirl: {exc}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:
         # workers are closed by the runner's context managers; checkpoints written so far are kept
         print(f"embodirl: interrupted; completed checkpoints are in {cfg.runner.output_dir}/checkpoints "
