@@ -289,7 +289,7 @@ class Runner:
             progress = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", leave=False)
         state = {"env_steps": env_steps, "kl_coef": kl_coef, "saved": (start_step, source)}
         stack = contextlib.ExitStack()
-        preemption = PreemptionWatch()
+        preemption = PreemptionWatch()     # SIGTERM / SIGUSR1: finish the step, checkpoint, stop
 
         def save(step: int) -> Path:
             path = self._save(step, actors, starts_rng, state["env_steps"], groups=groups, kl_coef=state["kl_coef"])
@@ -297,8 +297,9 @@ class Runner:
             return path
 
         def stop_if_preempted(step: int) -> None:
-            """After training step ``step`` (or before the first, at ``start_step``): on a preemption signal, its
-            checkpoint (written now unless it exists) and :class:`Preempted`."""
+            """After training step ``step`` (or before the first, at ``start_step``): on a preemption signal, write its
+            checkpoint unless it exists, and raise :class:`Preempted` (the handlers are installed in the ``try`` below,
+            an ExitStack so that the loop keeps its indentation)."""
             if not preemption.requested:
                 return
             saved_step, path = state["saved"]
@@ -332,7 +333,7 @@ class Runner:
                 self.guard.state.best_checkpoint, self.guard.state.best_step = str(save(0)), 0   # before any evaluation
             if r.val_before_train and start_step == 0:
                 evaluate(0)
-            stop_if_preempted(start_step)      # a signal while the workers were built
+            stop_if_preempted(start_step)      # a signal during the start's checkpoint or evaluation
             for step in range(start_step + 1, max_steps + 1):
                 t0 = time.perf_counter()
                 batch, stats = self._collect(groups, step, starts_rng)

@@ -154,7 +154,10 @@ class StreamServer:
             except OSError:   # a ring was closed while we waited: look again
                 continue
             if self._wake_r in readable:
-                os.read(self._wake_r, 4096)
+                try:
+                    os.read(self._wake_r, 4096)
+                except OSError:   # closed by close() while this loop ends
+                    continue
             for fd in readable:
                 name = waiting.get(fd)
                 if name is not None:

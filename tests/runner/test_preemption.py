@@ -20,8 +20,8 @@ MAX_STEPS, SAVE_INTERVAL = 12, 5     # the signals land between the regular chec
 
 
 def _args(name: str) -> list[str]:
-    return ["train", *BASE, f"runner.max_steps={MAX_STEPS}", f"runner.save_interval={SAVE_INTERVAL}",
-            f"runner.experiment_name={name}"]
+    return ["train", *BASE, "cluster.use_ray=false", f"runner.max_steps={MAX_STEPS}",
+            f"runner.save_interval={SAVE_INTERVAL}", f"runner.experiment_name={name}"]
 
 
 def _signal_after(proc, metrics, step: int, sig: int) -> str:
