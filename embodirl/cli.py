@@ -34,6 +34,8 @@ EXIT_BAD_CONFIG = 2
 EXIT_RUN_FAILED = 1
 #: `embodirl train` into a folder already trained to runner.max_steps: nothing trained (a script must not take it for 0)
 EXIT_ALREADY_TRAINED = 3
+# 75 (embodirl.runner.preemption.EXIT_PREEMPTED, sysexits' EX_TEMPFAIL: try again): stopped on SIGTERM/SIGUSR1 after
+# writing a checkpoint to resume from
 #: `embodirl eval`'s folder when the command names none: its own, never a training run's outputs/<env>_<model>
 EVAL_OUTPUT_DIR = "runner.output_dir=outputs/eval/${runner.experiment_name}"
 
@@ -147,12 +149,13 @@ def main(argv: list[str] | None = None) -> None:
     if command == "sft":
         from embodirl.errors import RunFailed
         from embodirl.sft import cli as sft_cli
+        from embodirl.workers.deadlines import WorkerHung
 
         try:
             code = sft_cli.main(overrides)
         except (ConfigError, AssetsMissing) as exc:
             _fail(str(exc))
-        except RunFailed as exc:
+        except (RunFailed, WorkerHung) as exc:      # WorkerHung: an actor rank stuck past its deadline
             print(f"embodirl: {exc}", file=sys.stderr)
             sys.exit(EXIT_RUN_FAILED)
         sys.exit(code)
@@ -187,12 +190,13 @@ def _compare(args: list[str]) -> None:
     from embodirl.compare import cli as compare_cli
     from embodirl.doctor import PreflightFailed
     from embodirl.errors import AssetsMissing, ConfigError, RunFailed
+    from embodirl.workers.deadlines import WorkerHung
 
     try:
         code = compare_cli.main(args)
     except (ConfigError, AssetsMissing, PreflightFailed) as exc:
         _fail(str(exc))
-    except RunFailed as exc:
+    except (RunFailed, WorkerHung) as exc:
         print(f"embodirl: {exc}", file=sys.stderr)
         sys.exit(EXIT_RUN_FAILED)
     sys.exit(code)
@@ -234,17 +238,22 @@ def _run(cfg) -> None:
     runtime.set_torch_threads(cfg.runner.torch_threads)
 
     from embodirl.errors import RunFailed
+    from embodirl.runner.preemption import EXIT_PREEMPTED, Preempted
+    from embodirl.workers.deadlines import WorkerHung
 
     try:
         run(cfg)
     except (ConfigError, AssetsMissing) as exc:
         _fail(str(exc))
-    except RunFailed as exc:
+    except (RunFailed, WorkerHung) as exc:       # WorkerHung: an evaluation's worker stuck past its deadline
         print(f"embodirl: {exc}", file=sys.stderr)
         sys.exit(EXIT_RUN_FAILED)
     except AlreadyTrained as exc:
         print(f"embodirl: {exc}", file=sys.stderr)
         sys.exit(EXIT_ALREADY_TRAINED)
+    except Preempted as exc:
+        print(f"embodirl: {exc}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:
         # workers are closed by the runner's context managers; checkpoints written so far are kept
         print(f"embodirl: interrupted; completed checkpoints are in {cfg.runner.output_dir}/checkpoints "

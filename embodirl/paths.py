@@ -49,3 +49,14 @@ def deps_dir() -> Path:
         return Path(override).resolve()
     root = source_root()
     return (root / ".deps") if root is not None else (cache_dir() / "deps")
+
+
+def inside(root: str | os.PathLike, name: str) -> Path | None:
+    """``root / name`` when ``name`` (a file name read from a dataset's or a checkpoint's own metadata) stays inside
+    ``root``, else None: an absolute name or one whose ``..`` parts climb out is refused. Lexical, so a checkpoint
+    whose files are symlinks (the Hugging Face cache's snapshots) still loads."""
+    if os.path.isabs(name):
+        return None
+    base = os.path.normpath(os.fspath(root))
+    path = os.path.normpath(os.path.join(base, name))
+    return Path(path) if os.path.commonpath([base, path]) == base and path != base else None

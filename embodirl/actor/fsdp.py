@@ -12,9 +12,10 @@ the loss aggregation already divides by global counts (:mod:`embodirl.algorithms
 the sum of the rank gradients is the full-batch gradient.
 
 Without an initialised process group nothing here is needed: the actor runs the plain module in
-the calling process. Process groups are started by the caller (the worker group sets the usual
-``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` and calls :func:`init_process_group`): gloo
-on CPU, NCCL on GPU, any number of nodes.
+the calling process. Process groups are started by the caller (:func:`init_process_group`): gloo
+on CPU, NCCL on GPU, any number of nodes. The actor ranks meet at a :func:`tcp_store` that rank 0 opens on a port
+the kernel picks and keeps open (no free port looked up first and bound again later, which another process could
+take in between).
 """
 
 from __future__ import annotations
@@ -61,16 +62,28 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
-                       device: torch.device | None = None, timeout_s: float = 1800.0) -> None:
-    """Join the actor's process group over TCP (gloo on CPU, NCCL on GPU)."""
+def tcp_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float = 1800.0) -> dist.TCPStore:
+    """The rendezvous store of a process group: the master (rank 0) listens on ``port`` (0: a port the kernel picks,
+    then ``.port``), the other ranks connect to ``host:port``."""
+    import datetime
+
+    return dist.TCPStore(host, int(port), int(world_size), is_master, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def init_process_group(*, rank: int, world_size: int, master_addr: str | None = None, master_port: int | None = None,
+                       device: torch.device | None = None, timeout_s: float = 1800.0,
+                       store: dist.Store | None = None) -> None:
+    """Join the actor's process group (gloo on CPU, NCCL on GPU) through ``store`` (:func:`tcp_store`), or over
+    TCP at ``master_addr:master_port``."""
     import datetime
 
     device = device or default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(collective_library(device), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    where = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}
+    dist.init_process_group(collective_library(device), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **where)
 
 
 def host_device(device: torch.device) -> torch.device:

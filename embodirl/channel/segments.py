@@ -76,7 +76,9 @@ except (AttributeError, OSError):
     fd = -1
 sys.stdout.write("watching\n"); sys.stdout.flush(); sys.stdout.close()
 if fd is not None and fd >= 0:
-    select.select([fd], [], [])
+    poller = select.poll()   # poll, not select: no limit on the descriptor's number
+    poller.register(fd, select.POLLIN)
+    poller.poll()
 elif fd == -1:
     while alive():
         time.sleep(0.2)
@@ -267,6 +269,8 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised through a subpro
     previous = _previous_sigterm
     if callable(previous):
         previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
     else:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
@@ -301,6 +305,19 @@ def _install_hooks() -> None:
                 signal.signal(signal.SIGTERM, _on_sigterm)
         except ValueError:  # not allowed here (embedded interpreter)
             pass
+
+
+def keep_sigterm_hook() -> None:
+    """Put this process's SIGTERM hook back on top after a library replaced it (``ray.init`` installs a handler of its
+    own that exits without calling the one before): the hook releases the segments, then calls the replacing
+    handler. Nothing happens where no hook is installed, or off the main thread."""
+    global _previous_sigterm
+    if _hooks_pid != os.getpid() or threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current is not _on_sigterm:
+        _previous_sigterm = current
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _start_janitor(pid: int, prefix: str) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import os
-import select
 import struct
 import time
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embodirl.channel import segments
+from embodirl.channel.readiness import wait_readable
 
 ALIGN = 64                      # bytes: cache-line alignment of every field in a slot
 _SLOT_ID = struct.Struct("<i")      # a free-slot id as written to the free FIFO (atomic: < PIPE_BUF)
@@ -222,10 +222,7 @@ class ShmChannel:
             if wait is not None and wait <= 0:
                 raise ChannelFull(f"no free slot in channel {self.info.segment} after {timeout:.3g}s: "
                                   f"all {self.num_slots} slots are held by the consumer")
-            try:
-                select.select([self._fifo], [], [], wait)
-            except InterruptedError:  # pragma: no cover - PEP 475 retries select itself
-                pass
+            wait_readable([self._fifo], wait)
 
 
 def _drain(fd: int) -> None:
@@ -304,7 +301,7 @@ class ShmReader:
             wait = None if deadline is None else deadline - time.monotonic()
             if wait is not None and wait <= 0:
                 return None
-            select.select([mapped.ready], [], [], wait)
+            wait_readable([mapped.ready], wait)
 
     def ready_fd(self, info: ChannelInfo) -> int:
         """A file descriptor that is readable while ``info``'s ring has queued batches (for select)."""

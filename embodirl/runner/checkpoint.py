@@ -10,8 +10,11 @@ Atomicity: a checkpoint is written into a temporary sibling folder ``.tmp_step_<
 is flushed to disk, the ``COMPLETE`` marker is written, and only then is the folder renamed into place.
 A crash (even SIGKILL) mid-save therefore never leaves a ``step_<n>`` that looks complete, and
 :func:`list_checkpoints` / :func:`latest_checkpoint` ignore temporary folders and folders without the
-marker. Older checkpoints are never touched by a save (except by ``keep_last``, which spares the newest, the one
-just written and the collapse guard's best); temporary folders of dead processes are removed by the next save.
+marker. The marker lists every file with its size (:mod:`embodirl.runner.manifest`): :func:`latest_checkpoint`
+passes over a checkpoint whose files do not match it (a copy of the run folder that stopped half-way) with a
+warning, and an explicit ``runner.resume_dir`` of one is refused in one sentence. Older checkpoints are never
+touched by a save (except by ``keep_last``, which spares the newest, the one just written and the collapse guard's
+best); temporary folders of dead processes are removed by the next save.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from embodirl.checkpoint_layout import (
     WORKER_RNG,
 )
 from embodirl.errors import ConfigError
+from embodirl.runner import manifest
 from embodirl.runner.metrics_logger import flatten
 from embodirl.runtime import rng_state, rng_state_from_json, rng_state_to_json, set_rng_state
 
@@ -95,7 +99,8 @@ def save_checkpoint(output_dir: str | Path, step: int, parts: Mapping[str, Calla
             sub = tmp / name
             sub.mkdir()
             write(sub)
-        (tmp / COMPLETE).write_text(json.dumps({"step": step, "parts": sorted(parts)}))
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, "parts": sorted(parts),
+                                                manifest.FILES: manifest.file_sizes(tmp)}))
         _fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -133,9 +138,17 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+def latest_checkpoint(output_dir: str | Path, *, warn: bool = True) -> Path | None:
+    """The newest complete checkpoint whose files are those its marker lists; a newer one whose are not is passed
+    over with a warning (see module docstring)."""
+    for path in reversed(list_checkpoints(output_dir)):
+        why = manifest.damaged(path)
+        if why is None:
+            return path
+        if warn:
+                log.warning("checkpoint %s is incomplete (%s: a copy that stopped half-way?); passing over it for the "
+                        "previous complete one", path, why)
+    return None
 
 
 def find_checkpoint(path: str | Path) -> Path | None:
@@ -188,6 +201,11 @@ def resume_source(resume_dir: str | None, resume_mode: str, output_dir: str | Pa
         raise ConfigError("runner.resume_dir", f"'{path}' is not an existing folder; {how}")
     found = find_checkpoint(path)
     if found is not None:
+        why = manifest.damaged(found)
+        if why is not None:
+            earlier = latest_checkpoint(found.parent.parent, warn=False) if _STEP_DIR.match(path.name) else None
+            raise ConfigError("runner.resume_dir", f"'{found}' is incomplete ({why}: a copy that stopped half-way?); "
+                                                   + (f"use {earlier}, the latest complete one" if earlier else how))
         return found
     if is_model_checkpoint(path):
         raise ConfigError("runner.resume_dir", f"'{path}' is a model checkpoint ({MODEL_CONFIG} and weights), not a "

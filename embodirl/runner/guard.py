@@ -7,9 +7,10 @@ Rules, each optional (``runner.guard.*``):
 
 * ``success_drop`` / ``patience``: evaluation success more than ``success_drop`` below the best so far for
   ``patience`` evaluations in a row;
-* ``max_kl``: ``kl/behaviour_ref_kl`` (KL of the rollout policy to the reference, adapters off) above it after a
-  training step (needs the reference's log-probs: ``algorithm.kl_beta > 0``);
-* ``min_entropy``: ``actor/entropy`` (mean per action unit) below it after a training step;
+* ``max_kl``: ``kl/behaviour_ref_kl`` (KL of the rollout policy to the reference, adapters off) above it, or not a
+  finite number, after a training step (needs the reference's log-probs: ``algorithm.kl_beta > 0``);
+* ``min_entropy``: ``actor/entropy`` (mean per action unit) below it, or not a finite number, after a training step
+  (every comparison with NaN is false: a NaN would otherwise never trip a rule);
 * ``nonfinite``: a non-finite loss term or gradient (:class:`~embodirl.errors.NonFiniteUpdate`), which otherwise
   stops the run.
 
@@ -24,8 +25,9 @@ The decision is :class:`CollapseGuard`'s (pure bookkeeping, no I/O); the runner 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from embodirl.schema.sections import GUARD_ACTIONS, Guard
 
@@ -85,10 +87,12 @@ class CollapseGuard:
         """The reason the guard trips after a training step's metrics, or None."""
         s = self.settings
         kl, entropy = metrics.get(KL_METRIC), metrics.get(ENTROPY_METRIC)
-        if s.max_kl is not None and kl is not None and float(kl) > s.max_kl:
-            return f"the KL to the reference policy is {float(kl):.4g}, above runner.guard.max_kl={s.max_kl:g}"
-        if s.min_entropy is not None and entropy is not None and float(entropy) < s.min_entropy:
-            return f"the policy's entropy is {float(entropy):.4g}, below runner.guard.min_entropy={s.min_entropy:g}"
+        if s.max_kl is not None and kl is not None and not float(kl) <= s.max_kl:        # NaN trips it too
+            where = "not comparable with" if math.isnan(float(kl)) else "above"
+            return f"the KL to the reference policy is {float(kl):.4g}, {where} runner.guard.max_kl={s.max_kl:g}"
+        if s.min_entropy is not None and entropy is not None and not float(entropy) >= s.min_entropy:
+            where = "not comparable with" if math.isnan(float(entropy)) else "below"
+            return f"the policy's entropy is {float(entropy):.4g}, {where} runner.guard.min_entropy={s.min_entropy:g}"
         return None
 
     # --- decisions ---------------------------------------------------------------------------------------------
@@ -115,5 +119,31 @@ class CollapseGuard:
         return asdict(self.state)
 
     def load_state_dict(self, state: Mapping | None) -> None:
-        if state:
-            self.state = GuardState(**dict(state))
+        """Restore :meth:`state_dict`; a state that is not one (unknown keys, values of the wrong type) raises
+        ``ValueError`` saying which entry."""
+        if not state:
+            return
+        if not isinstance(state, Mapping):
+            raise ValueError(f"a {type(state).__name__}, not a mapping")
+        known = {f.name: f for f in fields(GuardState)}
+        unknown = sorted(set(state) - set(known))
+        if unknown:
+            raise ValueError(f"unknown entry '{unknown[0]}'")
+        for name, value in state.items():
+            if not _is_a(value, known[name].type):
+                raise ValueError(f"'{name}' is {value!r}, not {known[name].type}")
+        self.state = GuardState(**dict(state))
+
+
+_TYPES = {"float": (int, float), "int": (int,), "str": (str,), "list[dict]": (list,)}
+
+
+def _is_a(value, annotation: str) -> bool:
+    """``value`` fits a :class:`GuardState` annotation (``float | None``, ``int``, ...; the module's annotations are
+    strings)."""
+    names = [a.strip() for a in str(annotation).split("|")]
+    if value is None:
+        return "None" in names
+    if isinstance(value, bool):
+        return False
+    return any(isinstance(value, _TYPES.get(n, ())) for n in names if n != "None")

@@ -23,8 +23,9 @@ before any worker starts). Resuming: ``runner.resume_mode=auto`` continues from 
 ``runner.output_dir`` when its saved config has the same hyper-parameters (or from ``runner.resume_dir``); the
 actor ranks restore their state (from any number of ranks that wrote it), RNG states (the inference workers' too)
 and the start-planning generator are restored, and the acting policy starts from the restored weights and version.
-A actor rank that dies ends the run with one sentence, or with ``runner.max_restarts`` rebuilds the workers from the
-last complete checkpoint.
+A actor rank that dies, or a Ray worker stuck past its deadline (``runner.worker_deadline``), ends the run with one
+sentence, or with ``runner.max_restarts`` rebuilds the workers from the last complete checkpoint. SIGTERM or SIGUSR1
+(preemption: :mod:`embodirl.runner.preemption`) ends the step under way, writes its checkpoint and stops the run.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ from embodirl.runner.eval_report import plot_learning_curve, plot_success, print
 from embodirl.runner.evaluation import eval_env_cfg, run_sweep
 from embodirl.runner.guard import ROLLBACK, STOP, CollapseGuard
 from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
+from embodirl.runner.preemption import Preempted, PreemptionWatch
 from embodirl.runner.run_folder import FolderLock, check_eval_folder, no_room, training_start
+from embodirl.runner.run_state import restore as restore_run_state
 from embodirl.runner.weights import complete_record, describe, weights_record
 from embodirl.schema import Config, EnvGroups, run_config
 from embodirl.workers.groups import WorkerGroups
@@ -259,9 +262,11 @@ class Runner:
                                 "runner.keep_last, then run the same command to resume") from None
 
     def _train_attempts(self) -> None:
-        """Train; with ``runner.max_restarts > 0`` a actor rank that dies rebuilds every worker group
-        and the run goes on from its last complete checkpoint."""
+        """Train; with ``runner.max_restarts > 0`` a actor rank that dies, or a worker stuck past its deadline
+        (``runner.worker_deadline.action: restart``), rebuilds every worker group and the run goes on from its last
+        complete checkpoint. A preemption signal ends it with :class:`~embodirl.runner.preemption.Preempted`."""
         from embodirl.workers.actor_group import ActorRankDied
+        from embodirl.workers.deadlines import WorkerHung
 
         states = heldout.check_states(self.cfg, eval_env_cfg(self.cfg))
         if not states.disjoint:         # allowed on purpose (train_init_states: official); the report says so too
@@ -269,14 +274,22 @@ class Runner:
         restarts = self.cfg.runner.max_restarts
         for attempt in range(restarts + 1):
             seed_everything(self.seed)
+            preempted = None
             try:
                 with self._workers(train=True) as groups:
-                    self._train(groups)
+                    try:
+                        self._train(groups)
+                    except Preempted as exc:      # a clean stop: the workers close as at the end of a run
+                        preempted = exc
+                if preempted is not None:
+                    raise preempted
                 return
-            except ActorRankDied as exc:
+            except (ActorRankDied, WorkerHung) as exc:
                 latest = ckpt.latest_checkpoint(self.out)
                 where = (f"the last complete checkpoint is {latest}" if latest is not None
                          else "no checkpoint was written yet")
+                if isinstance(exc, WorkerHung) and self.cfg.runner.worker_deadline.action == "stop":
+                    raise RunFailed(f"{exc}; {where} (runner.worker_deadline.action=stop)") from None
                 if attempt == restarts:
                     hint = "" if restarts else "; set runner.max_restarts=1 to rebuild the workers and go on from it"
                     raise RunFailed(f"{exc}; {where}{hint}") from None
@@ -296,14 +309,8 @@ class Runner:
         if source is not None:
             start_step = ckpt.checkpoint_step(source)
             load_actor_state(actors, source, cfg)
-            runner_state = json.loads((source / "runner" / "state.json").read_text())
-            starts_rng.bit_generator.state = runner_state["starts_rng"]
-            env_steps = float(runner_state.get("env_steps", 0.0))
-            self._elapsed_offset = float(runner_state.get("elapsed_min", 0.0))
-            kl_coef = float(runner_state.get("kl_coef", kl_coef))
-            self.guard.load_state_dict(runner_state.get("guard"))
-            ckpt.load_rng(source / "runner")
-            groups.set_rng_states(ckpt.load_worker_rng(source / "runner"))
+            restored = restore_run_state(source, starts_rng, self.guard, kl_coef, groups)
+            env_steps, self._elapsed_offset, kl_coef = restored.env_steps, restored.elapsed_min, restored.kl_coef
             log.info("resumed from %s (step %d)", source, start_step)
         # the acting policy starts from the actor's weights and version (restored ones after a resume)
         groups.sync_weights(full=True)
@@ -320,10 +327,26 @@ class Runner:
             from tqdm import tqdm
 
             progress = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", leave=False)
-        state = {"env_steps": env_steps, "kl_coef": kl_coef}
+        state = {"env_steps": env_steps, "kl_coef": kl_coef, "saved": (start_step, source)}
+        stack = contextlib.ExitStack()
+        preemption = PreemptionWatch()     # SIGTERM / SIGUSR1: finish the step, checkpoint, stop
 
         def save(step: int) -> Path:
-            return self._save(step, actors, starts_rng, state["env_steps"], groups=groups, kl_coef=state["kl_coef"])
+            path = self._save(step, actors, starts_rng, state["env_steps"], groups=groups, kl_coef=state["kl_coef"])
+            state["saved"] = (step, path)
+            return path
+
+        def stop_if_preempted(step: int) -> None:
+            """After training step ``step`` (or before the first, at ``start_step``): on a preemption signal, write its
+            checkpoint unless it exists, and raise :class:`Preempted` (the handlers are installed in the ``try`` below,
+            an ExitStack so that the loop keeps its indentation)."""
+            if not preemption.requested:
+                return
+            saved_step, path = state["saved"]
+            if saved_step != step:
+                path = save(step)
+            if step < max_steps:          # at the last step the run is complete: it ends as any finished run
+                raise preemption.stop(step, path)
 
         def evaluate(step: int) -> None:
             if ema:   # actor.ema_decay: the acting policy evaluates the moving average, then gets the weights back
@@ -345,10 +368,12 @@ class Runner:
                 self._guard_check(self.guard.after_eval(step, success), step, actors, groups, logger)
 
         try:
+            stack.enter_context(preemption.installed())
             if self.guard.enabled and start_step == 0 and not r.val_before_train:
                 self.guard.state.best_checkpoint, self.guard.state.best_step = str(save(0)), 0   # before any evaluation
             if r.val_before_train and start_step == 0:
                 evaluate(0)
+            stop_if_preempted(start_step)      # a signal during the start's checkpoint or evaluation
             for step in range(start_step + 1, max_steps + 1):
                 t0 = time.perf_counter()
                 batch, stats = self._collect(groups, step, starts_rng)
@@ -367,6 +392,9 @@ class Runner:
                     self._guard_check(_last_line(exc), step, actors, groups, logger)
                     if progress is not None:
                         progress.update(1)
+                    if r.save_interval and step == max_steps:   # the last step rolled back: its weights are final
+                        save(step)
+                    stop_if_preempted(step)
                     continue
                 kl_coef = state["kl_coef"] = float(update_metrics.get("actor/kl_coef", kl_coef))
                 timings["time/update"] = time.perf_counter() - t1
@@ -390,11 +418,13 @@ class Runner:
                     progress.update(1)
                 if self.guard.enabled:
                     self._guard_check(self.guard.after_step(metrics), step, actors, groups, logger)
-                if r.val_check_interval and step % r.val_check_interval == 0:
+                if r.val_check_interval and step % r.val_check_interval == 0 and not preemption.requested:
                     evaluate(step)
                 if r.save_interval and (step % r.save_interval == 0 or step == max_steps):
                     save(step)
+                stop_if_preempted(step)
         finally:
+            stack.close()
             if progress is not None:
                 progress.close()
             logger.close()

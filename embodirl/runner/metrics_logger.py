@@ -4,11 +4,14 @@ run's hyper-parameters (:meth:`MetricsLogger.log_hparams`), pictures such as the
 (:meth:`MetricsLogger.log_image`) and evaluation videos (:meth:`MetricsLogger.log_video`; an animated GIF in
 an image summary, what TensorBoard's video panel reads, encoded here without moviepy).
 
-``metrics.jsonl`` holds one JSON object per logged step: ``{"step": n, "wall_time": s, <name>: value}``.
-When a run resumes from step k, lines for steps after k (written by the interrupted run after its last
-checkpoint) are dropped so the file reads as one uninterrupted run. Every record is flushed and fsync'ed as it
-is appended, and the file is rewritten on resume through a temporary file and a rename, so a power loss or a full
-disk costs at most the line being written: a torn line (not JSON) is skipped with a warning when the file is read.
+``metrics.jsonl`` holds one JSON object per logged step: ``{"step": n, "wall_time": s, <name>: value}``. A value that
+is not a finite number (a NaN loss, an infinite KL) is written as ``null`` and its name listed in the record's
+``nonfinite`` (``{"actor/entropy": null, "nonfinite": ["actor/entropy"]}``; JSON has no NaN), and TensorBoard, wandb
+and the console get it as it is. When a run resumes from step k, lines for steps after k (written by the interrupted
+run after its last checkpoint) are dropped so the file reads as one uninterrupted run. Every record is flushed and
+fsync'ed as it is appended, and the file is rewritten on resume through a temporary file and a rename, so a power loss
+or a full disk costs at most the line being written: a torn line (not JSON) is skipped with a warning when the file is
+read.
 """
 
 from __future__ import annotations
@@ -31,11 +34,21 @@ CONSOLE_KEYS = ("train/success_rate", "eval/success_rate", "train/return", "trai
 
 
 def _scalar(value) -> float | None:
+    """``value`` as a float (NaN and infinities included); None when it is not a number."""
     try:
-        value = float(value)
+        return float(value)
     except (TypeError, ValueError):
         return None
-    return value if math.isfinite(value) else None
+
+
+def _record(step: int, wall_time: float, values: Mapping[str, float], **extra) -> dict:
+    """A ``metrics.jsonl`` record: non-finite values as ``null``, named in ``nonfinite`` (see module docstring)."""
+    nonfinite = [k for k, v in values.items() if not math.isfinite(v)]
+    record = {"step": int(step), "wall_time": wall_time, **extra,
+              **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
+    if nonfinite:
+        record["nonfinite"] = nonfinite
+    return record
 
 
 class MetricsLogger:
@@ -90,7 +103,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
         clean = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
-        record = {"step": int(step), "wall_time": round(time.time() - self._start, 3), **clean}
+        record = _record(step, round(time.time() - self._start, 3), clean)
         self._append(record)
         if self._tb is not None:
             for key, value in clean.items():
@@ -107,8 +120,7 @@ class MetricsLogger:
         """Something that happened to the run (the collapse guard's trip): one ``metrics.jsonl`` record with
         ``event`` and ``message`` beside its scalars, a console line, and TensorBoard text."""
         clean = {k: v for k, v in ((k, _scalar(v)) for k, v in (metrics or {}).items()) if v is not None}
-        record = {"step": int(step), "wall_time": round(time.time() - self._start, 3), "event": kind,
-                  "message": message, **clean}
+        record = _record(step, round(time.time() - self._start, 3), clean, event=kind, message=message)
         self._append(record)
         if self._tb is not None:
             self._tb.add_text(f"events/{kind}", message, global_step=step)

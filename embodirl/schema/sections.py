@@ -25,6 +25,7 @@ def _fail(key: str, message: str):
 LR_SCHEDULES = ("constant", "linear", "cosine")           # actor.optim.lr_schedule (embodirl/actor/optim.py)
 EVAL_PROTOCOLS = ("parallel", "oft")                      # runner.eval_protocol (embodirl/runner/evaluation.py)
 GUARD_ACTIONS = ("rollback", "stop")                      # runner.guard.action (embodirl/runner/guard.py)
+HUNG_ACTIONS = ("restart", "stop")                        # runner.worker_deadline.action (embodirl/workers/deadlines.py)
 
 
 def _rollout_backends():
@@ -60,6 +61,14 @@ class Guard:
 
 
 @dataclass
+class WorkerDeadline:
+    floor_s: float | None = num(0, lo_open=True, null=True)
+    multiple: float = num(1)
+    first_call_s: float = num(0, lo_open=True)
+    action: str = one_of(HUNG_ACTIONS)
+
+
+@dataclass
 class Runner:
     experiment_name: str = required()
     output_dir: str = required()
@@ -73,6 +82,7 @@ class Runner:
     resume_dir: str | None = required()
     resume_mode: str = one_of(RESUME_MODES)
     max_restarts: int = num(0)
+    worker_deadline: WorkerDeadline = section(WorkerDeadline)
     logger: Logger = section(Logger)
     progress_bar: bool = required()
     torch_threads: Any = num(1, auto=True, integer=True)

@@ -17,7 +17,9 @@ and every rank joins the process group there (gloo on CPU, NCCL on GPU).
 
 Faults: every call waits on all ranks; a rank that dies ends the call with :class:`ActorRankDied`
 (one sentence naming the rank, its process and node) after the surviving ranks, which would wait in a
-collective for the dead one, are killed.
+collective for the dead one, are killed. A call past its deadline (``runner.worker_deadline``: a rank stuck in a
+kernel or a collective, or stopped) ends the same way with :class:`~embodirl.workers.deadlines.WorkerHung`, naming
+the stopped rank when one is.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from embodirl.actor import sharding
 from embodirl.placement import data_parallel_size, placement_from_config
 from embodirl.schema import Config, run_config
 from embodirl.workers.actor_worker import ActorWorker
+from embodirl.workers.deadlines import CallTimes, WorkerHung
 from embodirl.workers.transport import pack_trajectory
 from embodirl.workers.worker_set import WorkerDied, WorkerSet
 
@@ -51,6 +54,8 @@ class ActorGroup:
         self.remote = workers.remote
         self.infos = infos
         self.world_size = len(workers)
+        workers.label = "actor rank"
+        workers.info_of = lambda r: self.infos[r] if r < len(self.infos) else None
 
     # --- construction -------------------------------------------------------------------------------
     @classmethod
@@ -77,7 +82,8 @@ class ActorGroup:
                 options.update(worker_options(plan, groups, "actor", rank))
             return options
 
-        workers = WorkerSet(ActorWorker, remote=True, options_for=options_for)
+        workers = WorkerSet(ActorWorker, remote=True, options_for=options_for,
+                            times=CallTimes(cfg.runner.worker_deadline))
         for r in range(N):
             workers.start(r, cfg, spec, rank=r, world_size=N, process_vars=dict(process_vars or {}))
         group = cls(workers, infos=[{} for _ in range(N)])
@@ -101,6 +107,10 @@ class ActorGroup:
             return self.workers.gather(refs, ranks, probe=ActorWorker.ready)
         except WorkerDied as died:
             self._rank_died(died.rank, what)
+        except WorkerHung as hung:
+            hung.kill_local()               # the other ranks wait in a collective for it: all go
+            self.close(kill=True)
+            raise
 
     def _rank_died(self, r: int, what: str):
         info = self.infos[r] if r < len(self.infos) else {}

@@ -19,7 +19,6 @@ optimizer state to host memory while the rollout phase runs; :meth:`onload` brin
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -45,12 +44,6 @@ def build_policy(model_cfg: Mapping, env_spec, seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return make_policy(model_cfg, env_spec)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 class ActorWorker:
@@ -79,25 +72,29 @@ class ActorWorker:
         self.outbox: WeightOutbox | None = None
         self.offloaded = False
         self._parking = HostParking()   # collocated placement: the actor's host buffers, reused every step
+        self._store = None              # rank 0: the process group's rendezvous store (rendezvous())
 
     # --- start --------------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: the address and a free port the group's process group meets at (found here, on the
-        node rank 0 runs on; nothing is set by hand)."""
+        """Rank 0: the address and port the group's process group meets at: the rendezvous store this rank opens
+        and keeps, on a port the kernel picks on the node rank 0 runs on (nothing is set by hand, and no port is
+        looked up free and bound again later)."""
         try:
             import ray
 
             address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         except Exception:
             address = "127.0.0.1"
-        return address, free_port()
+        self._store = fsdp.tcp_store(address, 0, self.world_size, is_master=True)
+        return address, int(self._store.port)
 
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> dict:
-        """Join the process group (when given an address), build the policy and the actor."""
+        """Join the process group (when given rank 0's rendezvous address), build the policy and the actor."""
         device = fsdp.default_device()
         if master_addr is not None:
-            fsdp.init_process_group(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
-                                    master_port=int(master_port), device=device)
+            store = self._store if self._store is not None else fsdp.tcp_store(
+                master_addr, int(master_port), self.world_size, is_master=False)
+            fsdp.init_process_group(rank=self.rank, world_size=self.world_size, store=store, device=device)
         cfg = self.cfg
         policy = self._policy
         if policy is None:

@@ -14,6 +14,7 @@ from embodirl import data as D
 from embodirl.envs.registry import env_config
 from embodirl.rollout.starts import EpisodeStarts, plan_starts
 from embodirl.workers import recovery
+from embodirl.workers.deadlines import CallTimes
 from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.inference_group import InferenceGroup
 from embodirl.workers.inference_worker import TRAIN
@@ -28,7 +29,8 @@ class EnvWorkerGroup:
     def __init__(self, env_cfg, layout: RolloutLayout, *, remote: bool, return_value: bool, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, placement=None,
                  process_vars: Mapping[str, str] | None = None, mode: str = TRAIN,
-                 max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None):
+                 max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None,
+                 deadline=None):
         self.env_cfg = env_config(env_cfg)     # the typed env group (a mapping of it is converted once)
         self.layout = layout
         self.inference: InferenceGroup | None = None
@@ -42,9 +44,12 @@ class EnvWorkerGroup:
                             return_value=return_value, seed=seed, use_shm=use_shm, queue_size=queue_size,
                             process_vars=dict(process_vars or {}), env_builder=env_builder,
                             # an evaluation sweep never aborts: an episode that keeps crashing counts as a failure
-                            keep_lost_episodes=mode != TRAIN)
+                            keep_lost_episodes=mode != TRAIN, deadline=deadline)
+        self.infos: list[dict] = []
         self.workers = WorkerSet(EnvWorker, remote=remote,
-                                 options_for=placement_options(placement, "env", env_placement_offset))
+                                 options_for=placement_options(placement, "env", env_placement_offset),
+                                 times=CallTimes(deadline), label=f"{'evaluation ' if mode != TRAIN else ''}env worker",
+                                 info_of=lambda k: self.infos[k] if k < len(self.infos) else None)
         try:
             for k in range(layout.num_env_workers):
                 self.start(k)

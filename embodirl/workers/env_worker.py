@@ -44,13 +44,16 @@ class EnvWorker:
             default: the adapter registry's ``make_env`` (a callable here must be picklable for Ray).
         keep_lost_episodes: an episode whose simulator crashes on every re-run is kept, marked in the
             collection's ``stats.crashed_slots``, instead of ending the collection (evaluation).
+        deadline: the typed ``runner.worker_deadline`` section: a Ray inference worker that does not answer a batch in
+            time raises :class:`~embodirl.workers.transport.InferenceWorkerHung` (None: wait).
     """
 
     def __init__(self, env_cfg, *, num_stages: int, envs_per_stage: int, num_decisions: int,
                  slot_offset: int = 0, group_size: int = 1, return_value: bool = False, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, process_vars: Mapping[str, str] | None = None,
-                 env_builder: Callable | None = None, keep_lost_episodes: bool = False):
+                 env_builder: Callable | None = None, keep_lost_episodes: bool = False, deadline=None):
         process_env.adopt(process_vars)
+        self.deadline = deadline            # runner.worker_deadline: how long an inference worker's answer may take
         if env_builder is None:
             from embodirl.envs.registry import make_env as env_builder  # after adopt(): runtime set up
         from embodirl.envs.registry import env_config
@@ -122,9 +125,10 @@ class EnvWorker:
             # per stage a decision and a final-observation value request (a time-limit truncation) in
             # flight, plus a bootstrap request: the ring must hold them all (its answers use as many slots)
             slots = max(self.queue_size, 2 * self.S + 1)
-            self._set_client(StreamClient(worker, queue_size=slots, mode=mode, tag=f"s{self.slot_offset}"))
+            self._set_client(StreamClient(worker, queue_size=slots, mode=mode, tag=f"s{self.slot_offset}",
+                                          deadline=self.deadline))
         else:
-            self._set_client(RayClient(worker, mode=mode))
+            self._set_client(RayClient(worker, mode=mode, deadline=self.deadline))
 
     def _set_client(self, client) -> None:
         if self.client is not None and self.client is not client:

@@ -27,7 +27,12 @@ Faults (Ray workers; :mod:`embodirl.workers.recovery`):
   placement; its shared memory is swept, and its slots are collected again from the same episode
   starts (GRPO groups stay intact); the event is logged and kept in :attr:`WorkerGroups.events`;
 * an inference worker that dies is restarted with the last published weights, the env workers it served
-  reconnect, and their slots are collected again.
+  reconnect, and their slots are collected again;
+* a worker that is alive but stuck (a call past its deadline, :mod:`embodirl.workers.deadlines`) raises
+  :class:`~embodirl.workers.deadlines.WorkerHung` naming it: an env worker's collection that waits on an inference
+  worker which does not answer a liveness probe either names the inference worker. The runner restarts every group
+  from the last checkpoint or stops (``runner.worker_deadline.action``); closing the groups kills the named workers
+  first (SIGKILL, which a stopped process cannot ignore).
 
 Collocated placement (a component sharing devices with another): with ``rollout.enable_offload`` the
 inference workers offload their weights after collection and load them back before the next one;
@@ -50,6 +55,7 @@ from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import EpisodeStarts
 from embodirl.schema import Config, run_config
 from embodirl.workers import process_env, recovery
+from embodirl.workers.deadlines import WorkerHung
 from embodirl.workers.env_group import EnvWorkerGroup
 from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.inference_group import InferenceGroup
@@ -151,7 +157,7 @@ class WorkerGroups:
             placement=self.placement, process_vars=self.process_vars, policy=policy, seed=cfg.runner.seed,
             init_seed=cfg.runner.seed, weight_source=self._full_weights if self.remote else None,
             trainable_dtype=trainable_dtype(cfg, self.train), merge_lora=rollout_cfg.merge_lora,
-            compile_blocks=rollout_cfg.compile)
+            compile_blocks=rollout_cfg.compile, deadline=cfg.runner.worker_deadline)
         for group in (self.env, self.eval_env):
             if group is not None:
                 group.attach(self.inference)
@@ -235,7 +241,10 @@ class WorkerGroups:
                       mode=EVAL if greedy else None)
         with self._loaded(group):
             pending = {group.workers.submit(k, EnvWorker.collect, part, **kwargs): k for k, part in enumerate(parts)}
-            results = recovery.settle(group, pending, parts, kwargs)
+            try:
+                results = recovery.settle(group, pending, parts, kwargs)
+            except WorkerHung as hung:
+                raise self.inference.explain(hung) from None
         batch = group.join(results, video_dir)
         if not evaluation:
             self._record_stats(group)
@@ -315,7 +324,7 @@ class WorkerGroups:
                 if group is not None:
                     group.close(wait_s)
             if self.inference is not None:
-                self.inference.close()
+                self.inference.close(min(wait_s, 10.0))
         finally:
             self.actors = self.eval_env = self.env = self.inference = None
             if self.remote:
@@ -339,6 +348,8 @@ class WorkerGroups:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, WorkerHung):
+            exc.kill_local()        # stopped or stuck: it would not close; the others close as after any error
         self.close(CLOSE_WAIT_S if exc_type is None else CLOSE_WAIT_ON_ERROR_S)
 
 
@@ -351,4 +362,4 @@ def _env_group(cfg: Config, env_key: str, layout: RolloutLayout, *, remote: bool
                           seed=cfg.runner.seed + (0 if train else EVAL_SEED_OFFSET),
                           use_shm=channel.shm, queue_size=channel.queue_size,
                           placement=placement, process_vars=process_vars, mode=TRAIN if train else EVAL,
-                          env_placement_offset=placement_offset)
+                          env_placement_offset=placement_offset, deadline=cfg.runner.worker_deadline)

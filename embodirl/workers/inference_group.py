@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping
 
 from embodirl.models.registry import model_config
+from embodirl.workers.deadlines import PROBE_S, CallTimes, WorkerHung, is_stopped, where
 from embodirl.workers.inference_worker import InferenceWorker
 from embodirl.workers.layout import placement_options
 from embodirl.workers.weight_sync import WeightPublisher
@@ -27,7 +28,8 @@ class InferenceGroup:
     def __init__(self, model_cfg, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
                  remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
                  seed: int | None = None, init_seed: int | None = None, weight_source=None,
-                 trainable_dtype: str | None = None, merge_lora: bool = False, compile_blocks: bool = False):
+                 trainable_dtype: str | None = None, merge_lora: bool = False, compile_blocks: bool = False,
+                 deadline=None):
         self.model_cfg = model_config(model_cfg)   # the typed model section (a mapping of it is converted once)
         self.env_spec = env_spec
         self.backend = backend
@@ -47,7 +49,10 @@ class InferenceGroup:
         self._version = 0                # the last version every worker applied
         self.sync_paths: dict[str, int] = {}   # how the last publication reached the workers
         self.generation = [0] * num_workers   # bumped at every restart of worker r
-        self.workers = WorkerSet(InferenceWorker, remote=remote, options_for=placement_options(placement, "rollout"))
+        self.infos: list[dict] = []
+        self.workers = WorkerSet(InferenceWorker, remote=remote, options_for=placement_options(placement, "rollout"),
+                                 times=CallTimes(deadline), label="inference worker",
+                                 info_of=lambda r: self.infos[r] if r < len(self.infos) else None)
         self.shares_policy = policy is not None and not remote
         try:
             for r in range(num_workers):
@@ -160,6 +165,27 @@ class InferenceGroup:
         if handle is not None:      # else nothing was published: the rebuilt worker's seeded start weights are current
             self.workers.call(r, InferenceWorker.receive_weights, handle)
 
+    def explain(self, hung: WorkerHung) -> WorkerHung:
+        """The cause of an env worker's call past its deadline: an inference worker that does not answer a liveness
+        probe either (stopped, or stuck in a decision) is named instead; else ``hung`` itself."""
+        if not self.remote or hung.label == self.workers.label:     # it names an inference worker already
+            return hung
+        silent = self.workers.silent(InferenceWorker.ready, PROBE_S)
+        if not silent:
+            return hung
+        stopped = {r: is_stopped(self.infos[r]) for r in silent}
+        named = ", ".join(f"inference worker {r}{where(self.infos[r], stopped[r])}" for r in silent)
+        return WorkerHung(f"{named} did not answer a liveness check within {PROBE_S:g} s after {hung}",
+                          [(self.infos[r].get("host"), self.infos[r].get("pid")) for r in silent], self.workers.label)
+
+    def hung_answer(self, r: int, cause: BaseException) -> WorkerHung:
+        """Inference worker ``r`` did not answer an env worker's batch in time (``cause``: the env worker's
+        :class:`~embodirl.workers.transport.InferenceWorkerHung`)."""
+        info = self.infos[r] if r < len(self.infos) else None
+        reason = str(getattr(cause, "cause", cause)).strip().splitlines()[0]
+        return WorkerHung(f"inference worker {r}{where(info, is_stopped(info))} {reason}",
+                          [(info.get("host"), info.get("pid"))] if info else [], self.workers.label)
+
     def forget_channels(self, prefix: str) -> None:
         self.workers.call_all(InferenceWorker.forget_channels, prefix)
 
@@ -169,7 +195,7 @@ class InferenceGroup:
     def onload(self) -> None:
         self.workers.call_all(InferenceWorker.onload)
 
-    def close(self) -> None:
-        self.workers.close()
+    def close(self, wait_s: float = 10.0) -> None:
+        self.workers.close(wait_s)
         if self._outbox is not None:
             self._outbox.close()

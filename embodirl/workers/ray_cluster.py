@@ -3,7 +3,8 @@
 ``cluster.ray_address`` (or ``RAY_ADDRESS`` when the key is null) names a running cluster
 (``ray start --head`` on one node, ``ray start --address=<head>:6379`` on the others); without either
 embodirl starts a private Ray on this machine. The simulator runtime is configured first so that Ray's
-worker processes, started by the local raylet, inherit the rendering set-up.
+worker processes, started by the local raylet, inherit the rendering set-up. A local Ray started here goes with the
+driver however it ends (:mod:`embodirl.workers.reaper`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def init_ray(configured_address: str | None = None, *, num_cpus: int | None = No
         # /tmp/ray/ray_current_cluster by any `ray start` (or ray.cluster_utils.Cluster) on this machine
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **options)
         log.info("started a local Ray instance: %s", _brief(ray.cluster_resources()))
+        from embodirl.workers import reaper
+
+        reaper.start()    # its daemons and agents go with this process, even after a kill -9
+    # ray.init replaced the shared-memory cleanup's SIGTERM handler with its own (which exits without calling the
+    # one before): put the cleanup back on top, calling Ray's after it
+    segments.keep_sigterm_hook()
     return ray.cluster_resources()
 
 

@@ -5,7 +5,10 @@ the slots they held are collected again from the same episode starts (GRPO group
 :class:`~embodirl.workers.env_group.EnvWorkerGroup`) as they come. A Ray worker that dies raises ``RayActorError``
 (an env worker) or :class:`~embodirl.workers.transport.InferenceWorkerDied` (its inference worker); either is
 recovered and that worker's part asked for again, up to ``max_faults`` times per collection. Workers in
-this process do not die apart from the driver: their errors are the run's.
+this process do not die apart from the driver: their errors are the run's. A worker that is alive but stuck is not
+recovered here: an inference worker that did not answer an env worker's batch in time
+(:class:`~embodirl.workers.transport.InferenceWorkerHung`), or an env worker's collection past its deadline, raises
+:class:`~embodirl.workers.deadlines.WorkerHung` for the runner (:mod:`embodirl.workers.deadlines`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 
 from embodirl.channel import segments
 from embodirl.workers.env_worker import EnvWorker
-from embodirl.workers.transport import InferenceWorkerDied
+from embodirl.workers.transport import InferenceWorkerDied, InferenceWorkerHung
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
     results: list = [None] * len(workers)
     env_died = _worker_died() if workers.remote else ()
     rollout_died = (InferenceWorkerDied,) if workers.remote else ()
+    rollout_hung = (InferenceWorkerHung,) if workers.remote else ()
     faults = 0
     while pending:
         ref = workers.wait_first(pending)
@@ -49,6 +53,8 @@ def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
         try:
             results[k] = workers.get(ref)
             continue
+        except rollout_hung as exc:
+            raise group.inference.hung_answer(group.layout.inference_worker_of(k), exc) from None
         except rollout_died as exc:
             recover_rollout(group, k, exc)
         except env_died as exc:

@@ -16,14 +16,15 @@ Faults: if the inference worker dies, the client notices at once (it waits on th
 the response queue; where pidfds do not exist, a Ray liveness check after ``LIVENESS_CHECK_S``) and
 raises :class:`~embodirl.workers.transport.InferenceWorkerDied`; after the group restarts it, :meth:`reconnect`
 frees the request slots the dead worker held and the next request opens a new stream. If an env
-worker dies, the group tells the inference worker to :meth:`StreamServer.close_matching` its rings.
+worker dies, the group tells the inference worker to :meth:`StreamServer.close_matching` its rings. An inference
+worker that is alive but does not answer a batch within its deadline (``runner.worker_deadline``, from the recent
+answers' times: :mod:`embodirl.workers.deadlines`) raises :class:`~embodirl.workers.transport.InferenceWorkerHung`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 import time
 import traceback
@@ -31,12 +32,15 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from embodirl.channel.readiness import wait_readable
 from embodirl.channel.shm_channel import ChannelInfo, ShmChannel, ShmReader, ShmRef
 from embodirl.rollout.inference import Done, Pending, PolicyOutput
+from embodirl.workers.deadlines import CallTimes
 
 log = logging.getLogger(__name__)
 
 WANT_VALUE, EVAL_MODE = 1, 2        # request metadata bits
+OPEN = "open_stream"                # the kind of call (deadlines) that opens a stream and answers its first batch
 LIVENESS_CHECK_S = 5.0              # without a pidfd: an answer this slow triggers a Ray liveness check
 SEND_TIMEOUT_S = 60.0               # a response ring that stays full this long: its client is gone
 # bookkeeping entries of a response batch (policy fields are the rest)
@@ -146,11 +150,14 @@ class StreamServer:
             with self._lock:
                 waiting = {self._reader.ready_fd(s.request): name for name, s in self._streams.items()}
             try:
-                readable, _, _ = select.select([self._wake_r, *waiting], [], [], 1.0)
-            except (OSError, ValueError):   # a ring was closed while we waited: look again
+                readable = wait_readable([self._wake_r, *waiting], 1.0)
+            except OSError:   # a ring was closed while we waited: look again
                 continue
             if self._wake_r in readable:
-                os.read(self._wake_r, 4096)
+                try:
+                    os.read(self._wake_r, 4096)
+                except OSError:   # closed by close() while this loop ends
+                    continue
             for fd in readable:
                 name = waiting.get(fd)
                 if name is not None:
@@ -200,8 +207,10 @@ class StreamClient:
     stream to an inference worker on Ray, on the same node (see module docstring)."""
 
     def __init__(self, worker, *, queue_size: int, mode: str = "train", tag: str = "obs",
-                 liveness_check_s: float = LIVENESS_CHECK_S):
+                 liveness_check_s: float = LIVENESS_CHECK_S, deadline=None):
         self.worker = worker
+        self.times = CallTimes(deadline)    # deadline: the typed runner.worker_deadline section (None: wait)
+        self._sent: dict[int, float] = {}   # request seq -> when it was queued
         self.queue_size = max(int(queue_size), 1)
         self.mode = mode
         self.tag = tag
@@ -222,14 +231,20 @@ class StreamClient:
             import ray
 
             ref = self.request.put(obs)
-            info, out, pid = self._call(lambda: ray.get(self.worker.open_stream.remote(self.request.info, ref, meta)))
+            limit, sent = self.times.limit(OPEN), time.monotonic()
+            info, out, pid = self._call(lambda: ray.get(self.worker.open_stream.remote(self.request.info, ref, meta),
+                                                        timeout=limit), OPEN)
+            self.times.record(OPEN, time.monotonic() - sent)
             self.response = info
             self._watch(pid)
             return Done(_strip(out, return_value))
         ref = self.request.send(obs, meta=meta)
+        self._sent[ref.seq] = time.monotonic()
         return _StreamPending(self, ref.seq, return_value)
 
     def _result(self, seq: int, return_value: bool) -> PolicyOutput:
+        from embodirl.workers.transport import DECISION
+
         while seq not in self._answers:
             try:
                 msg = self._reader.recv(self.response, timeout=0)
@@ -240,7 +255,7 @@ class StreamClient:
 
                 raise InferenceWorkerDied(f"inference worker died: its response ring {exc.filename} is gone") from exc
             if msg is None:
-                self._wait()
+                self._wait(self._left(seq))
                 continue
             ref, _ = msg
             views = self._reader.read(ref)
@@ -251,6 +266,9 @@ class StreamClient:
             self._reader.release(ref)
             if failed:
                 raise RuntimeError(f"the inference worker failed on batch {answer_seq}; see its log")
+            sent = self._sent.pop(answer_seq, None)
+            if sent is not None:
+                self.times.record(DECISION, time.monotonic() - sent)
             self._answers[answer_seq] = out
         return _strip(self._answers.pop(seq), return_value)
 
@@ -266,14 +284,28 @@ class StreamClient:
             os.close(self._server_pidfd)
             self._server_pidfd = None
 
-    def _wait(self) -> None:
-        """Wait until an answer is queued or the inference worker died (raises InferenceWorkerDied)."""
+    def _left(self, seq: int) -> float | None:
+        """Seconds request ``seq`` may still wait for its answer (None: no deadline); raises
+        :class:`~embodirl.workers.transport.InferenceWorkerHung` once it is past its deadline."""
+        from embodirl.workers.transport import DECISION, InferenceWorkerHung
+
+        limit, sent = self.times.limit(DECISION), self._sent.get(seq)
+        if limit is None or sent is None:
+            return None
+        left = sent + limit - time.monotonic()
+        if left <= 0:
+            raise InferenceWorkerHung(f"did not answer a batch within {limit:.1f} s ({self.times.describe(DECISION)})")
+        return left
+
+    def _wait(self, left: float | None = None) -> None:
+        """Wait until an answer is queued, the inference worker died (raises InferenceWorkerDied) or ``left``
+        seconds have passed."""
         from embodirl.workers.transport import InferenceWorkerDied
 
         fds = [self._reader.ready_fd(self.response)]
         if self._server_pidfd is not None:
             fds.append(self._server_pidfd)
-        readable, _, _ = select.select(fds, [], [], self.liveness_check_s)
+        readable = wait_readable(fds, self.liveness_check_s if left is None else min(left, self.liveness_check_s))
         if self._server_pidfd is not None and self._server_pidfd in readable:
             raise InferenceWorkerDied("the inference worker process exited while serving this env worker")
         if not readable and self._server_pidfd is None:
@@ -288,16 +320,20 @@ class StreamClient:
         except GetTimeoutError:   # alive but not answering yet (e.g. a long forward on CPU)
             pass
 
-    @staticmethod
-    def _call(fn):
-        from ray.exceptions import RayActorError
+    def _call(self, fn, kind: str | None = None):
+        from ray.exceptions import GetTimeoutError, RayActorError
 
-        from embodirl.workers.transport import InferenceWorkerDied
+        from embodirl.workers.transport import InferenceWorkerDied, InferenceWorkerHung
 
         try:
             return fn()
         except RayActorError as exc:
             raise InferenceWorkerDied(f"inference worker died: {exc}") from exc
+        except GetTimeoutError:
+            if kind is None:
+                raise
+            raise InferenceWorkerHung(f"did not answer {kind} within {self.times.limit(kind):.1f} s "
+                                      f"({self.times.describe(kind)})") from None
 
     def info(self) -> dict:
         return {"shm": True, "stream": True, "segment": self.request.info.segment if self.request else None,
@@ -313,6 +349,7 @@ class StreamClient:
         self.response = None
         self._unwatch()
         self._answers.clear()
+        self._sent.clear()
 
     def close(self) -> None:
         self._unwatch()

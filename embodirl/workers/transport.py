@@ -21,12 +21,14 @@ object store without pickling them and the driver maps them, about 10x faster th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from embodirl.rollout.inference import Done, FutureResult, Pending, PolicyOutput
+from embodirl.workers.deadlines import CallTimes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,11 @@ class InferenceWorkerDied(RuntimeError):
     """The inference worker serving this env worker died during a decision."""
 
 
+class InferenceWorkerHung(RuntimeError):
+    """The inference worker serving this env worker is alive but did not answer a decision within its deadline
+    (:mod:`embodirl.workers.deadlines`); the message says how long it was given, and why."""
+
+
 class LocalClient:
     """In-process client over a :class:`~embodirl.workers.inference_worker.InferenceWorker` object."""
 
@@ -70,33 +77,44 @@ class LocalClient:
             self._pool = None
 
 
+DECISION = "decision"      # the kind of call (deadlines) of one answered batch
+
+
 class _RayPending:
-    def __init__(self, ref):
-        self._ref = ref
+    def __init__(self, ref, times: CallTimes):
+        self._ref, self._times, self._sent = ref, times, time.monotonic()
 
     def result(self) -> PolicyOutput:
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError
 
+        limit = self._times.limit(DECISION)
+        left = None if limit is None else max(0.0, self._sent + limit - time.monotonic())
         try:
-            return ray.get(self._ref)
+            out = ray.get(self._ref, timeout=left)
         except RayActorError as exc:
             raise InferenceWorkerDied(f"inference worker died: {exc}") from exc
+        except GetTimeoutError:
+            raise InferenceWorkerHung(f"did not answer a decision within {limit:.1f} s "
+                                      f"({self._times.describe(DECISION)})") from None
+        self._times.record(DECISION, time.monotonic() - self._sent)
+        return out
 
 
 class RayClient:
     """Client over a Ray inference worker's handle through Ray's object store: each decision is one
     Ray call whose argument is the batch (the path between nodes, or with
-    ``rollout.channel.shm: false``)."""
+    ``rollout.channel.shm: false``). ``deadline``: the typed ``runner.worker_deadline`` section (None: wait)."""
 
-    def __init__(self, worker, *, mode: str = "train"):
+    def __init__(self, worker, *, mode: str = "train", deadline=None):
         self.worker = worker
         self.mode = mode
         self.batches = 0
+        self.times = CallTimes(deadline)
 
     def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
         self.batches += 1
-        return _RayPending(self.worker.infer.remote(dict(obs), return_value=return_value, mode=self.mode))
+        return _RayPending(self.worker.infer.remote(dict(obs), return_value=return_value, mode=self.mode), self.times)
 
     def info(self) -> dict:
         return {"shm": False, "stream": False, "segment": None, "shm_batches": 0, "ray_batches": self.batches,

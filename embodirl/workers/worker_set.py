@@ -15,12 +15,18 @@ A method is named by the worker class's own function (``EnvWorker.collect``), no
 follows a call from the group to the worker. In this process a call runs at once and :meth:`submit` returns its
 outcome already settled (an error is kept and raised by :meth:`get`, as Ray raises it), so the group code that waits
 for the first answer and recovers from a failed one is the same on both sides.
+
+Every wait on a Ray worker has a deadline (:mod:`embodirl.workers.deadlines`): a call that takes far longer than the
+recent calls of its kind raises :class:`~embodirl.workers.deadlines.WorkerHung` naming the worker.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
+
+from embodirl.workers.deadlines import CallTimes, WorkerHung, is_stopped, where
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +52,21 @@ class _Settled:
 
 class WorkerSet:
     """Workers of class ``cls`` by rank (see module docstring). ``options_for(rank)``: extra
-    ``ray.remote`` options of a remote worker (placement); ignored in this process."""
+    ``ray.remote`` options of a remote worker (placement); ignored in this process. ``times``: the group's
+    call times, which set the deadlines of its Ray calls (None: none); ``label`` names a worker in a sentence
+    (``inference worker``) and ``info_of(rank)`` gives its process (``pid``, ``host``, ``node_id``)."""
 
-    def __init__(self, cls: type, *, remote: bool, options_for: Callable[[int], Mapping] | None = None):
+    def __init__(self, cls: type, *, remote: bool, options_for: Callable[[int], Mapping] | None = None,
+                 times: CallTimes | None = None, label: str | None = None,
+                 info_of: Callable[[int], dict | None] | None = None):
         self.cls = cls
         self.remote = bool(remote)
         self.options_for = options_for
         self.handles: list = []
+        self.times = times if times is not None else CallTimes()
+        self.label = label or cls.__name__
+        self.info_of = info_of
+        self._calls: dict = {}          # a Ray call in flight -> (method name, rank, when it was submitted)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -92,15 +106,88 @@ class WorkerSet:
         object ref, or (here) its settled outcome."""
         name = self._name(method)
         if self.remote:
-            return getattr(self.handles[rank], name).remote(*args, **kwargs)
+            ref = getattr(self.handles[rank], name).remote(*args, **kwargs)
+            self._calls[ref] = (name, rank, time.monotonic())
+            return ref
         return _Settled(getattr(self.handles[rank], name), *args, **kwargs)
 
+    # --- deadlines ---------------------------------------------------------------------------------
+    def _due_in(self, refs) -> float | None:
+        """Seconds until the first of ``refs`` passes its deadline (0 when one has; None: no deadline)."""
+        due = None
+        now = time.monotonic()
+        for ref in refs:
+            call = self._calls.get(ref)
+            limit = self.times.limit(call[0]) if call is not None else None
+            if limit is not None:
+                left = max(0.0, call[2] + limit - now)
+                due = left if due is None else min(due, left)
+        return due
+
+    def _done(self, ref) -> None:
+        call = self._calls.pop(ref, None)
+        if call is not None:
+            self.times.record(call[0], time.monotonic() - call[2])
+
+    def _wait(self, refs: list, num_returns: int = 1) -> list:
+        """``ray.wait`` for ``num_returns`` of ``refs``, up to the first deadline among them: the ready ones (timed),
+        or :class:`WorkerHung` naming the workers whose call is past its deadline."""
+        import ray
+
+        while True:
+            due = self._due_in(refs)
+            ready, _ = ray.wait(list(refs), num_returns=min(num_returns, len(refs)), timeout=due)
+            for ref in ready:
+                self._done(ref)
+            if ready or due is None:
+                return ready
+            if self._due_in(refs) == 0:
+                raise self.hung(refs)
+
+    def hung(self, refs: list) -> WorkerHung:
+        """The sentence for calls past their deadline (``refs``: the unfinished calls of one wait, of which one at
+        least is past it): the workers (those stopped among them, else all), the call and why its deadline was that
+        long."""
+        calls = [self._calls[ref] for ref in refs if ref in self._calls]
+        now = time.monotonic()
+        late = [c for c in calls if self.times.limit(c[0]) is not None and now - c[2] >= self.times.limit(c[0])]
+        name = (late or calls)[0][0]
+        ranks = sorted({rank for _, rank, _ in calls})
+        infos = {r: (self.info_of(r) if self.info_of is not None else None) for r in ranks}
+        stopped = [r for r in ranks if is_stopped(infos[r])]
+        named = stopped or ranks     # a stopped process is the cause; the others wait on it (a collective)
+        workers = ", ".join(f"{self.label} {r}{where(infos[r], r in stopped)}" for r in named)
+        limit = self.times.limit(name)
+        return WorkerHung(f"{workers} did not finish {name} within {limit:.1f} s ({self.times.describe(name)})",
+                          [(infos[r].get("host"), infos[r].get("pid")) for r in named if infos[r]], self.label)
+
+    def silent(self, probe: Callable, timeout_s: float) -> list[int]:
+        """The ranks whose Ray worker does not answer ``probe`` (a cheap method) within ``timeout_s`` (stopped or
+        hung; a dead one raises and is not counted here)."""
+        import ray
+
+        probes = [getattr(h, self._name(probe)).remote() for h in self.handles]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
+        ready = set(ready)
+        return [r for r, ref in enumerate(probes) if ref not in ready]
+
     def get(self, pending, timeout: float | None = None):
-        """The result of :meth:`submit` (or a list of them); a worker's error is raised here."""
+        """The result of :meth:`submit` (or a list of them); a worker's error is raised here, and
+        :class:`WorkerHung` for a call past its deadline."""
         if self.remote:
             import ray
 
-            return ray.get(pending, timeout=timeout)
+            if timeout is None:
+                refs = pending if isinstance(pending, list) else [pending]
+                waiting = [ref for ref in refs if ref in self._calls]
+                while waiting:
+                    ready = set(self._wait(waiting, num_returns=len(waiting)))
+                    waiting = [ref for ref in waiting if ref not in ready]
+            try:
+                return ray.get(pending, timeout=timeout)
+            finally:
+                for ref in pending if isinstance(pending, list) else [pending]:
+                    self._calls.pop(ref, None)
         if isinstance(pending, list):
             return [self.get(p) for p in pending]
         if pending.error is not None:
@@ -130,7 +217,7 @@ class WorkerSet:
         waiting = {ref: i for i, ref in enumerate(pending)}
         results: list = [None] * len(pending)
         while waiting:
-            ready, _ = ray.wait(list(waiting), num_returns=1)
+            ready = self._wait(list(waiting))
             i = waiting.pop(ready[0])
             try:
                 results[i] = ray.get(ready[0])
@@ -148,7 +235,7 @@ class WorkerSet:
         import ray
         from ray.exceptions import RayActorError
 
-        probes = [self.submit(r, probe) for r in range(len(self.handles))]
+        probes = [getattr(h, self._name(probe)).remote() for h in self.handles]
         ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
         dead = []
         for r, ref in enumerate(probes):
@@ -161,12 +248,10 @@ class WorkerSet:
         return dead
 
     def wait_first(self, pending: Mapping) -> object:
-        """The key of ``pending`` (a dict keyed by :meth:`submit` results) that finished first."""
+        """The key of ``pending`` (a dict keyed by :meth:`submit` results) that finished first (:class:`WorkerHung`
+        when one is past its deadline first)."""
         if self.remote:
-            import ray
-
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            return ready[0]
+            return self._wait(list(pending))[0]
         return next(iter(pending))
 
     def share(self, obj):
@@ -181,6 +266,7 @@ class WorkerSet:
     def kill(self, rank: int) -> None:
         """Stop worker ``rank`` at once (a dead or hung Ray worker); an object here is closed."""
         handle = self.handles[rank]
+        self._calls = {ref: call for ref, call in self._calls.items() if call[1] != rank}
         try:
             if self.remote:
                 import ray
@@ -195,6 +281,7 @@ class WorkerSet:
         """Close every worker: Ray workers get ``wait_s`` to close (simulators, shared-memory rings they
         created) and are then killed (a dead one is already gone); objects here just close."""
         handles, self.handles = self.handles, []
+        self._calls.clear()
         if not self.remote:
             for handle in handles:
                 handle.close()

@@ -84,7 +84,8 @@ def test_failing_writer_cleans_up_and_resaving_a_step_replaces_it(tmp_path):
     ckpt.save_checkpoint(tmp_path, 1, {"a": _write("a", "new")})
     assert sorted(p.name for p in root.iterdir()) == ["step_1"]
     assert (root / "step_1" / "a" / "a.txt").read_text() == "new"
-    assert json.loads((root / "step_1" / layout.COMPLETE).read_text()) == {"step": 1, "parts": ["a"]}
+    assert json.loads((root / "step_1" / layout.COMPLETE).read_text()) == {"step": 1, "parts": ["a"],
+                                                                           "files": {"a/a.txt": 3}}   # with sizes
 
 
 # --- the policy layout -------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path, capsys):
     logger.close()
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    assert records[2]["train/success_rate"] == pytest.approx(0.3) and "bad" not in records[2]
+    assert records[2]["train/success_rate"] == pytest.approx(0.3)
+    assert records[2]["bad"] is None and records[2]["nonfinite"] == ["bad"]      # logged as such, not dropped
     assert "success_rate=0.3" in capsys.readouterr().out
     assert any((tmp_path / "tensorboard").iterdir())
     # resume after the checkpoint of step 3: steps 4-5 of the interrupted run are dropped

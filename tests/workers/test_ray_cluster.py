@@ -35,6 +35,17 @@ def test_a_second_driver_joins_the_running_cluster(ray_local):
     assert joined == {"gcs": address, "nodes": 1}
 
 
+def test_the_shared_memory_cleanup_stays_first_in_line_for_sigterm_after_ray_init(ray_local):
+    """``ray.init`` installs a SIGTERM handler of its own (``sys.exit``) that does not call the one before: the
+    shared-memory cleanup's handler, installed first, is put back on top, and calls Ray's after releasing."""
+    import signal
+
+    from embodirl.channel import segments
+
+    assert signal.getsignal(signal.SIGTERM) is segments._on_sigterm
+    assert getattr(segments._previous_sigterm, "__module__", "").startswith("ray.")
+
+
 def test_without_an_address_a_run_starts_its_own_ray_beside_a_running_head():
     """A head started on this machine (``ray start --head``, or ``ray.cluster_utils.Cluster`` as the cluster tests
     use) is recorded in /tmp/ray/ray_current_cluster, where a bare ``ray.init()`` looks first. A run with no

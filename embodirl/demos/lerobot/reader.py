@@ -27,6 +27,7 @@ from embodirl.demos.lerobot.layout import (
     decode_video,
     probe_video,
 )
+from embodirl.paths import inside
 
 
 def _read_json(path: Path) -> dict:
@@ -153,7 +154,12 @@ class LeRobotDataset:
         fields = dict(episode_chunk=ep // self.chunks_size, episode_index=ep)
         if video_key is not None:
             fields["video_key"] = video_key
-        return self.root / self.info[template_key].format(**fields)
+        name = self.info[template_key].format(**fields)
+        path = inside(self.root, name)
+        if path is None:     # a dataset from elsewhere must not make this process read (or probe) files outside it
+            raise DatasetError(f"{self.root / INFO_PATH}'s {template_key} names {name} for episode {ep}, outside the "
+                               f"dataset folder {self.root}; a dataset's file names stay inside its folder")
+        return path
 
     def _load_frames(self, episodes: list[dict]) -> None:
         import pyarrow as pa

@@ -77,7 +77,9 @@ def _exit_with_owner(owner_pid: int) -> None:
 
     def watch() -> None:
         if fd is not None:
-            select.select([fd], [], [])
+            poller = select.poll()      # poll, not select: no limit on the descriptor's number
+            poller.register(fd, select.POLLIN)
+            poller.poll()
         else:
             while psutil.pid_exists(owner_pid):
                 time.sleep(OWNER_POLL_S)

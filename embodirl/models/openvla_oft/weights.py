@@ -22,6 +22,7 @@ from embodirl.errors import ConfigError
 from embodirl.models.openvla_oft.lora import ADAPTER_NAME
 from embodirl.models.openvla_oft.names import OURS_ONLY, parameter_rules, public_alias
 from embodirl.models.openvla_oft.resolve import OFTConfig
+from embodirl.paths import inside
 
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -106,6 +107,10 @@ def weight_files(directory: Path) -> list[Path]:
     if index.is_file():
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
+        outside = [n for n in names if inside(directory, n) is None]
+        if outside:     # a downloaded checkpoint must not make this process read files outside it
+            raise CheckpointError(f"{index} lists {outside[0]} in its weight_map, outside the checkpoint {directory}; "
+                                  "a checkpoint's weight files stay inside its folder")
         missing = [n for n in names if not (directory / n).is_file()]
         if missing:
             raise CheckpointFileMissing(f"{index} lists {missing[0]}, which is not in {directory}")
