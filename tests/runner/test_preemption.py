@@ -21,7 +21,8 @@ MAX_STEPS, SAVE_INTERVAL = 12, 5     # the signals land between the regular chec
 
 def _args(name: str) -> list[str]:
     return ["train", *BASE, "cluster.use_ray=false", f"runner.max_steps={MAX_STEPS}",
-            f"runner.save_interval={SAVE_INTERVAL}", f"runner.experiment_name={name}"]
+            f"runner.save_interval={SAVE_INTERVAL}", f"runner.experiment_name={name}",
+            "runner.keep_last=null"]        # every checkpoint kept: the test counts them
 
 
 def _signal_after(proc, metrics, step: int, sig: int) -> str:
