@@ -81,6 +81,9 @@ GEMMA_BOS_ID, GEMMA_NEWLINE_ID = 2, 108
 HASH_ID_LOW = 256
 #: PaliGemma's vocabulary: a checkpoint with it reads prompts through PaliGemma's tokenizer, whose files it must carry
 PALIGEMMA_VOCAB = 257_152
+#: compiled variants dynamo may keep per transformer block (:meth:`Pi0Policy.compile_blocks_`): its layer, the cache
+#: kind (the VLM's prefix, the expert's read-through), a batch size, its dynamic-shape generalisation
+COMPILE_VARIANTS_PER_BLOCK = 4
 #: activation bytes per token, layer and hidden unit of the action expert's training pass with the VLM frozen, without
 #: and with gradient checkpointing (:meth:`Pi0Policy.activation_profile`). The full-size dry run (LIBERO's two cameras,
 #: 48 decisions per micro-batch) measures 119 (Flow-SDE) and 129 (Flow-Noise) without it. With it the peak is the
@@ -647,10 +650,22 @@ class Pi0Policy(Policy):
         self._merger.merge(self.pi0, self.device)
 
     def compile_blocks_(self) -> int:
-        """Compile each transformer block of the vision tower, the VLM and the action expert in place."""
+        """Compile each transformer block of the vision tower, the VLM and the action expert in place.
+
+        The blocks share one forward (transformers' ``GradientCheckpointingLayer``), and dynamo keeps its compiled
+        variants per code object: each Gemma layer is one more (its ``layer_idx`` indexes the key/value cache, a static
+        int), and a batch size or cache kind another. Under dynamo's default ``recompile_limit`` (8) all but 8 of
+        π0's 36 Gemma layers ran uncompiled (a CPU run with 6 + 6 layers hit the limit); the limits are raised here
+        to four variants per block."""
+        import torch._dynamo
+
         net = self.network
         blocks = [*net.model.vlm.vision_tower.encoder.layers, *net.model.vlm.language_model.layers,
                   *net.model.dit.layers]
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, COMPILE_VARIANTS_PER_BLOCK * len(blocks))
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
+                                                 COMPILE_VARIANTS_PER_BLOCK * len(blocks))
         for block in blocks:
             block.compile()
         return len(blocks)
@@ -779,6 +794,13 @@ def network_config(model: Pi0ModelConfig):
                      max_action_dim=model.max_action_dim, num_inference_steps=model.flow.num_steps)
 
 
+def lora_on_expert(targets) -> ConfigError:
+    """The refusal of adapters on an expert that ``model.train_expert`` trains in full."""
+    return ConfigError("model.lora.target_modules", f"{targets} puts adapters on the action expert, which "
+                                                    "model.train_expert trains in full; use vlm, or set "
+                                                    "model.train_expert=false")
+
+
 def apply_lora(network, settings, *, train_expert: bool = False):
     """Wrap the network in a :class:`peft.PeftModel` with adapters (at zero) on its linear layers: ``all-linear``
     (the vision tower, the VLM, the expert and the action projections), ``expert`` (the action expert and the action
@@ -801,9 +823,7 @@ def apply_lora(network, settings, *, train_expert: bool = False):
                                                            "expert, vlm or a name such as q_proj)")
         chosen.extend(hits)
     if train_expert and set(chosen) & set(expert):
-        raise ConfigError("model.lora.target_modules", f"{settings.target_modules} puts adapters on the action expert, "
-                                                       "which model.train_expert trains in full; use vlm, or set "
-                                                       "model.train_expert=false")
+        raise lora_on_expert(settings.target_modules)
     config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                              target_modules=sorted(set(chosen)), bias="none")
     on_meta = network.action_out_proj.weight.is_meta
