@@ -3,6 +3,7 @@ Flow-Noise log-probabilities of the denoising chain). Registered as policy ``pi0
 
 * ``schema.py`` - the typed ``model`` keys;
 * ``flow.py``   - the denoising chain as Gaussian transitions: Flow-SDE and Flow-Noise;
+* ``openpi.py`` - openpi's inputs: resize-with-pad, prompt cleaning, the float32 parameters;
 * ``cache.py``  - the VLM's and the action expert's key/value caches, safe under gradient checkpointing;
 * ``policy.py`` - inputs, the chain, log-probs, value and noise heads, LoRA, the transformers checkpoint layout;
 * ``lerobot.py`` - LeRobot's π0 checkpoint layout (its config.json, weight names and normaliser files).

@@ -31,7 +31,7 @@ Inputs follow openpi's (Physical-Intelligence/openpi @ 15a9616a): images resized
 ``BOS, instruction, newline`` after the image tokens, right-padded to a fixed length (``max_prompt_tokens``), so a
 decision's numbers do not depend on the rest of its batch; state and actions are standardised with the checkpoint's
 statistics and zero-padded. The parameters openpi keeps in float32 stay in float32 in a bfloat16 model
-(:data:`FP32_PARAMETERS`).
+(:data:`.openpi.FP32_PARAMETERS`).
 
 ``action_chain`` per decision, float32: Flow-SDE ``[k, x_k, x_{k+1}]`` (the drawn step and its two states, ``1 + 2 *
 chunk_size * max_action_dim`` values); Flow-Noise the whole chain ``x_0 .. x_K``.
@@ -40,10 +40,8 @@ chunk_size * max_action_dim`` values); Flow-Noise the whole chain ``x_0 .. x_K``
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
-import re
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -60,6 +58,7 @@ from embodirl.models.base import Policy, SamplingParams
 from embodirl.models.lora_merge import AdapterMerger
 from embodirl.models.pi0 import flow, lerobot
 from embodirl.models.pi0.cache import ExpertCache, PrefixCache
+from embodirl.models.pi0.openpi import clean_prompt, fp32_on_load, keep_fp32_, resize_with_pad
 from embodirl.models.pi0.schema import Pi0ModelConfig
 from embodirl.models.processor import HashWordTokenizer
 
@@ -91,47 +90,11 @@ COMPILE_VARIANTS_PER_BLOCK = 4
 #: puts both within 10 %
 EXPERT_ACT_BYTES, EXPERT_RECOMPUTED_BYTES = 115, 200
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-#: the parameters openpi keeps in float32 when π0 runs in bfloat16: SigLIP's patch embedding (weight and bias) and
-#: position embedding, and every Gemma RMSNorm weight (each layer's input and post-attention norm and the final norm,
-#: of the VLM and of the action expert) - openpi's ``PaliGemmaWithExpertModel.to_bfloat16_for_selected_params``
-#: (Physical-Intelligence/openpi src/openpi/models_pytorch/gemma_pytorch.py @ 15a9616a), which RLinf's π0 calls
-#: (rlinf/models/embodiment/openpi/__init__.py @ 558aeb38). Regular expressions over PI0ForConditionalGeneration's
-#: parameter names
-FP32_PARAMETERS = (r"vision_tower\.embeddings\.patch_embedding\.", r"vision_tower\.embeddings\.position_embedding\.",
-                   r"\.input_layernorm\.", r"\.post_attention_layernorm\.", r"(language_model|dit)\.norm\.")
 #: the action expert's parameters (``model.train_expert``): its Gemma layers and final norm, the action/state/time
 #: projections and the velocity head. Not the expert's token embedding, which π0 never reads (it feeds the expert
 #: embeddings; openpi deletes it: ``gemma_expert.model.embed_tokens = None`` in gemma_pytorch.py)
 EXPERT_PREFIXES = ("model.dit.", "embed_action_time.", "action_out_proj.")
 EXPERT_UNUSED = "model.dit.embed_tokens."
-
-
-def clean_prompt(text: str) -> str:
-    """An instruction as openpi cleans it before tokenising: surrounding whitespace stripped, underscores and newlines
-    as spaces (``PaligemmaTokenizer.tokenize``, Physical-Intelligence/openpi src/openpi/models/tokenizer.py @
-    15a9616a). LIBERO's task names (``pick_up_the_black_bowl``) read as words."""
-    return text.strip().replace("_", " ").replace("\n", " ")
-
-
-def resize_with_pad(images: torch.Tensor, size: int) -> torch.Tensor:
-    """Float images with values in [0, 255], ``[N, 3, h, w]`` -> ``[N, 3, size, size]``, as openpi's ``ResizeImages``
-    transform resizes uint8 camera images for π0 (Physical-Intelligence/openpi src/openpi/transforms.py with
-    packages/openpi-client/src/openpi_client/image_tools.py ``resize_with_pad``, PIL bilinear; the JAX
-    src/openpi/shared/image_tools.py ``resize_with_pad`` is the same map) @ 15a9616a: one scale for both sides so that
-    the longer one fits (``ratio = max(w / size, h / size)``, sides ``int(side / ratio)``), bilinear interpolation
-    with the kernel widened by the scale when shrinking (PIL's and ``jax.image.resize``'s antialiasing), rounded to
-    whole levels, and placed on black (0) with ``(size - side) // 2`` pixels before it (the odd one after). An image
-    of the size already is returned as it is, as openpi returns it. PIL rounds between its horizontal and vertical
-    passes, this once at the end (as the JAX version): a pixel may differ by one level."""
-    h, w = images.shape[-2:]
-    if (h, w) == (size, size):
-        return images
-    ratio = max(w / size, h / size)
-    rh, rw = int(h / ratio), int(w / ratio)
-    resized = F.interpolate(images, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
-    resized = resized.round().clamp(0.0, 255.0)
-    top, left = (size - rh) // 2, (size - rw) // 2
-    return F.pad(resized, (left, size - rw - left, top, size - rh - top), value=0.0)
 
 
 def _mlp(sizes: Sequence[int], activation: type[nn.Module]) -> nn.Sequential:
@@ -176,44 +139,6 @@ class NoiseHead(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         raw = self.mlp(features.to(self.mlp[0].weight.dtype)).float()
         return flow.log_variance_std(raw, self.low, self.high)
-
-
-@contextlib.contextmanager
-def fp32_on_load():
-    """``PI0ForConditionalGeneration.from_pretrained`` inside loads :data:`FP32_PARAMETERS` in float32 when the rest
-    loads in a lower precision, so a checkpoint's float32 values of them stay as stored: transformers reads
-    ``_keep_in_fp32_modules_strict`` from the class it loads, set here for the call only (a subclass would lose the
-    weight renaming LeRobot's layout needs, which transformers applies to its own classes only)."""
-    cls = PI0ForConditionalGeneration
-    own = "_keep_in_fp32_modules_strict" in cls.__dict__
-    saved = cls.__dict__.get("_keep_in_fp32_modules_strict")
-    cls._keep_in_fp32_modules_strict = list(FP32_PARAMETERS)
-    try:
-        yield
-    finally:
-        if own:
-            cls._keep_in_fp32_modules_strict = saved
-        else:
-            del cls._keep_in_fp32_modules_strict
-
-
-def keep_fp32_(network) -> None:
-    """:data:`FP32_PARAMETERS` in float32 whatever the network's dtype, and SigLIP's embeddings handed to its (lower
-    precision) encoder in the encoder's dtype, as openpi's SigLIP does (its ``modeling_siglip.py`` replacement casts
-    the embeddings to bfloat16 when the encoder is bfloat16)."""
-    pattern = re.compile("|".join(FP32_PARAMETERS))
-    for name, param in network.named_parameters():
-        if pattern.search(name) and param.dtype != torch.float32:
-            param.data = param.data.float()
-    vision = network.model.vlm.vision_tower
-    encoder_dtype = vision.encoder.layers[0].self_attn.q_proj.weight.dtype
-    hooked = any(getattr(h, "func", None) is _to_dtype for h in vision.embeddings._forward_hooks.values())
-    if encoder_dtype != torch.float32 and not hooked:
-        vision.embeddings.register_forward_hook(functools.partial(_to_dtype, dtype=encoder_dtype))
-
-
-def _to_dtype(module, args, output, *, dtype):
-    return output.to(dtype)
 
 
 def expert_parameters(network) -> list[tuple[str, nn.Parameter]]:
@@ -384,7 +309,7 @@ class Pi0Policy(Policy):
         x = images[:, : self.num_images].to(device, non_blocking=True).flatten(0, 1).float()   # (B*V, 3, h, w)
         x = resize_with_pad(x, self.image_size)                                             # (B*V, 3, S, S)
         pixels = x / 255.0 * 2.0 - 1.0                                                     # [-1, 1], as openpi
-        # float32: SigLIP's patch embedding casts them to its own dtype (float32, FP32_PARAMETERS)
+        # float32: SigLIP's patch embedding casts them to its own dtype (float32, openpi.FP32_PARAMETERS)
         pixel_values = pixels.reshape(B, self.num_images, 3, self.image_size, self.image_size)
         pixel_mask = torch.ones(B, self.num_images, dtype=torch.bool, device=device)
         rows = [self.prompt_ids(t) for t in self._instructions(obs, B)]
@@ -915,9 +840,9 @@ def check_checkpoint(path: str | Path) -> str:
 
 def _from_pretrained(folder: Path, dtype: torch.dtype, device, *,
                      fix: str = "use the checkpoint's own files", **kwargs):
-    """``PI0ForConditionalGeneration.from_pretrained`` (:data:`FP32_PARAMETERS` loaded in float32, :func:`fp32_on_load`)
-    that lets no weight go missing, stay unused or change shape (transformers would initialise it at random and go
-    on): one :class:`ConfigError` sentence ending in ``fix`` instead."""
+    """``PI0ForConditionalGeneration.from_pretrained`` (:data:`.openpi.FP32_PARAMETERS` loaded in float32,
+    :func:`.openpi.fp32_on_load`) that lets no weight go missing, stay unused or change shape (transformers would
+    initialise it at random and go on): one :class:`ConfigError` sentence ending in ``fix`` instead."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()          # one bar per load in every worker's log otherwise
