@@ -81,8 +81,10 @@ def model_size(cfg) -> ModelSize:
     spec = sizing_spec(model, cfg.env.train.max_episode_steps, "doctor", cameras=[f"camera{i}" for i in range(images)],
                        image_size=(size, size))
     policy = make_policy(model, spec)
-    params = list(policy.parameters())
     full = cfg.actor.fsdp.full_finetune
+    if full:                         # the actor's trainable set (Actor does the same), which a policy's profile reads
+        policy.requires_grad_(True)
+    params = list(policy.parameters())
     llm = getattr(model, "llm", None)
     patch = getattr(getattr(getattr(model, "vision", None), "siglip", None), "patch_size", 0)
     tokens = images * (size // patch) ** 2 + TEXT_AND_ACTION_TOKENS if patch else 1
@@ -91,7 +93,7 @@ def model_size(cfg) -> ModelSize:
     if profile is not None:          # a policy that describes its own activations (π0)
         shape = profile()
     return ModelSize(params=sum(p.numel() for p in params),
-                     trainable=sum(p.numel() for p in params if full or p.requires_grad),
+                     trainable=sum(p.numel() for p in params if p.requires_grad),
                      param_bytes=sum(p.numel() * p.element_size() for p in params), **shape)
 
 

@@ -37,22 +37,26 @@ def test_cfg_job_prints_libero_10(tmp_path):
 
 
 def test_cfg_job_composes_the_pi0_libero_recipe(tmp_path):
-    """`env=libero_10 model=pi0` is RLinf's LIBERO-10 π0 recipe (config/model/pi0.yaml names its files and commits):
-    PPO with GAE on a value head, Flow-SDE at noise level 0.5 over 10 denoising steps, chunks of 5 of the 50 actions,
-    64 environments of 480 steps, 8 rollout epochs, learning rate 5e-6."""
+    """`env=libero_10 model=pi0` is RLinf's LIBERO-10 π0 recipe (config/model/pi0.yaml names its files and commits;
+    tests/models/test_pi0_recipe.py holds the whole table): PPO with GAE on a detached value head over the expert's
+    output, Huber critic loss, Flow-SDE at noise level 0.5 over 4 denoising steps, chunks of 10 of the 50 actions, the
+    expert trained in full with PaliGemma frozen, 64 environments of 480 steps, 8 rollout epochs, learning rate 5e-6."""
     proc = run_cli(["train", "--cfg", "job", "env=libero_10", "model=pi0"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     import yaml
 
     cfg = yaml.safe_load(proc.stdout)
     model, alg = cfg["model"], cfg["algorithm"]
-    assert model["name"] == "pi0" and model["value_type"] == "chunk_level" and model["action_chunk"] == 5
-    assert model["chunk_size"] == 50 and model["flow"] == {**model["flow"], "method": "flow_sde", "num_steps": 10,
+    assert model["name"] == "pi0" and model["value_type"] == "chunk_level" and model["action_chunk"] == 10
+    assert model["chunk_size"] == 50 and model["flow"] == {**model["flow"], "method": "flow_sde", "num_steps": 4,
                                                            "noise_level": 0.5}
+    assert model["value_head"] == {**model["value_head"], "features": "expert", "detach": True}
+    assert model["train_expert"] is True and model["lora"]["enabled"] is False
     assert alg["adv_type"] == "gae" and alg["logprob_type"] == "chunk" and alg["update_epochs"] == 4
+    assert alg["huber_delta"] == 10.0 and alg["value_coef"] == 1.0
     assert cfg["env"]["train"]["num_envs"] == 64 and cfg["env"]["train"]["max_episode_steps"] == 480
     assert cfg["rollout"]["rollout_epoch"] == 8 and cfg["actor"]["optim"]["lr"] == 5.0e-6
-    assert cfg["actor"]["fsdp"]["gradient_checkpointing"] is True
+    assert cfg["actor"]["fsdp"]["gradient_checkpointing"] is False
 
 
 def test_unknown_env_lists_options_and_exits_2(tmp_path):

@@ -1,6 +1,7 @@
 """π0 on transformers' PI0ForConditionalGeneration (embodirl/models/pi0/): the policy's chain is the library's, its
-log-probabilities are the closed-form Gaussians of πRL's Flow-SDE / Flow-Noise, and a saved checkpoint acts as the
-policy that wrote it."""
+log-probabilities are the closed-form Gaussians of πRL's Flow-SDE / Flow-Noise as RLinf computes them, its SFT loss is
+the library's, its value head is RLinf's critic (the expert's output, detached), and a saved checkpoint acts as the
+policy that wrote it. Each test names, in its docstring or beside the assertion, the mistake it catches."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from embodirl.models.registry import make_policy, model_config
 
 SPEC = EnvSpec(action_dim=7, max_episode_steps=24, task_descriptions=["reach the red square", "push the cube left"],
                camera_names=["main", "wrist"], image_size=(64, 64), state_dim=5, name="spec")
+
+
+#: the LoRA option (adapters on every linear layer, nothing trained in full): the reference policy is the adapters off
+LORA = ("model.train_expert=false", "model.lora.enabled=true")
 
 
 def _policy(compose_cfg, *overrides, seed=0, spec=SPEC):
@@ -134,11 +139,13 @@ def test_flow_sde_logprob_is_the_closed_form_gaussian_of_its_step(compose_cfg):
     assert torch.allclose(mean, xs - 0.1 * vs, atol=1e-6) and bool((std == 0).all())
 
 
+@pytest.mark.parametrize("trainable", ["expert", "lora"])
 @pytest.mark.parametrize("method", flow.METHODS)
-def test_evaluate_scores_what_act_sampled(compose_cfg, method):
+def test_evaluate_scores_what_act_sampled(compose_cfg, method, trainable):
     """The actor's recomputation of a decision's log-prob and value equals the rollout's (the first minibatch's ratio
-    is 1), in batches of another composition; it has a gradient; the reference (adapters off) differs once trained."""
-    policy, _ = _policy(compose_cfg, f"model.flow.method={method}")
+    is 1), in batches of another composition; it has a gradient; with LoRA the reference (adapters off) differs once
+    trained, with the expert trained in full there is none."""
+    policy, _ = _policy(compose_cfg, f"model.flow.method={method}", *(LORA if trainable == "lora" else ()))
     obs = _obs(batch=6)
     torch.manual_seed(7)
     out = policy.act(obs, SamplingParams(), return_value=True)
@@ -151,6 +158,11 @@ def test_evaluate_scores_what_act_sampled(compose_cfg, method):
     ev["logprob"].sum().backward()
     grads = [p.grad for p in policy.parameters() if p.requires_grad and p.grad is not None]
     assert grads and any(bool(g.abs().sum() > 0) for g in grads)
+    if trainable == "expert":
+        with pytest.raises(NotImplementedError, match="model.train_expert"):
+            with policy.reference_mode():
+                pass
+        return
     _perturb_adapters(policy, lora_only=True)      # the heads train in place: the reference shares them
     with torch.no_grad():
         trained = policy.evaluate(obs, out[D.ACTION_CHAIN])["logprob"]
@@ -206,16 +218,18 @@ def test_bad_pi0_input_is_one_sentence(compose_cfg, tmp_path):
         _policy(compose_cfg, spec=long)
 
 
+@pytest.mark.parametrize("trainable", ["expert", "lora"])
 @pytest.mark.parametrize("method", flow.METHODS)
-def test_gradient_checkpointing_gives_the_same_gradients(compose_cfg, method):
+def test_gradient_checkpointing_gives_the_same_gradients(compose_cfg, method, trainable):
     """The actor's gradient checkpointing (every transformer block recomputed in backward) on π0, whose VLM layers write
     the cache the expert reads: the recomputation must not write the prefix twice nor see another pass's chunk
-    (embodirl/models/pi0/cache.py). Same log-probs, same gradients as without it."""
+    (embodirl/models/pi0/cache.py). Same log-probs, same gradients as without it, with the VLM's adapters training
+    and with the VLM frozen."""
     from embodirl.actor import fsdp
 
     grads = []
     for checkpointing in (False, True):
-        policy, _ = _policy(compose_cfg, f"model.flow.method={method}")
+        policy, _ = _policy(compose_cfg, f"model.flow.method={method}", *(LORA if trainable == "lora" else ()))
         _perturb_adapters(policy)
         if checkpointing:
             assert fsdp.enable_gradient_checkpointing(fsdp.shard_units(policy)) > 0
@@ -226,7 +240,11 @@ def test_gradient_checkpointing_gives_the_same_gradients(compose_cfg, method):
         out = policy.evaluate(obs, chain)
         (out["logprob"].sum() + out[D.VALUE].sum()).backward()
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and any(".lora_" in n and "vlm.language_model" in n for n in grads[0])
+    assert grads[0].keys() == grads[1].keys()
+    if trainable == "lora":
+        assert any(".lora_" in n and "vlm.language_model" in n for n in grads[0])
+    else:
+        assert any("model.dit.layers" in n for n in grads[0]) and not any(".vlm." in n for n in grads[0])
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
 
@@ -234,8 +252,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(compose_cfg, method):
 def test_a_merged_copy_acts_as_the_adapted_policy_across_weight_updates(compose_cfg):
     """rollout.merge_lora on π0: an inference copy that folds the adapters into its weights acts as the policy with
     the adapters beside them, and again after a weight update re-merges from the originals."""
-    policy, _ = _policy(compose_cfg, "model.flow.method=flow_noise")
-    copy, _ = _policy(compose_cfg, "model.flow.method=flow_noise")
+    policy, _ = _policy(compose_cfg, "model.flow.method=flow_noise", *LORA)
+    copy, _ = _policy(compose_cfg, "model.flow.method=flow_noise", *LORA)
     obs, noise = _obs(), _noise(policy, 4)
     for seed in (3, 4):
         _perturb_adapters(policy, seed=seed)
@@ -245,7 +263,7 @@ def test_a_merged_copy_acts_as_the_adapted_policy_across_weight_updates(compose_
         b = copy.act(obs, SamplingParams(greedy=True), return_value=True, noise=noise)
         for key in (D.ACTION_CHUNK, D.ACTION_CHAIN, D.VALUE):
             torch.testing.assert_close(b[key], a[key], atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(a[D.ACTION_CHAIN], _policy(compose_cfg, "model.flow.method=flow_noise")[0].act(
+    assert not torch.allclose(a[D.ACTION_CHAIN], _policy(compose_cfg, "model.flow.method=flow_noise", *LORA)[0].act(
         obs, SamplingParams(greedy=True), noise=noise)[D.ACTION_CHAIN])
 
 
@@ -257,12 +275,15 @@ def test_the_network_and_flow_keys_shape_what_is_built(compose_cfg):
     from embodirl.models.registry import get_policy_builder
 
     policy, _ = _policy(compose_cfg, "model.flow.method=flow_noise", "model.flow.noise_std_range=[0.2,0.3]",
-                        "model.flow.noise_head_hidden_sizes=[16,8]", "model.max_state_dim=12", "model.lora.dropout=0.1")
+                        "model.flow.noise_head_hidden_sizes=[16,8]", "model.max_state_dim=12", "model.lora.dropout=0.1",
+                        *LORA)
     assert [m.out_features for m in policy.noise_head.mlp if isinstance(m, torch.nn.Linear)] == [16, 8, 8]
     assert policy.state_mean.shape == (12,) and policy.network.config.max_state_dim == 12
     obs = _obs()
     entropy = policy.evaluate(obs, policy.act(obs, SamplingParams())[D.ACTION_CHAIN])["entropy"]
-    std = torch.exp(entropy - 0.5 - 0.5 * math.log(2 * math.pi))          # the mean over steps of log std, per element
+    # the mean over the steps of log std, per element (joint_logprob: the prior's std 1 is one more term)
+    log_std = (entropy - 0.5 - 0.5 * math.log(2 * math.pi)) * (policy.num_steps + 1) / policy.num_steps
+    std = torch.exp(log_std)
     assert bool((std >= 0.2 - 1e-5).all() and (std <= 0.3 + 1e-5).all())
     lora = next(m for m in policy.modules() if hasattr(m, "lora_dropout"))
     assert lora.lora_dropout["default"].p == 0.1
@@ -280,7 +301,7 @@ def test_lora_target_modules_adapt_the_part_they_name(compose_cfg, target):
     both, a layer name every layer of that name; only the adapters of those layers (and the heads) train."""
     from peft.tuners.lora import LoraLayer
 
-    policy, _ = _policy(compose_cfg, f"model.lora.target_modules={target}")
+    policy, _ = _policy(compose_cfg, f"model.lora.target_modules={target}", *LORA)
     base = policy.pi0.base_model.model              # the peft wrapper's network
     linears = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and not isinstance(m, LoraLayer)
                and ".lora_" not in n and ".base_layer" not in n}
@@ -294,3 +315,203 @@ def test_lora_target_modules_adapt_the_part_they_name(compose_cfg, target):
     trained = {n.split(".lora_")[0].removeprefix("pi0.base_model.model.")
                for n, p in policy.named_parameters() if p.requires_grad and ".lora_" in n}
     assert trained == adapted
+
+
+# --- RLinf's recipe: what trains, the critic, Flow-Noise --------------------------------------------------------------
+def _expert_pass(policy, inputs, x, t):
+    """The expert's features ``[B, chunk, W]`` and velocity at chain state ``x`` and times ``t`` ``[B]``, through
+    transformers' own forward (``PI0Model.forward`` computes the prefix itself): independent of the policy's caches."""
+    net = policy.network
+    embeds = net.embed_action_time(inputs["state"], x, t)
+    hidden = net.model(action_embeds=embeds, input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
+                       attention_mask=inputs["attention_mask"],
+                       pixel_attention_mask=inputs["pixel_attention_mask"]).last_hidden_state[:, -policy.chunk_size:]
+    return hidden, net.action_out_proj(hidden)
+
+
+def test_the_expert_trains_in_full_and_the_vlm_stays_frozen(compose_cfg):
+    """RLinf's ``train_expert_only: True, is_lora: False``: the expert's Gemma layers and final norm, its action, state
+    and time projections and the velocity head train (not the expert's token embedding, which π0 never reads), with
+    the heads; nothing of PaliGemma (vision tower, projector, Gemma 2B) does. LoRA stays an option, on the VLM only
+    while the expert trains in full."""
+    from embodirl.errors import ConfigError
+    from embodirl.models.registry import get_policy_builder
+
+    policy, _ = _policy(compose_cfg, "model.flow.method=flow_noise", "algorithm=ppo")
+    trained = {n for n, p in policy.named_parameters() if p.requires_grad}
+    heads = {n for n in trained if n.startswith(("value_head.", "noise_head."))}
+    network = {n.removeprefix("pi0.") for n in trained - heads}
+    expert = {n for n, _ in policy.network.named_parameters()
+              if n.startswith(("model.dit.", "embed_action_time.", "action_out_proj."))}
+    assert network == expert - {"model.dit.embed_tokens.weight"}
+    assert heads and not any(".vlm." in n for n in trained)
+    adapted, _ = _policy(compose_cfg, "model.lora.enabled=true", "model.lora.target_modules=vlm")
+    names = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert any(".lora_" in n and ".vlm." in n for n in names) and any("model.dit.layers" in n and ".lora_" not in n
+                                                                      for n in names)
+    with pytest.raises(ConfigError, match="model.lora.target_modules.*model.train_expert"):
+        _policy(compose_cfg, "model.lora.enabled=true")                      # all-linear: the expert too
+    with pytest.raises(ConfigError, match="model.lora.target_modules.*model.train_expert"):   # before workers start
+        get_policy_builder("pi0").check_config(compose_cfg("model=pi0_tiny", "model.lora.enabled=true").model)
+
+
+def test_flow_noise_std_is_squashed_linearly_in_log_variance():
+    """RLinf's ExploreNoiseNet.post_process: tanh, then linear onto [log(min^2), log(max^2)]: at raw 0 the std is the
+    geometric mean of the range (a squash linear in std gives the arithmetic mean, 0.12)."""
+    raw = torch.tensor([-50.0, 0.0, 50.0, math.atanh(0.5)])
+    std = flow.log_variance_std(raw, 0.08, 0.16)
+    expected = [0.08, math.sqrt(0.08 * 0.16), 0.16, math.exp(0.5 * (math.log(0.08 ** 2) + 0.75 * math.log(4.0)))]
+    torch.testing.assert_close(std, torch.tensor(expected), atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_flow_noise_logprob_is_the_closed_form_of_rlinfs_chain(compose_cfg, joint):
+    """The behaviour log-prob of a Flow-Noise decision, written out here from RLinf's formulas
+    (rlinf/models/embodiment/openpi/openpi_action_model.py and modules/explore_noise_net.py @ 558aeb38): every step
+    k is N(x_k - v_k / K, s_k^2) with s_k = exp(log_var / 2), log_var = log(0.08^2) + (log(0.16^2) - log(0.08^2)) (tanh(
+    raw_k) + 1) / 2 and raw_k the noise head's MLP on the expert's features; with joint_logprob the mean over
+    log N(x_0; 0, 1) and the K steps, else over the K steps. Velocity and features from transformers' forward."""
+    policy, _ = _policy(compose_cfg, "model.flow.method=flow_noise", f"model.flow.joint_logprob={str(joint).lower()}")
+    _perturb_adapters(policy)
+    obs = _obs(batch=3)
+    torch.manual_seed(5)
+    out = policy.act(obs, SamplingParams())
+    K = policy.num_steps
+    chain = out[D.ACTION_CHAIN].reshape(3, K + 1, policy.chunk_size, policy.max_action_dim).double()
+    inputs = policy.prepare_inputs(obs)
+    low, high = math.log(0.08 ** 2), math.log(0.16 ** 2)
+    total = torch.distributions.Normal(0.0, 1.0).log_prob(chain[:, 0]) if joint else torch.zeros_like(chain[:, 0])
+    with torch.no_grad():
+        for k in range(K):
+            t = torch.full((3,), 1.0 - k / K)
+            hidden, v = _expert_pass(policy, inputs, chain[:, k].float(), t)
+            raw = policy.noise_head.mlp(hidden).double()
+            std = torch.exp(0.5 * (low + (high - low) * (torch.tanh(raw) + 1.0) / 2.0))
+            mean = chain[:, k] - v.double() / K
+            total = total + torch.distributions.Normal(mean, std).log_prob(chain[:, k + 1])
+    expected = (total / (K + 1 if joint else K))[:, : policy.action_chunk, : policy.action_dim].reshape(3, -1)
+    torch.testing.assert_close(out[D.LOGPROB_BEHAVIOR].double(), expected, atol=2e-4, rtol=1e-5)
+    # the actor re-scores it the same way
+    torch.testing.assert_close(policy.evaluate(obs, out[D.ACTION_CHAIN])["logprob"], out[D.LOGPROB_BEHAVIOR],
+                               atol=1e-5, rtol=0)
+
+
+def test_the_value_is_rlinfs_critic_on_the_experts_output_at_the_scored_step(compose_cfg):
+    """RLinf's π0 critic (value_after_vlm False): the value head on the expert's output averaged over all chunk
+    positions, from the pass the log-probability scores (Flow-SDE: the drawn step, so act and evaluate agree); a ReLU
+    MLP whose last layer starts N(0, 0.02) with a zero bias, the hidden layers Kaiming-normal (fan out)."""
+    from embodirl.models.pi0.policy import ValueHead
+
+    policy, _ = _policy(compose_cfg, "model.flow.method=flow_sde")
+    _perturb_adapters(policy)
+    obs = _obs(batch=6)
+    torch.manual_seed(9)
+    out = policy.act(obs, SamplingParams(), return_value=True)
+    width = policy.chunk_size * policy.max_action_dim
+    chain = out[D.ACTION_CHAIN]
+    steps = chain[:, 0].long()
+    assert len(set(steps.tolist())) > 1
+    x = chain[:, 1:1 + width].reshape(6, policy.chunk_size, -1)
+    inputs = policy.prepare_inputs(obs)
+    with torch.no_grad():
+        hidden, _ = _expert_pass(policy, inputs, x, 1.0 - steps.float() / policy.num_steps)
+        expected = policy.value_head.mlp(hidden.mean(1))[:, 0]
+    torch.testing.assert_close(out[D.VALUE], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(policy.evaluate(obs, chain)[D.VALUE], out[D.VALUE], atol=1e-5, rtol=0)
+    head = ValueHead(1024, [512, 256, 128], 1)
+    linears = [m for m in head.mlp if isinstance(m, torch.nn.Linear)]
+    assert [type(m) for m in head.mlp if not isinstance(m, torch.nn.Linear)] == [torch.nn.ReLU] * 3
+    assert abs(linears[-1].weight.std().item() - 0.02) < 0.005 and not linears[-1].bias.any()
+    assert abs(linears[0].weight.std().item() - math.sqrt(2 / 512)) < 0.005 and not linears[0].bias.any()
+
+
+@pytest.mark.parametrize("features", ["expert", "vlm_prefix"])
+def test_a_detached_value_head_sends_no_gradient_into_the_network(compose_cfg, features):
+    """``model.value_head.detach`` (RLinf's detach_critic_input): with every weight trainable (as
+    actor.fsdp.full_finetune makes them), the value loss's gradient reaches the value head and nothing of the VLM or
+    the expert; without it, it reaches the VLM (the expert reads the VLM's keys and values)."""
+    for detach in (True, False):
+        policy, _ = _policy(compose_cfg, "model.flow.method=flow_sde", f"model.value_head.features={features}",
+                            f"model.value_head.detach={str(detach).lower()}")
+        policy.requires_grad_(True)
+        obs = _obs(batch=3)
+        torch.manual_seed(4)
+        chain = policy.act(obs, SamplingParams())[D.ACTION_CHAIN]
+        policy.evaluate(obs, chain)[D.VALUE].sum().backward()
+        reached = {n for n, p in policy.network.named_parameters() if p.grad is not None and bool(p.grad.abs().sum())}
+        assert all(p.grad is not None and bool(p.grad.abs().sum()) for p in policy.value_head.parameters())
+        if detach:
+            assert not reached, sorted(reached)[:5]
+        else:
+            assert any(".vlm.language_model." in n for n in reached)
+            assert any("model.dit." in n for n in reached) == (features == "expert")
+
+
+def test_the_sft_loss_is_transformers_forward_loss(compose_cfg):
+    """``supervised`` is ``PI0ForConditionalGeneration.forward(..., actions=...)``'s flow-matching loss: the same time
+    (Beta(1.5, 1) scaled into [0.001, 1]) and noise draws from the same generator state, the same interpolation and
+    target ``noise - actions``; its squared error summed over the real ``[H', A]`` part of the padded chunk."""
+    import torch.nn.functional as F
+
+    policy, _ = _policy(compose_cfg)
+    _perturb_adapters(policy)
+    obs = _obs(batch=3)
+    actions = torch.randn(3, 6, 7, generator=torch.Generator().manual_seed(8))      # H' = 6 of 8, A = 7 of 8
+    torch.manual_seed(21)
+    ours = policy.supervised(obs, actions)
+    inputs = policy.prepare_inputs(obs)
+    net = policy.network
+    net.config.loss_reduction = "none"
+    torch.manual_seed(21)
+    reference = net(state=inputs["state"], input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
+                    attention_mask=inputs["attention_mask"], pixel_attention_mask=inputs["pixel_attention_mask"],
+                    actions=F.pad(actions, (0, 1, 0, 2))).loss                          # (3, 8, 8) squared errors
+    torch.testing.assert_close(ours["ce_sum"], reference[:, :6, :7].sum(), atol=1e-5, rtol=1e-5)
+    assert float(ours["labels"]) == 3 * 6 * 7
+    ours["ce_sum"].backward()
+    assert any(p.grad is not None and bool(p.grad.abs().sum()) for p in policy.parameters())
+
+
+@pytest.mark.parametrize("copy", ["merged", pytest.param("compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", flow.METHODS)
+def test_merged_and_compiled_copies_sample_and_score_as_the_plain_policy(compose_cfg, copy, method):
+    """rollout.merge_lora and rollout.compile on π0 (CPU half of issue 57 item 8): from the same starting noise and
+    generator state, an inference copy with its adapters folded in, or with its transformer blocks compiled (inductor),
+    samples the same chain, actions, log-probs and values as the plain policy. Not bit for bit: folding computes
+    (W + s B A) x instead of W x + s B (A x), and inductor fuses and reorders the float32 work; each rounds at ~1e-7
+    relative per operation, which ~10 layers and 4 steps grow to ~1e-6 (measured: <= 5e-7 on actions and values,
+    <= 1e-6 on log-probs). The log-prob divides the chain's error by the step's std (~0.1), hence its looser bound;
+    folding the adapters in while leaving them on moves them by 1e-2 or more. A merged copy also re-scores the chain
+    as the plain policy does (the actor's side of the ratio).
+
+    Compiled, every block runs compiled: the blocks share one forward, so dynamo's compiled variants of it are one per
+    Gemma layer (each indexes the cache with its own layer_idx) and more per batch size; under dynamo's default limit
+    of 8 per code object all but 8 of the full model's 36 Gemma layers ran uncompiled. Here the limit starts at 2,
+    below this tiny model's variants, and compile_blocks_ must raise it so that dynamo refuses no frame. 10-60 s."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    policy, _ = _policy(compose_cfg, f"model.flow.method={method}", "algorithm=ppo", *LORA)
+    other, _ = _policy(compose_cfg, f"model.flow.method={method}", "algorithm=ppo", *LORA)
+    _perturb_adapters(policy)
+    other.load_trainable_state_dict(policy.trainable_state_dict())
+    obs, noise = _obs(), _noise(policy, 4)
+    outputs = []
+    with torch._dynamo.config.patch(recompile_limit=2, accumulated_recompile_limit=2):
+        if copy == "merged":
+            other.merge_adapters_()
+        else:
+            torch._dynamo.reset()
+            counters.clear()
+            assert other.compile_blocks_() == 6
+        for p in (policy, other):
+            torch.manual_seed(13)
+            outputs.append(p.act(obs, SamplingParams(), return_value=True, noise=noise))
+    plain, copied = outputs
+    for key, tol in ((D.ACTION_CHUNK, 1e-5), (D.ACTION_CHAIN, 1e-5), (D.VALUE, 1e-5), (D.LOGPROB_BEHAVIOR, 1e-4)):
+        torch.testing.assert_close(copied[key], plain[key], atol=tol, rtol=0, msg=key)
+    if copy == "merged":
+        ev = [p.evaluate(obs, plain[D.ACTION_CHAIN])["logprob"].detach() for p in (policy, other)]
+        torch.testing.assert_close(ev[1], ev[0], atol=1e-4, rtol=0)
+    else:
+        assert counters["frames"]["ok"] > 2 and counters["frames"]["total"] == counters["frames"]["ok"]

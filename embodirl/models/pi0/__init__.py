@@ -3,6 +3,7 @@ Flow-Noise log-probabilities of the denoising chain). Registered as policy ``pi0
 
 * ``schema.py`` - the typed ``model`` keys;
 * ``flow.py``   - the denoising chain as Gaussian transitions: Flow-SDE and Flow-Noise;
+* ``openpi.py`` - openpi's inputs: resize-with-pad, prompt cleaning, the float32 parameters;
 * ``cache.py``  - the VLM's and the action expert's key/value caches, safe under gradient checkpointing;
 * ``policy.py`` - inputs, the chain, log-probs, value and noise heads, LoRA, the transformers checkpoint layout;
 * ``lerobot.py`` - LeRobot's π0 checkpoint layout (its config.json, weight names and normaliser files).
@@ -27,7 +28,7 @@ def _check_config(model_cfg) -> None:
     """Cheap checks before any worker starts: the typed keys, the sizes' consistency, the checkpoint folder."""
     from embodirl.config_fields import instance
     from embodirl.errors import ConfigError
-    from embodirl.models.pi0.policy import check_checkpoint, network_config
+    from embodirl.models.pi0.policy import check_checkpoint, lora_on_expert, network_config
 
     model = instance(Pi0ModelConfig, model_cfg, "model")
     if model.path:
@@ -39,6 +40,10 @@ def _check_config(model_cfg) -> None:
     low, high = model.flow.noise_std_range
     if not 0 < low <= high:
         raise ConfigError("model.flow.noise_std_range", f"[{low}, {high}] must be two standard deviations 0 < min <= max")
+    targets = model.lora.target_modules
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if model.lora.enabled and model.train_expert and {"all-linear", "expert"} & set(targets):
+        raise lora_on_expert(model.lora.target_modules)      # before any worker starts (a layer name: at build)
 
 
 def _describe_checkpoint(path) -> str:

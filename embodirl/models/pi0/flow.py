@@ -12,10 +12,16 @@ chain is the noise and ``x_K`` the action). The chain has no likelihood. Two way
   uses the next grid time's ``1 - t``, where the formula is infinite). With ``sigma = 0`` the mean is the Euler step.
   RL trains one step per decision, drawn at random, with the others deterministic (πRL's mixed ODE-SDE rollout).
 * **Flow-Noise**: the Euler step's mean with a standard deviation a small network predicts from the action expert's
-  features, every step stochastic; the decision's log-probability is the mean over the ``K`` steps.
+  features, every step stochastic. The network's output goes through tanh and maps linearly onto the log-variance
+  between ``log(min^2)`` and ``log(max^2)`` (:func:`log_variance_std`). The decision's log-probability is, with
+  ``joint_logprob`` (RLinf's Flow-Noise setting), the mean over ``K + 1`` terms: the prior's ``log N(x_0; 0, I)`` and
+  the ``K`` steps; without it the mean over the ``K`` steps. The prior's term does not depend on the weights, so a
+  joint log-ratio is ``K / (K + 1)`` of the other: RLinf's clip and KL readings assume the joint one.
 
 These are the formulas of RLinf's ``rlinf/models/embodiment/openpi/openpi_action_model.py``
-(``sample_mean_var_val``, ``get_logprob_norm``; RLinf/RLinf @ 558aeb38), written from the paper's equations.
+(``sample_mean_var_val``, ``get_logprob_norm``, ``sample_actions``' ``joint_logprob`` branch) and
+``rlinf/models/embodiment/modules/explore_noise_net.py`` (``ExploreNoiseNet.post_process``), RLinf/RLinf @ 558aeb38,
+written from the paper's equations.
 """
 
 from __future__ import annotations
@@ -53,6 +59,20 @@ def sde_transition(x: torch.Tensor, velocity: torch.Tensor, times: torch.Tensor,
 def gaussian_logprob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Element-wise ``log N(x; mean, std^2)``."""
     return -0.5 * ((x - mean) / std) ** 2 - torch.log(std) - 0.5 * _LOG_2PI
+
+
+def standard_normal_logprob(x: torch.Tensor) -> torch.Tensor:
+    """Element-wise ``log N(x; 0, 1)``: the prior's term of a joint Flow-Noise log-probability."""
+    return -0.5 * x ** 2 - 0.5 * _LOG_2PI
+
+
+def log_variance_std(raw: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Flow-Noise's standard deviation from the noise head's output: ``tanh(raw)`` mapped linearly from ``[-1, 1]`` onto
+    the log-variance ``[log(low^2), log(high^2)]``, then ``std = exp(log_var / 2)`` (so ``std`` runs geometrically
+    from ``low`` to ``high``)."""
+    log_var_low, log_var_high = 2.0 * math.log(low), 2.0 * math.log(high)
+    log_var = log_var_low + (log_var_high - log_var_low) * (torch.tanh(raw) + 1.0) / 2.0
+    return torch.exp(0.5 * log_var)
 
 
 def gaussian_entropy(std: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,12 @@
 The network is the library's: PaliGemma (SigLIP + Gemma) encodes the cameras and the prompt once per decision into a
 key/value cache; a Gemma action expert reads it and predicts the velocity of a flow from noise to a chunk of
 ``chunk_size`` actions, padded to ``max_action_dim``, with the normalised state as one more input. What this module adds
-is what RL needs:
+is what RL needs, as RLinf's ``rlinf/models/embodiment/openpi/openpi_action_model.py`` (RLinf/RLinf @ 558aeb38) adds it:
 
-* ``act`` runs the denoising chain as transformers' ``sample_actions`` does (same calls, same Euler update), with the
-  chain kept in float32, and makes it stochastic by Flow-SDE or Flow-Noise (:mod:`.flow`). It returns the chain states a
-  log-probability needs (``action_chain``) and per-element log-probs over the executed ``[H, A]`` part of the chunk.
+* ``act`` runs the denoising chain as transformers' ``sample_actions`` does (same calls, same Euler update, the VLM's
+  key/value cache computed once and read by every step), with the chain kept in float32, and makes it stochastic by
+  Flow-SDE or Flow-Noise (:mod:`.flow`). It returns the chain states a log-probability needs (``action_chain``) and
+  per-element log-probs over the executed ``[H, A]`` part of the chunk.
   Greedy decisions (evaluation) run the plain ODE, with no noise added along the chain, from a Gaussian start drawn
   from a generator seeded by :data:`EVAL_NOISE_SEED` and the decision's observation: deterministic, like a greedy
   token policy's argmax, whatever the global generator's state. The start is a draw of the prior, as in transformers'
@@ -17,13 +18,20 @@ is what RL needs:
   weights score 0.28 from draws (README, "π0").
 * ``evaluate`` re-runs the prefix and the steps the log-probability covers, with autograd: the drawn step for
   Flow-SDE, every step for Flow-Noise.
-* a value head on the mean of the VLM's prefix features (one value per observation, so ``act`` and ``evaluate`` agree on
-  it), and for Flow-Noise the noise head on the expert's features; both train in place.
+* a value head (``model.value_head``): by default RLinf's π0 critic, a ReLU MLP on the action expert's output averaged
+  over the chunk positions, detached, at the steps the log-probability covers (the drawn one for Flow-SDE, the mean
+  over all for Flow-Noise), so that ``act`` and ``evaluate`` agree on it; or on the VLM's mean prefix feature
+  (``features: vlm_prefix``, RLinf's π0.5 mode). For Flow-Noise a noise head on the expert's features. Both train in
+  place.
+* what trains (``model.train_expert``, ``model.lora``): RLinf's π0 recipe trains the action expert in full (its Gemma
+  layers and its action, state and time projections) with PaliGemma frozen; LoRA adapters stay an option.
 
-Inputs follow transformers' ``PI0Processor``: images resized to ``image_size`` and scaled to [-1, 1]; the prompt is
-``image tokens, BOS, instruction, newline``, right-padded to a fixed length (``max_prompt_tokens`` after the image
-tokens), so a decision's numbers do not depend on the rest of its batch; state and actions are standardised with the
-checkpoint's statistics and zero-padded.
+Inputs follow openpi's (Physical-Intelligence/openpi @ 15a9616a): images resized with padding to ``image_size``
+(:func:`resize_with_pad`) and scaled to [-1, 1]; the prompt cleaned (:func:`clean_prompt`) and tokenised as
+``BOS, instruction, newline`` after the image tokens, right-padded to a fixed length (``max_prompt_tokens``), so a
+decision's numbers do not depend on the rest of its batch; state and actions are standardised with the checkpoint's
+statistics and zero-padded. The parameters openpi keeps in float32 stay in float32 in a bfloat16 model
+(:data:`.openpi.FP32_PARAMETERS`).
 
 ``action_chain`` per decision, float32: Flow-SDE ``[k, x_k, x_{k+1}]`` (the drawn step and its two states, ``1 + 2 *
 chunk_size * max_action_dim`` values); Flow-Noise the whole chain ``x_0 .. x_K``.
@@ -42,6 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PI0ForConditionalGeneration
 
 from embodirl import data as D
 from embodirl.errors import ConfigError
@@ -49,6 +58,7 @@ from embodirl.models.base import Policy, SamplingParams
 from embodirl.models.lora_merge import AdapterMerger
 from embodirl.models.pi0 import flow, lerobot
 from embodirl.models.pi0.cache import ExpertCache, PrefixCache
+from embodirl.models.pi0.openpi import clean_prompt, fp32_on_load, keep_fp32_, resize_with_pad
 from embodirl.models.pi0.schema import Pi0ModelConfig
 from embodirl.models.processor import HashWordTokenizer
 
@@ -68,6 +78,23 @@ EVAL_NOISE_SEED = 0
 GEMMA_BOS_ID, GEMMA_NEWLINE_ID = 2, 108
 #: ids the hashing tokenizer uses for a model without a tokenizer (above Gemma's special ids)
 HASH_ID_LOW = 256
+#: PaliGemma's vocabulary: a checkpoint with it reads prompts through PaliGemma's tokenizer, whose files it must carry
+PALIGEMMA_VOCAB = 257_152
+#: compiled variants dynamo may keep per transformer block (:meth:`Pi0Policy.compile_blocks_`): its layer, the cache
+#: kind (the VLM's prefix, the expert's read-through), a batch size, its dynamic-shape generalisation
+COMPILE_VARIANTS_PER_BLOCK = 4
+#: activation bytes per token, layer and hidden unit of the action expert's training pass with the VLM frozen, without
+#: and with gradient checkpointing (:meth:`Pi0Policy.activation_profile`). The full-size dry run (LIBERO's two cameras,
+#: 48 decisions per micro-batch) measures 119 (Flow-SDE) and 129 (Flow-Noise) without it. With it the peak is the
+#: frozen prefix pass's transient (~2.4 GiB for both methods), which a per-token constant follows only roughly: 200
+#: puts both within 10 %
+EXPERT_ACT_BYTES, EXPERT_RECOMPUTED_BYTES = 115, 200
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+#: the action expert's parameters (``model.train_expert``): its Gemma layers and final norm, the action/state/time
+#: projections and the velocity head. Not the expert's token embedding, which π0 never reads (it feeds the expert
+#: embeddings; openpi deletes it: ``gemma_expert.model.embed_tokens = None`` in gemma_pytorch.py)
+EXPERT_PREFIXES = ("model.dit.", "embed_action_time.", "action_out_proj.")
+EXPERT_UNUSED = "model.dit.embed_tokens."
 
 
 def _mlp(sizes: Sequence[int], activation: type[nn.Module]) -> nn.Sequential:
@@ -80,19 +107,29 @@ def _mlp(sizes: Sequence[int], activation: type[nn.Module]) -> nn.Sequential:
 
 
 class ValueHead(nn.Module):
-    """GELU MLP from the VLM's mean prefix feature to one value (``chunk_level``) or ``H`` (``action_level``)."""
+    """RLinf's critic MLP (rlinf/models/embodiment/modules/value_head.py @ 558aeb38, with the ReLU and the last layer's
+    bias openpi_action_model.py gives it): ReLU between the layers, hidden layers Kaiming-normal (fan out), the last
+    N(0, 0.02), zero biases; one value (``chunk_level``) or ``H`` (``action_level``) per feature vector."""
 
     def __init__(self, width: int, hidden_sizes: Sequence[int], outputs: int):
         super().__init__()
-        self.mlp = _mlp([width, *hidden_sizes, outputs], nn.GELU)
+        self.mlp = _mlp([width, *hidden_sizes, outputs], nn.ReLU)
+        linears = [m for m in self.mlp if isinstance(m, nn.Linear)]
+        for layer in linears[:-1]:
+            nn.init.kaiming_normal_(layer.weight, mode="fan_out", nonlinearity="relu")
+            nn.init.zeros_(layer.bias)
+        nn.init.normal_(linears[-1].weight, mean=0.0, std=0.02)
+        nn.init.zeros_(linears[-1].bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.mlp(features.to(self.mlp[0].weight.dtype)).float()
 
 
 class NoiseHead(nn.Module):
-    """Flow-Noise's standard deviation per action element from the expert's feature of each chunk position, squashed
-    into ``[low, high]``."""
+    """Flow-Noise's standard deviation per action element from the expert's feature of each chunk position: a tanh
+    MLP whose output goes through tanh and is mapped linearly onto the log-variance between ``log(low^2)`` and
+    ``log(high^2)`` (:func:`.flow.log_variance_std`; RLinf's ``ExploreNoiseNet``,
+    rlinf/models/embodiment/modules/explore_noise_net.py @ 558aeb38)."""
 
     def __init__(self, width: int, hidden_sizes: Sequence[int], outputs: int, low: float, high: float):
         super().__init__()
@@ -101,7 +138,13 @@ class NoiseHead(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         raw = self.mlp(features.to(self.mlp[0].weight.dtype)).float()
-        return self.low + (self.high - self.low) * torch.sigmoid(raw)
+        return flow.log_variance_std(raw, self.low, self.high)
+
+
+def expert_parameters(network) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the action expert (:data:`EXPERT_PREFIXES`, without its unused token embedding)."""
+    return [(name, p) for name, p in network.named_parameters()
+            if name.startswith(EXPERT_PREFIXES) and not name.startswith(EXPERT_UNUSED)]
 
 
 class Pi0Policy(Policy):
@@ -122,6 +165,9 @@ class Pi0Policy(Policy):
         self.max_state_dim = int(cfg.max_state_dim)
         self.action_chunk, self.action_dim = int(model.action_chunk), int(action_dim)
         self.value_type = model.value_type
+        self.value_features, self.detach_value = model.value_head.features, bool(model.value_head.detach)
+        self.joint_logprob = bool(model.flow.joint_logprob)
+        self.train_expert = bool(model.train_expert)
         self.num_images = int(num_images)
         self.task_descriptions = list(task_descriptions or [])
         self.tokenizer = tokenizer
@@ -138,7 +184,8 @@ class Pi0Policy(Policy):
         with torch.device(device):
             text = cfg.vlm_config.text_config
             outputs = 1 if self.value_type == D.CHUNK_LEVEL else self.action_chunk
-            self.value_head = (ValueHead(text.hidden_size, model.value_head.hidden_sizes, outputs).to(dtype)
+            width = cfg.dit_config.hidden_size if self.value_features == "expert" else text.hidden_size
+            self.value_head = (ValueHead(width, model.value_head.hidden_sizes, outputs).to(dtype)
                                if self.value_type is not None else None)
             low, high = model.flow.noise_std_range
             self.noise_head = (NoiseHead(cfg.dit_config.hidden_size, model.flow.noise_head_hidden_sizes,
@@ -152,7 +199,7 @@ class Pi0Policy(Policy):
         high = torch.as_tensor(action_high, dtype=torch.float32, device=device).expand(self.action_dim)
         self.register_buffer("action_low", low.clone(), persistent=False)
         self.register_buffer("action_high", high.clone(), persistent=False)
-        self.pi0 = apply_lora(network, model.lora) if model.lora.enabled else network
+        self.pi0 = apply_lora(network, model.lora, train_expert=self.train_expert) if model.lora.enabled else network
         self._merger = AdapterMerger()      # merge_adapters_ (rollout.merge_lora)
         self._check_prompts(self.task_descriptions)
 
@@ -213,14 +260,18 @@ class Pi0Policy(Policy):
 
     # --- inputs ----------------------------------------------------------------------------------
     def prompt_ids(self, instruction: str) -> tuple[int, ...]:
-        """``BOS, instruction, newline`` ids (the image tokens go before them)."""
+        """``BOS, instruction, newline`` ids (the image tokens go before them), the instruction cleaned as openpi cleans
+        it (:func:`clean_prompt`) and the newline encoded on its own, as openpi's ``PaligemmaTokenizer.tokenize`` does
+        (src/openpi/models/tokenizer.py @ 15a9616a)."""
         ids = self._prompt_cache.get(instruction)
         if ids is None:
+            text = clean_prompt(instruction)
             if self._words is not None:
-                ids = (GEMMA_BOS_ID, *self._words.encode(instruction), GEMMA_NEWLINE_ID)
+                ids = (GEMMA_BOS_ID, *self._words.encode(text), GEMMA_NEWLINE_ID)
             else:
                 tok = self.tokenizer
-                ids = tuple(tok(f"{tok.bos_token}{instruction}\n", add_special_tokens=False)["input_ids"])
+                ids = (tok.bos_token_id, *tok.encode(text, add_special_tokens=False),
+                       *tok.encode("\n", add_special_tokens=False))
             self._prompt_cache[instruction] = ids
         return ids
 
@@ -256,11 +307,10 @@ class Pi0Policy(Policy):
                              "3, h, w]")
         B = images.shape[0]
         x = images[:, : self.num_images].to(device, non_blocking=True).flatten(0, 1).float()   # (B*V, 3, h, w)
-        if x.shape[-2:] != (self.image_size, self.image_size):
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bicubic", antialias=True,
-                              align_corners=False).clamp(0.0, 255.0)
-        pixels = (x / 255.0 - 0.5) / 0.5                                                   # [-1, 1]
-        pixel_values = pixels.reshape(B, self.num_images, 3, self.image_size, self.image_size).to(dtype)
+        x = resize_with_pad(x, self.image_size)                                             # (B*V, 3, S, S)
+        pixels = x / 255.0 * 2.0 - 1.0                                                     # [-1, 1], as openpi
+        # float32: SigLIP's patch embedding casts them to its own dtype (float32, openpi.FP32_PARAMETERS)
+        pixel_values = pixels.reshape(B, self.num_images, 3, self.image_size, self.image_size)
         pixel_mask = torch.ones(B, self.num_images, dtype=torch.bool, device=device)
         rows = [self.prompt_ids(t) for t in self._instructions(obs, B)]
         image_ids = [self.image_token_id] * (self.num_images * self.tokens_per_image)
@@ -309,11 +359,26 @@ class Pi0Policy(Policy):
         velocity = net.action_out_proj(hidden)
         return velocity.float(), hidden
 
-    def _values(self, prefix_hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        weights = mask.to(prefix_hidden.dtype)[..., None]
-        pooled = (prefix_hidden * weights).sum(1) / weights.sum(1)
-        values = self.value_head(pooled)                                      # (B, 1) or (B, H)
+    def _value(self, features: torch.Tensor) -> torch.Tensor:
+        """The value head on ``features`` ``[B, W]`` (detached with ``model.value_head.detach``): ``[B]`` or ``[B, H]``."""
+        if self.detach_value:
+            features = features.detach()
+        values = self.value_head(features)                                    # (B, 1) or (B, H)
         return values.squeeze(-1) if self.value_type == D.CHUNK_LEVEL else values
+
+    def _prefix_value(self, prefix_hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``features: vlm_prefix``: the value of the VLM's mean prefix feature over the attended tokens."""
+        weights = mask.to(prefix_hidden.dtype)[..., None]
+        return self._value((prefix_hidden * weights).sum(1) / weights.sum(1))
+
+    def _expert_value(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``features: expert``: the value of one expert pass's output ``[B, chunk_size, W]`` averaged over the chunk
+        positions, in float32 (RLinf's ``sample_mean_var_val`` with ``chunk_critic_input`` False)."""
+        return self._value(hidden.float().mean(1))
+
+    @property
+    def _expert_values(self) -> bool:
+        return self.value_head is not None and self.value_features == "expert"
 
     def _times(self, steps: torch.Tensor) -> torch.Tensor:
         """Float32 times ``t_k`` of step indices ``[B]`` on the policy's device, equal to :func:`flow.step_time`'s
@@ -354,13 +419,16 @@ class Pi0Policy(Policy):
             x = self._greedy_start(obs, shape) if greedy else torch.randn(shape, device=self.device)
         temperature = 1.0 if greedy else float(sampling.temperature)
         dt = -1.0 / K
+        want_expert_value = return_value and self._expert_values
+        value = None
         if self.method == flow.FLOW_SDE:
-            # one stochastic step per decision, drawn uniformly (greedy: none; step 0's kernel scores the ODE step)
+            # one stochastic step per decision, drawn uniformly (greedy: none; step 0's kernel scores the ODE step);
+            # an expert-feature value is that step's, as evaluate() recomputes it
             drawn = torch.randint(K, (B,)) if not greedy else torch.zeros(B, dtype=torch.int64)
             x_before = x_after = logprob = None
             for k in range(K):
                 t = flow.step_time(k, K)
-                velocity, _ = self._velocity(inputs, cache, x, torch.full((B,), t, device=self.device))
+                velocity, hidden = self._velocity(inputs, cache, x, torch.full((B,), t, device=self.device))
                 ode = x + dt * velocity
                 here = drawn == k
                 if bool(here.any()):
@@ -372,12 +440,17 @@ class Pi0Policy(Policy):
                     lp = flow.gaussian_logprob(step, mean, std)
                     logprob = lp if logprob is None else torch.where(rows, lp, logprob)
                     x = torch.where(rows, step, ode)
+                    if want_expert_value:
+                        v = self._expert_value(hidden)                              # (B,) or (B, H)
+                        value = v if value is None else torch.where(rows.reshape(B, *[1] * (v.dim() - 1)), v, value)
                 else:
                     x = ode
             chain = torch.cat([drawn.to(self.device, torch.float32)[:, None], x_before.reshape(B, -1),
                                x_after.reshape(B, -1)], dim=1)
         else:
-            states, logprob = [x], torch.zeros_like(x)
+            # every step stochastic; with joint_logprob the prior's log N(x_0; 0, I) is one more term of the mean
+            states = [x]
+            logprob = flow.standard_normal_logprob(x) if self.joint_logprob else torch.zeros_like(x)
             for k in range(K):
                 t = flow.step_time(k, K)
                 velocity, hidden = self._velocity(inputs, cache, x,
@@ -386,14 +459,18 @@ class Pi0Policy(Policy):
                 std = self.noise_head(hidden) * temperature
                 step = mean if greedy else mean + std * torch.randn_like(mean)
                 logprob = logprob + flow.gaussian_logprob(step, mean, std)
+                if want_expert_value:
+                    v = self._expert_value(hidden)
+                    value = v if value is None else value + v
                 x = step
                 states.append(x)
-            logprob = logprob / K
+            logprob = logprob / (K + 1 if self.joint_logprob else K)
+            value = value / K if value is not None else None
             chain = torch.stack(states, dim=1).reshape(B, -1)
         out = {D.ACTION_CHUNK: self._unnormalize(x).float(), D.ACTION_CHAIN: chain.float(),
                D.LOGPROB_BEHAVIOR: self._executed(logprob).float()}
-        if return_value:
-            out[D.VALUE] = self._values(prefix_hidden, inputs["attention_mask"])
+        if return_value and self.value_head is not None:
+            out[D.VALUE] = value if want_expert_value else self._prefix_value(prefix_hidden, inputs["attention_mask"])
         return out
 
     def _greedy_start(self, obs: dict, shape: tuple[int, ...]) -> torch.Tensor:
@@ -425,29 +502,43 @@ class Pi0Policy(Policy):
         inputs = self.prepare_inputs(obs)
         cache, prefix_hidden = self._prefix(inputs)
         shape = (B, self.chunk_size, self.max_action_dim)
+        want_expert_value = return_value and self._expert_values
+        value = None
         if self.method == flow.FLOW_SDE:
             steps = chain[:, 0].round().long()
             x_before, x_after = chain[:, 1: 1 + width].reshape(shape), chain[:, 1 + width:].reshape(shape)
-            velocity, _ = self._velocity(inputs, cache, x_before, self._times(steps))
+            velocity, hidden = self._velocity(inputs, cache, x_before, self._times(steps))
             mean, std = self._sde_step(x_before, velocity, steps, temperature)
             logprob, entropy = flow.gaussian_logprob(x_after, mean, std), flow.gaussian_entropy(std)
+            if want_expert_value:
+                value = self._expert_value(hidden)
         else:
-            states = chain.reshape(B, self.num_steps + 1, *shape[1:])
-            logprob = entropy = 0.0
-            for k in range(self.num_steps):
-                t = flow.step_time(k, self.num_steps)
+            K = self.num_steps
+            states = chain.reshape(B, K + 1, *shape[1:])
+            if self.joint_logprob:           # the prior's term: log N(x_0; 0, I), entropy of N(0, 1)
+                logprob = flow.standard_normal_logprob(states[:, 0])
+                entropy = flow.gaussian_entropy(torch.ones_like(states[:, 0]))
+            else:
+                logprob = entropy = 0.0
+            for k in range(K):
+                t = flow.step_time(k, K)
                 velocity, hidden = self._velocity(inputs, cache, states[:, k],
                                                   torch.full((B,), t, device=self.device))
-                mean = states[:, k] + (-1.0 / self.num_steps) * velocity
+                mean = states[:, k] + (-1.0 / K) * velocity
                 std = self.noise_head(hidden) * temperature
                 logprob = logprob + flow.gaussian_logprob(states[:, k + 1], mean, std)
                 entropy = entropy + flow.gaussian_entropy(std)
-            logprob, entropy = logprob / self.num_steps, entropy / self.num_steps
+                if want_expert_value:
+                    v = self._expert_value(hidden)
+                    value = v if value is None else value + v
+            terms = K + 1 if self.joint_logprob else K
+            logprob, entropy = logprob / terms, entropy / terms
+            value = value / K if value is not None else None
         result = {LOGPROB: self._executed(logprob)}
         if return_entropy:
             result[ENTROPY] = self._executed(entropy)
-        if return_value:
-            result[D.VALUE] = self._values(prefix_hidden, inputs["attention_mask"])
+        if return_value and self.value_head is not None:
+            result[D.VALUE] = value if want_expert_value else self._prefix_value(prefix_hidden, inputs["attention_mask"])
         return result
 
     def supervised(self, obs: dict, actions: torch.Tensor, *, stop_token: bool = False,
@@ -484,33 +575,66 @@ class Pi0Policy(Policy):
         self._merger.merge(self.pi0, self.device)
 
     def compile_blocks_(self) -> int:
-        """Compile each transformer block of the vision tower, the VLM and the action expert in place."""
+        """Compile each transformer block of the vision tower, the VLM and the action expert in place.
+
+        The blocks share one forward (transformers' ``GradientCheckpointingLayer``), and dynamo keeps its compiled
+        variants per code object: each Gemma layer is one more (its ``layer_idx`` indexes the key/value cache, a static
+        int), and a batch size or cache kind another. Under dynamo's default ``recompile_limit`` (8) all but 8 of
+        π0's 36 Gemma layers ran uncompiled (a CPU run with 6 + 6 layers hit the limit); the limits are raised here
+        to four variants per block."""
+        import torch._dynamo
+
         net = self.network
         blocks = [*net.model.vlm.vision_tower.encoder.layers, *net.model.vlm.language_model.layers,
                   *net.model.dit.layers]
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, COMPILE_VARIANTS_PER_BLOCK * len(blocks))
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
+                                                 COMPILE_VARIANTS_PER_BLOCK * len(blocks))
         for block in blocks:
             block.compile()
         return len(blocks)
 
+    def _vlm_trains(self) -> bool:
+        return any(p.requires_grad for p in self.network.model.vlm.parameters())
+
     def activation_profile(self) -> dict:
-        """What ``embodirl doctor``'s memory estimate (:mod:`embodirl.memory_plan`) needs: the VLM's layers, width and
-        prefix tokens, and the training activation bytes per token, layer and hidden unit (without checkpointing) and
-        of the recomputed layer (with it). The constants are the full-size dry run's (``tests/test_dry_run.py``,
-        float32 LoRA on every linear layer): they fold in the vision tower and the expert, and Gemma's MLP is 8x its
-        width, against Llama-2's 2.7x (OpenVLA-OFT's 80 and 128)."""
-        text = self.network.config.vlm_config.text_config
-        return {"layers": int(text.num_hidden_layers), "hidden": int(text.hidden_size),
-                "tokens": self.prompt_length, "act_bytes_per_token_layer": 165,
-                "recomputed_layer_bytes_per_token": 374}
+        """What ``embodirl doctor``'s memory estimate (:mod:`embodirl.memory_plan`) needs for the trainable set: the
+        layers, width and tokens whose activations a training pass keeps, and the bytes per token, layer and hidden
+        unit (without checkpointing) and of the recomputed layer (with it). The constants are the full-size dry run's
+        (``tests/test_dry_run.py``).
+
+        * The VLM trains (LoRA on it, or ``actor.fsdp.full_finetune``): the VLM's layers over the prefix; 165 and 374
+          (float32 LoRA on every linear layer) fold in the vision tower and the expert, and Gemma's MLP is 8x its
+          width, against Llama-2's 2.7x (OpenVLA-OFT's 80 and 128).
+        * The VLM frozen (RLinf's recipe): nothing of the prefix pass is kept; the expert's layers over the chunk and
+          the state token, once per expert pass with gradients (the drawn step for Flow-SDE, every step for
+          Flow-Noise). The constants fold in the prefix keys and values each expert layer's attention keeps (two
+          cameras and a 48-token prompt: 560 prefix tokens)."""
+        if self._vlm_trains():
+            text = self.network.config.vlm_config.text_config
+            return {"layers": int(text.num_hidden_layers), "hidden": int(text.hidden_size),
+                    "tokens": self.prompt_length, "act_bytes_per_token_layer": 165,
+                    "recomputed_layer_bytes_per_token": 374}
+        expert = self.network.config.dit_config
+        passes = 1 if self.method == flow.FLOW_SDE else self.num_steps
+        return {"layers": int(expert.num_hidden_layers), "hidden": int(expert.hidden_size),
+                "tokens": passes * (self.chunk_size + 1), "act_bytes_per_token_layer": EXPERT_ACT_BYTES,
+                "recomputed_layer_bytes_per_token": EXPERT_RECOMPUTED_BYTES}
 
     def fsdp_keeps_gathered(self, unit: nn.Module) -> bool:
-        """FSDP2 keeps the VLM's decoder layers gathered from forward to backward: the expert reads their keys and
-        values from the cache, so their adapters get gradients that do not pass through the layers' outputs."""
-        return any(unit is layer for layer in self.network.model.vlm.language_model.layers)
+        """FSDP2 keeps the VLM's decoder layers gathered from forward to backward when they train: the expert reads
+        their keys and values from the cache, so their weights get gradients that do not pass through the layers'
+        outputs. A frozen VLM (RLinf's recipe) reshards them after the forward like every unit."""
+        return (any(unit is layer for layer in self.network.model.vlm.language_model.layers)
+                and any(p.requires_grad for p in unit.parameters()))
 
     @contextlib.contextmanager
     def reference_mode(self):
         """Adapters off: the network as loaded (the noise head, which the reference shares, stays as trained)."""
+        if self.train_expert:
+            raise NotImplementedError("this π0 policy trains its action expert in full (model.train_expert), so it "
+                                      "has no separate reference policy")
         if not hasattr(self.pi0, "disable_adapter"):
             raise NotImplementedError("this π0 policy has no LoRA adapter (model.lora.enabled is false), so it has "
                                       "no separate reference policy")
@@ -595,10 +719,18 @@ def network_config(model: Pi0ModelConfig):
                      max_action_dim=model.max_action_dim, num_inference_steps=model.flow.num_steps)
 
 
-def apply_lora(network, settings):
+def lora_on_expert(targets) -> ConfigError:
+    """The refusal of adapters on an expert that ``model.train_expert`` trains in full."""
+    return ConfigError("model.lora.target_modules", f"{targets} puts adapters on the action expert, which "
+                                                    "model.train_expert trains in full; use vlm, or set "
+                                                    "model.train_expert=false")
+
+
+def apply_lora(network, settings, *, train_expert: bool = False):
     """Wrap the network in a :class:`peft.PeftModel` with adapters (at zero) on its linear layers: ``all-linear``
     (the vision tower, the VLM, the expert and the action projections), ``expert`` (the action expert and the action
-    projections), ``vlm`` (the vision tower and the VLM), or a list of module-name suffixes."""
+    projections), ``vlm`` (the vision tower and the VLM), or a list of module-name suffixes. With ``train_expert`` the
+    expert trains in full, so adapters there are refused."""
     import peft
 
     linears = [name for name, m in network.named_modules() if isinstance(m, nn.Linear)]
@@ -615,6 +747,8 @@ def apply_lora(network, settings):
             raise ConfigError("model.lora.target_modules", f"'{target}' matches no linear layer of π0 (use all-linear, "
                                                            "expert, vlm or a name such as q_proj)")
         chosen.extend(hits)
+    if train_expert and set(chosen) & set(expert):
+        raise lora_on_expert(settings.target_modules)
     config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                              target_modules=sorted(set(chosen)), bias="none")
     on_meta = network.action_out_proj.weight.is_meta
@@ -651,6 +785,18 @@ def _read_config(path: str | Path) -> tuple[Path, dict]:
     return folder, data
 
 
+def _check_tokenizer(folder: Path, vocab_size: int, name: str | None = None) -> None:
+    """A checkpoint with PaliGemma's vocabulary reads its prompts in PaliGemma's token ids, which only PaliGemma's
+    tokenizer gives: one :class:`ConfigError` sentence when its files are not in the folder (the hashing tokenizer
+    would hand the trained network arbitrary ids). Smaller vocabularies (``pi0_tiny``'s) hash their words."""
+    if vocab_size < PALIGEMMA_VOCAB or any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return
+    source = name or "google/paligemma-3b-pt-224"
+    raise ConfigError("model.path", f"{folder} holds a π0 with PaliGemma's {vocab_size}-token vocabulary but no "
+                                    f"tokenizer: copy the tokenizer files of {source} (tokenizer.json or "
+                                    "tokenizer.model, with tokenizer_config.json and special_tokens_map.json) into it")
+
+
 def check_checkpoint(path: str | Path) -> str:
     """A π0 folder, read without building anything: transformers' layout (``config.json`` says ``model_type`` pi0,
     every weight file's header reads, the statistics file parses) or LeRobot's (:mod:`.lerobot`). One
@@ -660,7 +806,10 @@ def check_checkpoint(path: str | Path) -> str:
     folder, data = _read_config(path)
     config = folder / "config.json"
     if lerobot.is_lerobot_config(data):
-        return lerobot.read(folder, data).describe()
+        checkpoint = lerobot.read(folder, data)
+        if checkpoint.variants[0] in lerobot.GEMMA_VARIANTS:       # a VLM of LeRobot's: PaliGemma's vocabulary
+            _check_tokenizer(folder, lerobot.LEROBOT_VOCAB, checkpoint.tokenizer_name)
+        return checkpoint.describe()
     if data.get("model_type") != "pi0":
         raise ConfigError("model.path", f"{config} describes a '{data.get('model_type')}' model; π0 checkpoints say "
                                         "model_type pi0 (use the model option of that checkpoint)")
@@ -674,6 +823,8 @@ def check_checkpoint(path: str | Path) -> str:
         except Exception as exc:   # safetensors raises its own error types for a bad header
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError("model.path", f"{file} is not a safetensors file ({reason}); write it again") from None
+    text_config = (data.get("vlm_config") or {}).get("text_config") or {}
+    _check_tokenizer(folder, int(text_config.get("vocab_size", PALIGEMMA_VOCAB)))
     statistics = "no statistics (identity)"
     if (folder / PROCESSOR_FILE).is_file():
         try:
@@ -689,19 +840,19 @@ def check_checkpoint(path: str | Path) -> str:
 
 def _from_pretrained(folder: Path, dtype: torch.dtype, device, *,
                      fix: str = "use the checkpoint's own files", **kwargs):
-    """``PI0ForConditionalGeneration.from_pretrained`` that lets no weight go missing, stay unused or change shape
-    (transformers would initialise it at random and go on): one :class:`ConfigError` sentence ending in ``fix``
-    instead."""
-    from transformers import PI0ForConditionalGeneration
+    """``PI0ForConditionalGeneration.from_pretrained`` (:data:`.openpi.FP32_PARAMETERS` loaded in float32,
+    :func:`.openpi.fp32_on_load`) that lets no weight go missing, stay unused or change shape (transformers would
+    initialise it at random and go on): one :class:`ConfigError` sentence ending in ``fix`` instead."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()          # one bar per load in every worker's log otherwise
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()           # its load report is many lines; the sentence below says what matters
     try:
-        network, info = PI0ForConditionalGeneration.from_pretrained(
-            str(folder), dtype=dtype, device_map=str(device), output_loading_info=True, ignore_mismatched_sizes=True,
-            **kwargs)
+        with fp32_on_load():
+            network, info = PI0ForConditionalGeneration.from_pretrained(
+                str(folder), dtype=dtype, device_map=str(device), output_loading_info=True,
+                ignore_mismatched_sizes=True, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError("model.path", f"{folder} is not a loadable π0 checkpoint ({first})") from None
@@ -731,17 +882,16 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, device, model: Pi0Mode
         if config.num_inference_steps != model.flow.num_steps:
             log.info("%s was sampled with %d denoising steps; model.flow.num_steps = %d runs here", folder,
                      config.num_inference_steps, model.flow.num_steps)
-        if checkpoint.tokenizer_name and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-            log.warning("%s tokenised its prompts with %s, whose files are not in the folder: embodirl's hashing "
-                        "tokenizer stands in (copy that tokenizer's files into the folder for the real prompts)",
-                        folder, checkpoint.tokenizer_name)
+        tokenizer_name = checkpoint.tokenizer_name
     else:
         network = _from_pretrained(folder, dtype, device)
         statistics = None
         if (folder / PROCESSOR_FILE).is_file():
             statistics = {k: v for k, v in json.loads((folder / PROCESSOR_FILE).read_text()).items() if k in STAT_KEYS}
+        tokenizer_name = None
+    _check_tokenizer(folder, int(network.config.vlm_config.text_config.vocab_size), tokenizer_name)
     tokenizer = None
-    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
+    if any((folder / f).is_file() for f in TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -754,9 +904,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, device, model: Pi0Mode
 
 
 def build_policy(model_cfg, env_spec=None, *, device: torch.device | str | None = None) -> Pi0Policy:
-    """The policy ``model`` describes: random init (``path: null``, the sizes below) or a checkpoint (its own sizes)."""
-    from transformers import PI0ForConditionalGeneration
-
+    """The policy ``model`` describes: random init (``path: null``, the sizes below) or a checkpoint (its own sizes).
+    Trainable: the heads, the action expert with ``model.train_expert``, the adapters with ``model.lora``."""
     from embodirl.config_fields import instance
     from embodirl.dtypes import parse_dtype
     from embodirl.models.base import default_dtype
@@ -778,6 +927,7 @@ def build_policy(model_cfg, env_spec=None, *, device: torch.device | str | None 
         # every tensor on the build device, non-persistent buffers included: in one clean-clone suite run the time
         # embedding's sinusoid_freq buffer came out on the CPU in a model built on meta (not reproduced alone)
         network.to(device)
+    keep_fp32_(network)
     network.requires_grad_(False)
     if action_dim > network.config.max_action_dim:
         raise ConfigError("model.max_action_dim", f"is {network.config.max_action_dim} but env has {action_dim}-D actions")
@@ -797,10 +947,20 @@ def build_policy(model_cfg, env_spec=None, *, device: torch.device | str | None 
         for name in ("value_head", "noise_head"):
             head = getattr(policy, name)
             part = {k[len(name) + 1:]: v for k, v in heads.items() if k.startswith(name + ".")}
-            if head is not None and part:
-                head.load_state_dict(part)
+            if head is None or not part:
+                continue
+            own = head.state_dict()
+            if {k: tuple(v.shape) for k, v in part.items()} != {k: tuple(v.shape) for k, v in own.items()}:
+                # a head of other settings (e.g. written before the value head read the expert): it starts fresh
+                log.warning("%s: the checkpoint's %s has other shapes than model.%s makes; it starts fresh",
+                            model.path, name, "value_head" if name == "value_head" else "flow")
+                continue
+            head.load_state_dict(part)
     for head in (policy.value_head, policy.noise_head):
         if head is not None:
             head.requires_grad_(True)
+    if model.train_expert:
+        for _, param in expert_parameters(policy.network):
+            param.requires_grad_(True)
     return policy
 

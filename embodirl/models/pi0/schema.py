@@ -5,8 +5,12 @@ from typing import Any
 
 from embodirl.config_fields import num, one_of, required, section
 from embodirl.models.base import CommonModelConfig
-from embodirl.models.openvla_oft.schema import ValueHead, VisionTower  # the same keys as OpenVLA-OFT's
+from embodirl.models.openvla_oft.schema import VisionTower  # the same keys as OpenVLA-OFT's
 from embodirl.models.pi0.flow import METHODS
+
+#: what the value head reads: the action expert's output over the chunk positions (RLinf's π0 mode,
+#: ``value_after_vlm: False``) or the VLM's prefix (RLinf's π0.5 mode, ``value_after_vlm: True``)
+VALUE_FEATURES = ("expert", "vlm_prefix")
 
 
 @dataclass
@@ -40,6 +44,14 @@ class Flow:
     noise_level: float = num(0, lo_open=True)           # Flow-SDE's a in sigma = a sqrt(t / (1 - t))
     noise_std_range: list[float] = required()           # Flow-Noise: [min, max] of the learned standard deviation
     noise_head_hidden_sizes: list[int] = required()
+    joint_logprob: bool = required()    # Flow-Noise: mean over x_0's prior and the K steps (else the K steps only)
+
+
+@dataclass
+class ValueHead:
+    hidden_sizes: list[int] = required()
+    features: str = one_of(VALUE_FEATURES)
+    detach: bool = required()           # no gradient from the value loss into the features (RLinf detach_critic_input)
 
 
 @dataclass
@@ -62,3 +74,4 @@ class Pi0ModelConfig(CommonModelConfig):
     language: Language = section(Language)
     expert: Gemma = section(Gemma)
     lora: Lora = section(Lora)
+    train_expert: bool = required()     # the action expert's weights train in full, the VLM only through model.lora
