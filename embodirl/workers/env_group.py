@@ -28,7 +28,8 @@ class EnvWorkerGroup:
     def __init__(self, env_cfg, layout: RolloutLayout, *, remote: bool, return_value: bool, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, placement=None,
                  process_vars: Mapping[str, str] | None = None, mode: str = TRAIN,
-                 max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None):
+                 max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None,
+                 conversion=None):
         self.env_cfg = env_config(env_cfg)     # the typed env group (a mapping of it is converted once)
         self.layout = layout
         self.inference: InferenceGroup | None = None
@@ -42,7 +43,9 @@ class EnvWorkerGroup:
                             return_value=return_value, seed=seed, use_shm=use_shm, queue_size=queue_size,
                             process_vars=dict(process_vars or {}), env_builder=env_builder,
                             # an evaluation sweep never aborts: an episode that keeps crashing counts as a failure
-                            keep_lost_episodes=mode != TRAIN)
+                            keep_lost_episodes=mode != TRAIN,
+                            # the policy's actions -> this env's (embodirl.envs.conventions), checked by the driver
+                            conversion=conversion)
         self.workers = WorkerSet(EnvWorker, remote=remote,
                                  options_for=placement_options(placement, "env", env_placement_offset))
         try:
