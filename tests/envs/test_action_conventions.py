@@ -168,6 +168,15 @@ def test_a_pairing_that_cannot_be_converted_is_one_sentence(overrides, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_policy_that_declares_nothing_is_refused():
+    libero = C.ActionConvention(C.OSC_POSE_DELTA, C.SIGNED_CLOSE_POSITIVE)
+    with pytest.raises(ConfigError, match=r"^model.action_convention: my_policy declares no action convention, so its "
+                                          r"actions cannot be converted to what env.eval \(libero\) consumes \(arm "
+                                          r"osc_pose_delta, gripper signed_close_positive\); set "
+                                          r"model.action_convention.arm and .gripper$"):
+        C.pairing(None, libero, model_name="my_policy", env_key="env.eval", adapter="libero")
+
+
 def test_an_openvla_oft_libero_checkpoint_is_refused_in_another_arm_space(tmp_path):
     """A checkpoint whose statistics are a LIBERO dataset's acts in LIBERO's OSC_POSE delta: not in ManiSkill's 7-D
     pd_ee_delta_pose, which has the same width."""
