@@ -142,11 +142,20 @@ def test_maniskill_opens_its_gripper_at_plus_one_as_declared():
 # --------------------------------------------------------------------------------------------------
 # refusals
 # --------------------------------------------------------------------------------------------------
-@ADAPTERS.register(__name__, config=ToyEnvConfig)
 class UndeclaredToyAdapter(ToyAdapter):
     """The toy simulator behind an adapter that declares no action convention."""
 
     action_convention = None
+
+
+@pytest.fixture
+def undeclared_adapter(monkeypatch) -> str:
+    """:class:`UndeclaredToyAdapter` registered as a module outside embodirl registers itself, for this test only (the
+    registry is the process's: other tests list the adapters)."""
+    name = "my_lab.undeclared_sim"
+    monkeypatch.setitem(ADAPTERS._entries, name, UndeclaredToyAdapter)
+    monkeypatch.setitem(ADAPTERS._configs, name, ToyEnvConfig)
+    return name
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -158,14 +167,19 @@ class UndeclaredToyAdapter(ToyAdapter):
      r"\(signed_close_positive\); choose a policy with a gripper dim$"),
     (["env=libero_object", "model=pi0_tiny", "model.action_convention.gripper=closed01"],
      r"^model.action_convention.gripper: 'closed01' is not one of open01, signed_close_positive, "),
-    (["env=toy_reach", f"env.train.adapter={__name__}", f"env.eval.adapter={__name__}"],
-     rf"^env.train.adapter: simulator adapter '{__name__}' declares no action convention, so state_mlp's actions "
-     r"cannot be checked against what it consumes; give the adapter action_convention\(cfg\)"),
 ])
 def test_a_pairing_that_cannot_be_converted_is_one_sentence(overrides, message):
     with pytest.raises(ConfigError, match=message) as info:
         run_config(*overrides)
     assert "\n" not in str(info.value)
+
+
+def test_an_adapter_that_declares_nothing_is_refused(undeclared_adapter):
+    with pytest.raises(ConfigError, match=rf"^env.train.adapter: simulator adapter '{undeclared_adapter}' declares no "
+                                          r"action convention, so state_mlp's actions cannot be checked against what "
+                                          r"it consumes; give the adapter action_convention\(cfg\)"):
+        run_config("env=toy_reach", f"env.train.adapter={undeclared_adapter}",
+                   f"env.eval.adapter={undeclared_adapter}")
 
 
 def test_a_policy_that_declares_nothing_is_refused():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from embodirl.paths import config_dir
@@ -122,14 +123,22 @@ def test_a_policy_family_added_with_one_package_and_one_yaml(tmp_path, monkeypat
              "sft); use one that it can: openvla_oft, pi0")):
         proc = cli(args, tmp_path, tree, path=[src])
         assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr[-2000:]
-    # the dry run and doctor's memory estimate build it on the meta device like any family (here: in this process)
+    # the dry run and doctor's memory estimate build it on the meta device like any family (here: in this process,
+    # where the family registers for this test only: other tests list the registry's families)
     from embodirl.config import compose
     from embodirl.dry_run import dry_run
     from embodirl.memory_plan import UNSET_STATE_DIM, memory_plan, model_size
+    from embodirl.registry import POLICIES
 
+    monkeypatch.setattr(POLICIES, "_entries", dict(POLICIES._entries))
+    monkeypatch.setattr(POLICIES, "_configs", dict(POLICIES._configs))
     monkeypatch.syspath_prepend(str(src))
-    cfg = compose(base, config_path=tree)
-    report, size = dry_run(cfg), model_size(cfg)
+    try:
+        cfg = compose(base, config_path=tree)
+        report, size = dry_run(cfg), model_size(cfg)
+    finally:
+        for module in ("my_lab.linear_policy", "my_lab"):
+            sys.modules.pop(module, None)
     chunk = 2 * 7                                          # H x A, sized without a simulator (memory_plan.UNSET_*)
     assert report.params == size.params == size.trainable == UNSET_STATE_DIM * chunk + 2 * chunk   # weight, bias, log-std
     assert report.update_flops_per_decision > 0 and memory_plan(cfg, size, "cpu")["actor"] > 0
