@@ -14,7 +14,7 @@ heldout             training's init states apart from the evaluation's (LIBERO's
                     ManiSkill's seeds from 0), or the same on purpose (:mod:`embodirl.runner.heldout`)
 dependencies        installed versions against the lock ``constraints.txt``                        -
 checkpoint          ``model.path``: files, heads and image count vs the model config, RL-ready     -
-                    (:mod:`embodirl.models.openvla_oft.autoconfig`)
+                    (the policy family's ``describe_checkpoint``, e.g. OpenVLA-OFT's autoconfig)
 memory              parameters, gradients, optimizer state, activations and rollout copies per     yes
                     device against the memory found (an estimate: :mod:`embodirl.memory_plan`)
 video               the ffmpeg writer (imageio-ffmpeg) when the run writes videos                  yes
@@ -263,32 +263,15 @@ def check_checkpoint(cfg) -> Check:
     if not path:
         return Check("checkpoint", True, "none: the model starts from a random init")
     builder = get_policy_builder(cfg.model.name)
+    describe = getattr(builder, "describe_checkpoint", None)      # a family that reads its own layout
     try:
         if getattr(builder, "check_config", None) is not None:
             builder.check_config(cfg.model)
         if getattr(builder, "check_run", None) is not None:
             builder.check_run(cfg, str(path))
+        detail = describe(str(path)) if describe is not None else f"{path}"
     except (ConfigError, AssetsMissing) as exc:
         return Check("checkpoint", False, str(exc).split("; ")[0], _fix_of(str(exc)))
-    detail = f"{path}"
-    describe = getattr(builder, "describe_checkpoint", None)
-    if describe is not None:            # a policy that reads its own layout (π0)
-        return Check("checkpoint", True, describe(str(path)))
-    if str(cfg.model.name).startswith("openvla_oft"):
-        from embodirl.models.openvla_oft import autoconfig
-
-        contents = autoconfig.inspect(str(path))
-        if contents is None:
-            return Check("checkpoint", True, f"{path}: a hub id not downloaded yet (checked when the worker loads it)")
-        weights = sorted(p.name for p in contents.directory.glob("*.safetensors"))
-        adapter = (contents.directory / "lora_adapter").is_dir() or (contents.directory / "adapter_config.json").is_file()
-        if not weights and not adapter:
-            return Check("checkpoint", False, f"{contents.directory} holds no *.safetensors weights and no LoRA adapter",
-                         "point model.path at a checkpoint directory in the public OpenVLA-OFT layout")
-        head = "L1 regression head" if contents.action_head is not None else "action tokens"
-        rl = "evaluation only" if contents.action_head is not None else "RL-ready"
-        detail = (f"{contents.directory.name}: {len(weights)} weight file(s), {head}, "
-                  f"{'proprio, ' if contents.proprio_projector is not None else ''}{contents.num_images} image(s), {rl}")
     return Check("checkpoint", True, detail)
 
 

@@ -121,18 +121,16 @@ def placement_from_config(cluster, num_devices: int | None = None, accelerator: 
     return parse_placement(cluster.component_placement, num_devices, accelerator or "cpu")
 
 
-
-#: ``cluster.use_ray=auto`` runs models whose ``model.name`` starts with one of these through Ray worker groups
-RAY_MODELS = ("openvla_oft",)
-
-
 def use_ray(cfg) -> bool:
-    """Whether the runner collects through Ray worker groups (``cluster.use_ray``; ``auto``: for VLA
-    models, several env or inference workers, several nodes or a given Ray address) or in process."""
+    """Whether the runner collects through Ray worker groups (``cluster.use_ray``; ``auto``: for the policy families
+    registered with ``ray`` (the VLAs: OpenVLA-OFT, π0), several env or inference workers, several nodes or a given Ray
+    address) or in process (the default job: the state MLP)."""
+    from embodirl.registry import POLICIES
+
     choice = cfg.cluster.use_ray
     if choice != "auto":
         return bool(choice)
-    return (str(cfg.model.name).startswith(RAY_MODELS) or cfg.env_workers.num_workers > 1
+    return (POLICIES.get(cfg.model.name).ray or cfg.env_workers.num_workers > 1
             or cfg.rollout.num_workers > 1 or cfg.cluster.num_nodes > 1
             or cfg.actor.cpu_world_size > 1 or bool(cfg.cluster.ray_address))
 

@@ -100,6 +100,15 @@ class LazyRegistry:
         return self._import(name)
 
 
+#: policy families (``model.name``): here rather than in :mod:`embodirl.models.registry` (which registers them with
+#: their capability flags, :class:`~embodirl.models.registry.PolicyFamily`), so that the placement, whose layer sits
+#: below the models, reads a family's ``ray`` flag
+POLICIES = LazyRegistry("policy", "model.name", {
+    "openvla_oft": "embodirl.models.openvla_oft",
+    "pi0": "embodirl.models.pi0",
+    "state_mlp": "embodirl.models.state_policy",
+}, common="embodirl.models.base.CommonModelConfig")
+
 #: rollout backends (``rollout.backend``): here rather than in :mod:`embodirl.workers.backends`, whose layer sits
 #: above the schema that lists the names
 BACKENDS = LazyRegistry("rollout backend", "rollout.backend", {

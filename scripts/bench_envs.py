@@ -115,7 +115,7 @@ class Timer:
 
 # --------------------------------------------------------------------------------------------------
 def bench_render(args, rows: list) -> None:
-    from embodirl.envs.libero.simulator import LiberoSimEnv, to_libero_action
+    from embodirl.envs.libero.simulator import LiberoSimEnv
 
     cfg = env_config("libero_10", image_size=[args.image_size] * 2, task_ids=[args.task])
     env = LiberoSimEnv(cfg, seed=0)
@@ -151,7 +151,7 @@ def bench_render(args, rows: list) -> None:
         def stock_chunk() -> int:
             stock_context.make_current()
             for action in chunk:
-                raw, _, _, _ = stock.step(to_libero_action(action))
+                raw, _, _, _ = stock.step(np.array(action, np.float64))     # LIBERO's own actions, as the adapter's
                 proofs["stock"].see(np.stack([raw["agentview_image"], raw["robot0_eye_in_hand_image"]]))
             return len(chunk)
 

@@ -35,6 +35,7 @@ from typing import ClassVar
 import numpy as np
 
 from embodirl.config_fields import num, one_of, required, section
+from embodirl.envs.conventions import ActionConvention
 
 #: reward (and value) granularity: one per decision ``[N, T]`` or one per action ``[N, T, H]``
 #: (``env.*.reward_type``, ``algorithm.reward_type``, ``model.value_type``); named once, here, so that the
@@ -70,6 +71,9 @@ class EnvSpec:
     name: str = ""
     #: per task: the suite (or other group) it belongs to, which evaluation reports group by; empty: all ``name``
     task_groups: list[str] = field(default_factory=list)
+    #: what the simulator consumes natively, as its adapter declares it (:func:`embodirl.envs.registry.make_env` sets
+    #: it; None: undeclared). ``action_low``/``action_high`` are in this convention
+    action_convention: ActionConvention | None = None
 
 
 @dataclass
@@ -107,9 +111,9 @@ class SimEnv(abc.ABC):
 
     @abc.abstractmethod
     def step_chunk(self, actions: np.ndarray, render_all: bool = False) -> ChunkResult:
-        """Execute ``actions`` ``[H, A]`` (un-normalised, in the policy's convention; the adapter
-        applies the simulator's own conventions). Cameras render only after the last executed step
-        unless ``render_all``."""
+        """Execute ``actions`` ``[H, A]`` (un-normalised, in the simulator's own convention, as its adapter declares
+        it: the rollout has converted the policy's, :mod:`embodirl.envs.conventions`). Cameras render only after the
+        last executed step unless ``render_all``."""
 
     def render_frame(self) -> np.ndarray | None:
         """An RGB frame ``[h, w, 3]`` uint8 for video of the current state (None if no camera)."""

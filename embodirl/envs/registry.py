@@ -7,7 +7,11 @@ as an instance of that class (:func:`env_config` converts a composed node once),
 * ``check_config(cfg) -> None`` - cheap checks run before any worker starts (unknown task ids,
   suites, cameras, missing assets); raises :class:`embodirl.errors.ConfigError` /
   :class:`embodirl.errors.AssetsMissing` with one sentence;
-* ``make(cfg, *, num_envs, seed, env_offset=0) -> ChunkVectorEnv`` - builds the batch of simulators.
+* ``make(cfg, *, num_envs, seed, env_offset=0) -> ChunkVectorEnv`` - builds the batch of simulators;
+* ``action_convention(cfg) -> ActionConvention`` - what the simulator consumes natively (its arm action space and
+  gripper encoding, :mod:`embodirl.envs.conventions`), from the config alone: a run checks the policy's convention
+  against it before any worker starts and converts the policy's chunks into it (:func:`make_env` records it in the
+  batch's ``spec``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,20 @@ def check_env_config(cfg: Any, key: str = "env") -> None:
     get_adapter(env.adapter, f"{key}.adapter").check_config(env)
 
 
+def env_convention(cfg: Any, key: str = "env"):
+    """The :class:`~embodirl.envs.conventions.ActionConvention` an env group's adapter declares (None: it declares
+    none)."""
+    env = env_config(cfg, key)
+    declare = getattr(get_adapter(env.adapter, f"{key}.adapter"), "action_convention", None)
+    return declare(env) if declare is not None else None
+
+
 def make_env(cfg: Any, *, num_envs: int | None = None, seed: int = 0, env_offset: int = 0):
-    """Build the :class:`~embodirl.envs.base.ChunkVectorEnv` an env group (typed, or a mapping of it) describes."""
+    """Build the :class:`~embodirl.envs.base.ChunkVectorEnv` an env group (typed, or a mapping of it) describes; its
+    ``spec`` carries the adapter's action convention."""
+    import dataclasses
+
     env = env_config(cfg)
-    return get_adapter(env.adapter).make(env, num_envs=num_envs or env.num_envs, seed=seed, env_offset=env_offset)
+    venv = get_adapter(env.adapter).make(env, num_envs=num_envs or env.num_envs, seed=seed, env_offset=env_offset)
+    venv.spec = dataclasses.replace(venv.spec, action_convention=env_convention(env))
+    return venv

@@ -36,6 +36,7 @@ import numpy as np
 
 from embodirl.config_fields import instance, num, one_of, required
 from embodirl.envs.base import ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
+from embodirl.envs.conventions import NO_GRIPPER, ActionConvention
 from embodirl.envs.registry import register_adapter
 from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import ConfigError
@@ -58,6 +59,8 @@ MIN_IMAGE_SIZE = 16
 STATE_DIM = 4                # [x, y, goal_x, goal_y]
 MOVE_DIMS = 2                # action dims that move the point
 INIT_STATE_SEED = 10_007     # init state j starts from default_rng((INIT_STATE_SEED, j))
+#: the first MOVE_DIMS dims move the point, the others (a VLA's gripper dim included) are ignored
+ACTION_CONVENTION = ActionConvention(arm="toy_point", gripper=NO_GRIPPER)
 
 
 def instruction(task_id: int) -> str:
@@ -311,6 +314,11 @@ class ToyAdapter:
         tasks = list(env.task_ids or range(env.num_tasks))
         trials = list(env.init_state_ids or range(env.num_trials_per_task))
         return [(task, init) for task in tasks for init in trials]
+
+    @staticmethod
+    def action_convention(cfg) -> ActionConvention:
+        """The point's planar move in the first two dims, the rest ignored: no gripper to convert."""
+        return ACTION_CONVENTION
 
     @classmethod
     def make(cls, cfg, *, num_envs: int, seed: int, env_offset: int = 0) -> ProcessVectorEnv:

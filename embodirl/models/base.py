@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from embodirl import data as D
-from embodirl.config_fields import num, one_of, required
+from embodirl.config_fields import num, one_of, required, section
+from embodirl.envs.conventions import POLICY_GRIPPERS
 
 #: the trained tensors a policy folder holds outside any adapter layout, by parameter name (safetensors)
 TRAINABLE_WEIGHTS = "trainable.safetensors"
@@ -186,6 +187,15 @@ def _known_policy(name) -> bool:
 
 
 @dataclass
+class ActionConventionConfig:
+    """``model.action_convention``: what the policy's actions mean where it differs from what its family declares (a
+    checkpoint trained in another convention); null keys keep the family's (:mod:`embodirl.envs.conventions`)."""
+
+    arm: str | None = required()             # a named arm action space, or any (learns the env's)
+    gripper: str | None = one_of(POLICY_GRIPPERS, null=True)
+
+
+@dataclass
 class CommonModelConfig:
     """The keys every ``model`` option has (types and ranges; the values live in the YAML). A policy types its own keys
     with a subclass it registers with (``@register_policy(name, config=...)``)."""
@@ -196,3 +206,4 @@ class CommonModelConfig:
     value_type: str | None = one_of(D.REWARD_TYPES, null=True)     # null: no value head
     dtype: str = required()                  # parameter dtype (a policy narrows the choices)
     device: str | None = required()          # where the weights are created (null: cpu; meta: no memory)
+    action_convention: ActionConventionConfig = section(ActionConventionConfig)

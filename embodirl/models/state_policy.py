@@ -25,6 +25,7 @@ from torch import nn
 from embodirl import data as D
 from embodirl.config_fields import instance, one_of, required
 from embodirl.dtypes import parse_dtype
+from embodirl.envs.conventions import NATIVE_CONVENTION
 from embodirl.errors import ConfigError
 from embodirl.models.base import CommonModelConfig, Policy, SamplingParams, default_dtype
 from embodirl.models.registry import register_policy
@@ -207,7 +208,8 @@ class StateMLPConfig(CommonModelConfig):
     device: str | None = required()
 
 
-@register_policy("state_mlp", config=StateMLPConfig)
+# trained from scratch in the env's own action space (native actions); no adapter to merge; in process by default
+@register_policy("state_mlp", config=StateMLPConfig, compile=True, value_head=True, action_convention=NATIVE_CONVENTION)
 def build_state_policy(cfg, env_spec) -> StateMLPPolicy:
     """The policy ``model`` (the typed :class:`StateMLPConfig`, or a DictConfig or plain mapping of it) describes."""
     model = instance(StateMLPConfig, cfg, "model")

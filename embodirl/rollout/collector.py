@@ -23,6 +23,9 @@ Episode bookkeeping:
   it is asked for beside the next decision; at the row's end it shares the bootstrap request;
 * ``executed`` marks the actions of each chunk that ran (``info["steps"]``): an episode that ends inside
   a chunk leaves the rest of it unexecuted;
+* the policy's chunk is handed to the env through ``conversion`` (:class:`~embodirl.envs.conventions.ActionConversion`,
+  the one place where a policy's action convention meets the env's: OpenVLA-OFT's [0, 1] gripper becomes LIBERO's
+  -1 open / +1 close), and ``action_chunk`` records what the env executed;
 * observers (one per stage, e.g. :class:`~embodirl.envs.video.VideoRecorder`) see every
   ``reset``/``step`` of the main pass through ``on_reset(info)`` / ``on_step(reward, terminated,
   truncated, info)`` and are flushed at the end;
@@ -46,6 +49,7 @@ import numpy as np
 
 from embodirl import data as D
 from embodirl.envs.base import ChunkVectorEnv
+from embodirl.envs.conventions import ActionConversion
 from embodirl.progress import Ticker
 from embodirl.rollout.inference import InferenceClient, Pending
 from embodirl.rollout.records import DecisionRecorder
@@ -130,11 +134,14 @@ class RolloutCollector:
         seed: base seed; stage s is reset with ``seed + (slot_offset + s*B)`` (sub-env i adds i).
         max_recollect: re-runs of a stage whose episodes a simulator crash cut short.
         keep_lost_episodes: keep (and list in ``stats.crashed_slots``) episodes still crashing after them.
+        conversion: the policy's actions -> the env's (:func:`embodirl.envs.conventions.pairing`, checked before any
+            worker started); None: the policy emits what the env consumes.
     """
 
     def __init__(self, envs: Sequence[ChunkVectorEnv], inference: InferenceClient, *, num_decisions: int,
                  auto_reset: bool = False, return_value: bool = False, group_size: int = 1, slot_offset: int = 0,
-                 seed: int | None = None, max_recollect: int = DEFAULT_MAX_RECOLLECT, keep_lost_episodes: bool = False):
+                 seed: int | None = None, max_recollect: int = DEFAULT_MAX_RECOLLECT, keep_lost_episodes: bool = False,
+                 conversion: ActionConversion | None = None):
         if not envs:
             raise ValueError("a collector needs at least one env batch")
         sizes = {env.num_envs for env in envs}
@@ -152,6 +159,7 @@ class RolloutCollector:
         self.seed = seed
         self.max_recollect = int(max_recollect)
         self.keep_lost_episodes = bool(keep_lost_episodes)
+        self.conversion = conversion
         self.spec = self.envs[0].spec
         self.stats = RolloutStats()
 
@@ -224,15 +232,16 @@ class RolloutCollector:
         stage.pending = None
         rec = stage.recorder
         rec.record_obs(t, stage.obs, stage.alive)
-        rec.record_policy(t, out.fields, out.weight_version)
-        obs, reward, terminated, truncated, info = stage.env.step(out.action_chunk)
+        executed = out.action_chunk if self.conversion is None else self.conversion.to_env(out.action_chunk)  # (B, H, A)
+        rec.record_policy(t, {**out.fields, D.ACTION_CHUNK: executed}, out.weight_version)
+        obs, reward, terminated, truncated, info = stage.env.step(executed)
         t2 = time.perf_counter()
         self.stats.wait_s += t1 - t0
         self.stats.env_s += t2 - t1
         self.stats.infer_s += out.timings.get("infer_s", 0.0)
         self.stats.decisions += 1
         rec.record_step(t, reward, terminated, truncated, info["success"], steps=info.get("steps"),
-                        chunk=np.asarray(out.action_chunk).shape[1])
+                        chunk=np.asarray(executed).shape[1])
         if stage.observer is not None:
             stage.observer.on_step(reward, terminated, truncated, info)
         restarted = np.asarray(info.get("restarted", np.zeros(self.B, bool)), bool)

@@ -25,9 +25,12 @@ def env_schema(node: Any, key: str) -> tuple[type, bool]:
 
 
 def env_rules(cfg) -> None:
-    """Rules between the env groups and the model (``cfg``: the typed config): a chunk must fit in an episode, and
+    """Rules between the env groups and the model (``cfg``: the typed config): a chunk must fit in an episode,
     evaluation drives the robot through the controller the policy was trained with (its action space), where both
-    groups' adapters have one (``control_mode``)."""
+    groups' adapters have one (``control_mode``), and the policy's action convention converts to what each env group's
+    adapter consumes (:func:`embodirl.envs.conventions.pairing`)."""
+    for env_key, env in (("env.train", cfg.env.train), ("env.eval", cfg.env.eval)):
+        action_conversion(cfg, env_key, env)
     train_mode = getattr(cfg.env.train, "control_mode", None)
     eval_mode = getattr(cfg.env.eval, "control_mode", None)
     both = hasattr(cfg.env.train, "control_mode") and hasattr(cfg.env.eval, "control_mode")
@@ -41,3 +44,16 @@ def env_rules(cfg) -> None:
         if H > steps:
             raise ConfigError("model.action_chunk", f"the chunk of {H} actions is longer than {env_key}.max_episode_steps "
                                                     f"= {steps}")
+
+
+def action_conversion(cfg, env_key: str, env=None):
+    """The :class:`~embodirl.envs.conventions.ActionConversion` from the configured policy's actions to what the env
+    group ``env_key`` (``env.train`` / ``env.eval``) consumes; a ConfigError (one sentence naming the key) when either
+    side declares none or they cannot be converted. ``cfg``: the typed config."""
+    from embodirl.envs.conventions import pairing
+    from embodirl.envs.registry import env_convention
+    from embodirl.models.registry import policy_convention
+
+    env = env if env is not None else (cfg.env.train if env_key == "env.train" else cfg.env.eval)
+    return pairing(policy_convention(cfg.model), env_convention(env, env_key), model_name=cfg.model.name,
+                   env_key=env_key, adapter=env.adapter)

@@ -28,9 +28,14 @@ def model_schema(node: Any) -> tuple[type, bool]:
 def model_rules(cfg) -> None:
     """Rules between the model, the algorithm and the disk (``cfg``: the typed config)."""
     from embodirl.algorithms.estimators import uses_critic
+    from embodirl.models.registry import policy_family
 
     adv_type, value_type = cfg.algorithm.adv_type, cfg.model.value_type
     critic = uses_critic(adv_type)
+    if value_type is not None and not policy_family(cfg.model.name).value_head:
+        raise ConfigError("model.value_type", f"is {value_type}, but {cfg.model.name} is registered without a value head; "
+                                              "set model.value_type=null (and an estimator without a critic, e.g. "
+                                              "algorithm=grpo)")
     if critic and value_type is None:
         raise ConfigError("model.value_type", f"adv_type={adv_type} needs a value head: set model.value_type to "
                                               "chunk_level or action_level")

@@ -135,9 +135,12 @@ class Rollout:
     def rules(cfg, ctx) -> None:
         import math
 
+        from embodirl.models.registry import policy_family
+
+        family = policy_family(cfg.model.name)
         if cfg.rollout.merge_lora:
             lora = getattr(cfg.model, "lora", None)      # the policies with adapters declare a lora section
-            if lora is None or not lora.enabled:
+            if not family.merge or lora is None or not lora.enabled:
                 _fail("rollout.merge_lora", f"model {cfg.model.name} has no LoRA adapter to merge; set "
                                             "rollout.merge_lora=false")
             if not ctx.use_ray:
@@ -145,6 +148,9 @@ class Rollout:
                                             "without Ray the rollout acts with the actor's module: set "
                                             "cluster.use_ray=true, or rollout.merge_lora=false")
 
+        if cfg.rollout.compile and not family.compile:
+            _fail("rollout.compile", f"model {cfg.model.name} is registered without compile (its inference copy cannot "
+                                     "be compiled); set rollout.compile=false")
         if cfg.rollout.compile and not ctx.use_ray:
             _fail("rollout.compile", "compiles an inference worker's own copy of the policy, and without Ray the "
                                      "rollout acts with the actor's module: set cluster.use_ray=true, or "

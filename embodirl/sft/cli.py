@@ -13,11 +13,12 @@ def main(overrides: Sequence[str]) -> int:
     from embodirl.demos.lerobot.reader import LeRobotDataset
     from embodirl.envs.registry import make_env
     from embodirl.errors import ConfigError
+    from embodirl.schema.envs import action_conversion
     from embodirl.sft import compose as sft_compose
 
     cfg = sft_compose.compose(overrides)
     own = sft_compose.check(cfg)         # the typed sft and data sections
-    validate(sft_compose.main_config(cfg))
+    run = validate(sft_compose.main_config(cfg))
     try:
         dataset = LeRobotDataset(own.data.path, action_chunk=sft_compose.trained_chunk(cfg)[0])
     except DatasetError as exc:
@@ -29,6 +30,9 @@ def main(overrides: Sequence[str]) -> int:
     spec = probe.spec
     probe.close()
     camera_keys = sft_compose.check_dataset(cfg, dataset, spec)
+    # the demos hold the env's own actions: the policy learns them in the convention it declares, the one its
+    # rollouts are converted from (embodirl.envs.conventions)
+    dataset.convert_actions(action_conversion(run, "env.train").from_env)
     from embodirl.sft.loop import run
 
     model_dir = run(cfg, own, dataset, spec, camera_keys)

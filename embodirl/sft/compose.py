@@ -15,9 +15,8 @@ from embodirl.sft.section import Data, Sft, SftSections
 
 SFT_FILE = "sft.yaml"
 OWN_SECTIONS = ("sft", "data")
-SFT_MODELS = ("openvla_oft", "pi0")
-#: the SFT keys that are OpenVLA-OFT's (π0 trains its flow-matching loss only)
-OFT_ONLY = ("l1_head", "stop_token")
+#: the SFT keys of the action-token loss (OpenVLA-OFT's); a flow-matching family (π0) trains its own loss only
+TOKENS_ONLY = ("l1_head", "stop_token")
 
 
 def compose(overrides: Sequence[str]) -> DictConfig:
@@ -61,25 +60,29 @@ def sections(cfg: DictConfig) -> SftSections:
 def check(cfg: DictConfig) -> SftSections:
     """The SFT-specific rules that need no dataset (the dataset's are in :func:`check_dataset`); returns the typed
     ``sft`` and ``data`` sections the run then reads."""
+    from embodirl.models.registry import SFT_FLOW, available_policies, policy_family
     from embodirl.schema import to_object
     from embodirl.schema.sections import Runner
 
-    if cfg.model.name not in SFT_MODELS:
-        raise ConfigError("model.name", f"is {cfg.model.name}, but embodirl sft fine-tunes OpenVLA-OFT (action tokens) "
-                                        "and π0 (flow matching); use model=openvla_oft(_tiny) or model=pi0(_tiny)")
+    loss = policy_family(cfg.model.name).sft
+    if loss is None:
+        able = [name for name in available_policies() if policy_family(name).sft is not None]
+        raise ConfigError("model.name", f"is {cfg.model.name}, a policy family embodirl sft cannot fine-tune (it is "
+                                        f"registered without sft); use one that it can: {', '.join(able)}")
     own = sections(cfg)
     if not own.data.path:
         raise ConfigError("data.path", "is not set; point it at a LeRobot dataset folder (meta/info.json inside), "
                                        "e.g. one written by `embodirl demos env=maniskill_pushcube_rgb`")
     to_object(Runner, cfg.runner, "runner")      # its types and ranges, before the rules below read it
     s = own.sft
-    if cfg.model.name == "pi0":
-        for key in OFT_ONLY:
+    if loss == SFT_FLOW:
+        for key in TOKENS_ONLY:
             if getattr(s, key):
-                raise ConfigError(f"sft.{key}", "is OpenVLA-OFT's; π0 trains its flow-matching loss only, so leave it "
-                                                f"{'null' if key == 'stop_token' else 'false'}")
+                raise ConfigError(f"sft.{key}", f"is OpenVLA-OFT's; {cfg.model.name} trains its flow-matching loss only, "
+                                                f"so leave it {'null' if key == 'stop_token' else 'false'}")
         if not s.token_loss:
-            raise ConfigError("sft.token_loss", "is false, but it is π0's flow-matching loss: nothing would be trained")
+            raise ConfigError("sft.token_loss", f"is false, but it is {cfg.model.name}'s flow-matching loss: nothing "
+                                                "would be trained")
     else:
         if not s.token_loss and not s.l1_head:
             raise ConfigError("sft.token_loss", "is false and sft.l1_head is false: nothing would be trained")

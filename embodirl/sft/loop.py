@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from embodirl import checkpoint_layout as layout
 from embodirl.atomic_folder import remove_stale
 from embodirl.models.openvla_oft.hf_checkpoint import TOKENS_TRAINED
+from embodirl.models.registry import SFT_TOKENS, policy_family
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner.loop import load_actor_state, seed_everything
 from embodirl.runner.metrics_logger import MetricsLogger
@@ -85,7 +86,7 @@ def run(cfg: DictConfig, own: SftSections, dataset, spec, camera_keys: list[str]
     statistics = dataset_statistics(dataset, key)
     make_batch = BatchMaker(dataset, statistics[key], camera_keys, use_state=dataset.state_key is not None
                             and bool(spec.state_dim), normalization=str(cfg.model.normalization))
-    options = s.actor_options(cfg.model.name)
+    options = s.actor_options(policy_family(cfg.model.name).sft == SFT_TOKENS)
     actors = ActorGroup.local(cfg, spec)
     try:
         actors.set_statistics(statistics)

@@ -18,11 +18,12 @@ class Sft:
     l1_head: bool = required()
     stop_token: bool | None = required()
 
-    def actor_options(self, model_name: str) -> dict:
-        """These keys as :meth:`~embodirl.actor.actor.Actor.sft_update` takes them; ``stop_token`` null is true for
-        OpenVLA-OFT and false for π0 (which trains its flow-matching loss)."""
+    def actor_options(self, tokens: bool) -> dict:
+        """These keys as :meth:`~embodirl.actor.actor.Actor.sft_update` takes them; ``stop_token`` null is true for a
+        family that trains action tokens (``tokens``: OpenVLA-OFT) and false for one that trains a flow-matching loss
+        (π0)."""
         return {"micro_batch_size": self.micro_batch_size or self.batch_size, "token_loss": self.token_loss,
-                "stop_token": (model_name != "pi0") if self.stop_token is None else self.stop_token,
+                "stop_token": tokens if self.stop_token is None else self.stop_token,
                 "l1_head": self.l1_head}
 
 

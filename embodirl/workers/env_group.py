@@ -30,7 +30,7 @@ class EnvWorkerGroup:
                  use_shm: bool = True, queue_size: int = 4, placement=None,
                  process_vars: Mapping[str, str] | None = None, mode: str = TRAIN,
                  max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None,
-                 deadline=None):
+                 deadline=None, conversion=None):
         self.env_cfg = env_config(env_cfg)     # the typed env group (a mapping of it is converted once)
         self.layout = layout
         self.inference: InferenceGroup | None = None
@@ -44,7 +44,9 @@ class EnvWorkerGroup:
                             return_value=return_value, seed=seed, use_shm=use_shm, queue_size=queue_size,
                             process_vars=dict(process_vars or {}), env_builder=env_builder,
                             # an evaluation sweep never aborts: an episode that keeps crashing counts as a failure
-                            keep_lost_episodes=mode != TRAIN, deadline=deadline)
+                            keep_lost_episodes=mode != TRAIN, deadline=deadline,
+                            # the policy's actions -> this env's (embodirl.envs.conventions), checked by the driver
+                            conversion=conversion)
         self.infos: list[dict] = []
         self.workers = WorkerSet(EnvWorker, remote=remote,
                                  options_for=placement_options(placement, "env", env_placement_offset),

@@ -46,12 +46,15 @@ class EnvWorker:
             collection's ``stats.crashed_slots``, instead of ending the collection (evaluation).
         deadline: the typed ``runner.worker_deadline`` section: a Ray inference worker that does not answer a batch in
             time raises :class:`~embodirl.workers.transport.InferenceWorkerHung` (None: wait).
+        conversion: the policy's actions -> this env's (:class:`~embodirl.envs.conventions.ActionConversion`, from
+            the driver's check); None: the policy emits what the env consumes.
     """
 
     def __init__(self, env_cfg, *, num_stages: int, envs_per_stage: int, num_decisions: int,
                  slot_offset: int = 0, group_size: int = 1, return_value: bool = False, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, process_vars: Mapping[str, str] | None = None,
-                 env_builder: Callable | None = None, keep_lost_episodes: bool = False, deadline=None):
+                 env_builder: Callable | None = None, keep_lost_episodes: bool = False, deadline=None,
+                 conversion=None):
         process_env.adopt(process_vars)
         self.deadline = deadline            # runner.worker_deadline: how long an inference worker's answer may take
         if env_builder is None:
@@ -67,6 +70,7 @@ class EnvWorker:
         self.use_shm = bool(use_shm)
         self.queue_size = int(queue_size)
         self.keep_lost_episodes = bool(keep_lost_episodes)
+        self.conversion = conversion
         self.envs = []
         self.client = None
         self.collector: RolloutCollector | None = None
@@ -138,7 +142,7 @@ class EnvWorker:
                                           auto_reset=self.env_cfg.auto_reset,
                                           return_value=self.return_value, group_size=self.group_size,
                                           slot_offset=self.slot_offset, seed=self.seed,
-                                          keep_lost_episodes=self.keep_lost_episodes)
+                                          keep_lost_episodes=self.keep_lost_episodes, conversion=self.conversion)
 
     # --- work --------------------------------------------------------------------------------------
     def collect(self, starts: EpisodeStarts | None = None, seed: int | None = None, video_dir: str | None = None,

@@ -355,6 +355,8 @@ class WorkerGroups:
 
 def _env_group(cfg: Config, env_key: str, layout: RolloutLayout, *, remote: bool, placement, process_vars,
                placement_offset: int = 0) -> EnvWorkerGroup:
+    from embodirl.schema.envs import action_conversion
+
     train = env_key == "env.train"
     channel = cfg.rollout.channel
     return_value = train and cfg.model.value_type is not None and uses_critic(cfg.algorithm.adv_type)
@@ -362,4 +364,5 @@ def _env_group(cfg: Config, env_key: str, layout: RolloutLayout, *, remote: bool
                           seed=cfg.runner.seed + (0 if train else EVAL_SEED_OFFSET),
                           use_shm=channel.shm, queue_size=channel.queue_size,
                           placement=placement, process_vars=process_vars, mode=TRAIN if train else EVAL,
-                          env_placement_offset=placement_offset, deadline=cfg.runner.worker_deadline)
+                          env_placement_offset=placement_offset, deadline=cfg.runner.worker_deadline,
+                          conversion=action_conversion(cfg, env_key))

@@ -22,7 +22,6 @@ from embodirl.envs.libero.simulator import (
     SimulationUnstable,
     quat_to_axis_angle,
     scene_seed,
-    to_libero_action,
 )
 from embodirl.envs.libero.suite import SUITE_NUM_TASKS, eval_schedule
 from embodirl.errors import AssetsMissing, ConfigError
@@ -43,16 +42,16 @@ def libero_cfg(suite: str = "libero_object", **overrides) -> dict:
 
 
 def random_chunks(seed: int, num_chunks: int) -> np.ndarray:
-    """Policy-convention chunks ``[num_chunks, H, 7]``: small deltas, gripper 0.2 / 0.8 (close / open)."""
+    """LIBERO-convention chunks ``[num_chunks, H, 7]``: small deltas, gripper +1 / -1 (close / open)."""
     rng = np.random.default_rng(seed)
     chunks = rng.uniform(-0.6, 0.6, size=(num_chunks, CHUNK, 7))
-    chunks[..., -1] = rng.choice([0.2, 0.8], size=(num_chunks, CHUNK))
+    chunks[..., -1] = rng.choice([1.0, -1.0], size=(num_chunks, CHUNK))
     return chunks
 
 
 def noop_chunk() -> np.ndarray:
     chunk = np.zeros((CHUNK, 7))
-    chunk[:, -1] = 1.0                                            # gripper open
+    chunk[:, -1] = -1.0                                           # gripper open (LIBERO's -1)
     return chunk
 
 
@@ -170,22 +169,6 @@ def test_eval_schedule_is_task_major_and_trial_k_uses_init_state_k():
     assert LiberoAdapter.eval_schedule({**cfg, "task_ids": [4], "init_state_ids": [9, 3]}) == [(4, 9), (4, 3)]
 
 
-def test_gripper_convention_matches_openvla_oft():
-    # OFT: normalize_gripper_action(binarize=True) -> sign(2g - 1); invert_gripper_action -> * -1
-    def oft(action):
-        out = np.array(action, np.float64)
-        out[-1] = -np.sign(2.0 * out[-1] - 1.0)
-        return out
-
-    rng = np.random.default_rng(0)
-    for g in [0.0, 0.1, 0.49, 0.51, 0.9, 1.0, *rng.uniform(0, 1, 20)]:
-        action = np.concatenate([rng.uniform(-1, 1, 6), [g]])
-        np.testing.assert_array_equal(to_libero_action(action), oft(action))
-    assert to_libero_action(np.r_[np.zeros(6), 1.0])[-1] == -1.0          # open
-    assert to_libero_action(np.r_[np.zeros(6), 0.0])[-1] == 1.0           # close
-    assert to_libero_action(np.r_[np.zeros(6), 0.5])[-1] == 1.0           # the documented tie
-
-
 def test_axis_angle_matches_the_rotation():
     rng = np.random.default_rng(1)
     for quat in [*rng.normal(size=(50, 4)), [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, -1.0], [1.0, 0.0, 0.0, 0.0]]:
@@ -208,7 +191,7 @@ def test_spec_and_reset_observation(object_env):
     assert spec.action_dim == 7 and spec.state_dim == 8 and spec.max_episode_steps == 280
     assert spec.camera_names == ["agentview", "wrist"] and spec.image_size == tuple(IMAGE_SIZE)
     assert len(spec.task_descriptions) == 10 and spec.num_init_states == [50] * 10
-    assert spec.action_low[-1] == 0.0 and spec.action_high[-1] == 1.0
+    assert spec.action_low == [-1.0] * 7 and spec.action_high == [1.0] * 7     # LIBERO's own actions
     obs = env.reset(SOUP_TASK, 4)
     assert (env.task_id, env.init_state_id, env.elapsed) == (SOUP_TASK, 4, 0)
     assert set(obs) == {"images", "state", "task_id"}
@@ -333,7 +316,7 @@ def test_cheap_reset_equals_the_oft_protocol_with_hard_reset(object_env):
     task, init, chunks = SOUP_TASK, 7, random_chunks(seed=11, num_chunks=3)
     env.reset(SOUP_TASK, 5)                                 # leave the scene dirty: moved, gripper closing
     for chunk in random_chunks(seed=12, num_chunks=2):
-        chunk[:, -1] = 0.0
+        chunk[:, -1] = 1.0                                  # LIBERO's close
         env.step_chunk(chunk)
     ours = [env.reset(task, init)] + [env.step_chunk(chunk).obs for chunk in chunks]
 
@@ -348,10 +331,8 @@ def test_cheap_reset_equals_the_oft_protocol_with_hard_reset(object_env):
             raw, _, _, _ = stock.step([0, 0, 0, 0, 0, 0, -1])
         reference = [raw]
         for chunk in chunks:
-            for action in chunk:
-                libero_action = np.array(action)
-                libero_action[-1] = -np.sign(2.0 * action[-1] - 1.0)
-                raw, _, done, _ = stock.step(libero_action.tolist())
+            for action in chunk:                            # LIBERO's own actions: as the adapter passes them
+                raw, _, done, _ = stock.step(np.array(action).tolist())
                 assert not done
             reference.append(raw)
     finally:

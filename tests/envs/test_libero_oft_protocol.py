@@ -7,7 +7,9 @@ The stock side follows moojink/openvla-oft ``experiments/robot/libero/run_libero
 ``run_episode``) and ``libero_utils.py`` (``get_libero_env``, ``get_libero_image``): an ``OffScreenRenderEnv``
 at 256 px seeded 0, per trial ``reset`` + ``set_init_state``, 10 dummy steps, then one env step per action
 with the gripper normalised and inverted, stopping at ``done``; a decision sees the 180-degree-rotated
-images and the 8-D state (eef position, axis-angle, finger positions).
+images and the 8-D state (eef position, axis-angle, finger positions). The adapter takes LIBERO's own actions: the
+same OFT-convention chunks reach it through the conversion a run applies to OpenVLA-OFT's actions
+(:mod:`embodirl.envs.conventions`), so the comparison also holds that conversion to OFT's own.
 """
 
 from __future__ import annotations
@@ -92,13 +94,25 @@ def stock_reference(suite: str, task: int, key: TrialsKey, size: int) -> dict[in
     return stock_oft_episodes(info.bddl_files[task], info.init_states(task), trial_chunks(key), size)
 
 
+@functools.cache
+def oft_conversion():
+    """What a run hands LIBERO for OpenVLA-OFT's actions (the driver's check, as the env worker gets it)."""
+    from embodirl.config import compose, validate
+    from embodirl.schema.envs import action_conversion
+
+    run = validate(compose(["env=libero_goal", "model=openvla_oft_tiny"]), check_envs=False, num_devices=2,
+                   accelerator="cpu")
+    return action_conversion(run, "env.train")
+
+
 def adapter_episodes(env: LiberoSimEnv, task: int, trials: dict[int, np.ndarray]) -> dict[int, list]:
+    """``trials``' OFT-convention chunks through the run's conversion into the adapter."""
     out = {}
     for k, chunks in trials.items():
         obs = env.reset(task, k)
         decisions = [(obs["images"], obs["state"])]
         for chunk in chunks:
-            result = env.step_chunk(chunk)
+            result = env.step_chunk(oft_conversion().to_env(chunk))
             decisions.append((result.obs["images"], result.obs["state"]))
             if result.terminated or result.truncated:
                 break

@@ -392,7 +392,7 @@ def test_real_simulator_survives_sigkill_and_raising_steps(compose_cfg, simulato
         obs, info = venv.reset(task_ids=[0, 0], init_state_ids=[0, 1])
         first = {k: v.copy() for k, v in obs.items()}
         actions = np.zeros((2, H, venv.spec.action_dim), np.float32)
-        actions[:, :, -1] = 1.0          # gripper open in both conventions
+        actions[:, :, -1] = 1.0          # the gripper's command (LIBERO: close, ManiSkill: open): any will do
         obs, reward, terminated, truncated, info = venv.step(actions)
         np.testing.assert_array_equal(info["steps"], [H, H])
 

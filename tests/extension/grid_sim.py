@@ -11,6 +11,7 @@ import numpy as np
 
 from embodirl.config_fields import num
 from embodirl.envs.base import ChunkResult, CommonEnvConfig, EnvSpec, SimEnv
+from embodirl.envs.conventions import NO_GRIPPER, ActionConvention
 from embodirl.envs.registry import register_adapter
 from embodirl.envs.vector.vector_env import ProcessVectorEnv
 
@@ -62,6 +63,11 @@ class GridAdapter:
     @staticmethod
     def check_config(cfg) -> None:
         pass
+
+    @staticmethod
+    def action_convention(cfg: GridEnvConfig) -> ActionConvention:
+        # one dim: the point's step along the line; no gripper
+        return ActionConvention(arm="grid_line", gripper=NO_GRIPPER)
 
     @staticmethod
     def make(cfg: GridEnvConfig, *, num_envs: int, seed: int, env_offset: int = 0):

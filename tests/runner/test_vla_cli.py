@@ -164,6 +164,7 @@ def test_use_ray_choice_and_its_checks(compose_cfg):
 
     assert not use_ray(compose_cfg())                                     # the default job stays in process
     assert use_ray(compose_cfg("model=openvla_oft_tiny"))
+    assert use_ray(compose_cfg("model=pi0_tiny"))                         # VLA families are registered with ray
     assert use_ray(compose_cfg("env_workers.num_workers=2", "env.train.num_envs=8"))
     assert use_ray(compose_cfg("cluster.use_ray=true"))
     assert not use_ray(compose_cfg("model=openvla_oft_tiny", "cluster.use_ray=false"))

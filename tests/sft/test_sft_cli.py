@@ -1,7 +1,8 @@
 """``embodirl demos`` -> ``embodirl sft`` -> ``embodirl eval|train model.path=<sft checkpoint>`` through the CLI on
 real ManiSkill PushCube (rgb): the SFT writes the dataset's statistics, TensorBoard, metrics and checkpoints whose
 ``model/`` folder eval and train load with no other flag; a resumed SFT run equals a straight one; bad input is one
-sentence and exit status 2."""
+sentence and exit status 2. The statistics are those of the demos' actions in the policy's own convention (ManiSkill's
+gripper +1 open becomes OFT's 1 and π0's -1: embodirl/envs/conventions.py), the convention its rollouts convert from."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def one_line(proc) -> str:
     (["data.path=x", "sft.batchsize=2"], "sft.batchsize: is not one of the sft keys"),
     (["data.path=x", "model=state_mlp"], "model.name: is state_mlp"),
     (["data.path=x", "sft.token_loss=false"], "sft.token_loss: is false and sft.l1_head is false"),
-    (["data.path=x", "model=pi0_tiny", "sft.l1_head=true"], "sft.l1_head: is OpenVLA-OFT's; π0 trains"),
+    (["data.path=x", "model=pi0_tiny", "sft.l1_head=true"],
+     "sft.l1_head: is OpenVLA-OFT's; pi0 trains its flow-matching loss only"),
     (["data.path=x", "model=pi0_tiny", "sft.stop_token=true"], "sft.stop_token: is OpenVLA-OFT's"),
 ])
 def test_bad_input_is_one_sentence_with_exit_2(tmp_path, args, fragment):
@@ -60,10 +62,23 @@ def demos(tmp_path_factory):
     return root / "ds"
 
 
+def in_policy_convention(dataset: LeRobotDataset, model: str) -> LeRobotDataset:
+    """``dataset``'s actions as ``embodirl sft`` trains ``model`` on them (the run's conversion from the env's)."""
+    from embodirl.config import compose, validate
+    from embodirl.schema.envs import action_conversion
+
+    run = validate(compose([*ENV, f"model={model}"]), check_envs=False, num_devices=2, accelerator="cpu")
+    native = dataset.all_actions().copy()
+    dataset.convert_actions(action_conversion(run, "env.train").from_env)
+    assert np.array_equal(dataset.all_actions()[:, :-1], native[:, :-1])               # the arm as recorded
+    return dataset
+
+
 @pytest.mark.slow
 def test_demos_sft_eval_train_and_resume(tmp_path, demos):
     ds = demos
-    dataset = LeRobotDataset(ds, action_chunk=8)
+    dataset = in_policy_convention(LeRobotDataset(ds, action_chunk=8), "openvla_oft_tiny")
+    assert set(np.unique(dataset.all_actions()[:, -1])) <= {0.0, 1.0}                  # OFT's gripper: 1 open
 
     # dataset against env / model: one sentence before the run starts
     bad = cli(["sft", *SMALL, f"data.path={ds}", "env.train.control_mode=pd_ee_delta_pose",
@@ -138,7 +153,7 @@ def test_pi0_demos_sft_eval_and_train(tmp_path, demos):
     from transformers import PI0ForConditionalGeneration
 
     ds = demos
-    dataset = LeRobotDataset(ds, action_chunk=8)
+    dataset = in_policy_convention(LeRobotDataset(ds, action_chunk=8), "pi0_tiny")     # LIBERO's sign: +1 close
     pi0 = [*ENV, "model=pi0_tiny", "env.eval.image_size=[64,64]", "runner.progress_bar=false", "cluster.use_ray=false"]
     bad = cli(["sft", *pi0, f"data.path={ds}", "model.chunk_size=32"], tmp_path, expect=2)
     assert "model.chunk_size: is 32 but the shortest episode" in one_line(bad)

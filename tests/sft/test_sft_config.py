@@ -22,15 +22,15 @@ def test_composition_defaults_and_overrides():
     cfg = sft_compose.compose(BASE)
     assert cfg.data.path == "/some/dataset"
     assert cfg.runner.max_steps == 200 and cfg.runner.output_dir == f"outputs/sft/{cfg.runner.experiment_name}"
-    assert sft_compose.check(cfg).sft.actor_options("openvla_oft") == {"micro_batch_size": 8, "token_loss": True,
-                                                                        "stop_token": True, "l1_head": False}
-    assert sft_compose.check(cfg).sft.actor_options("pi0")["stop_token"] is False    # null: none for π0
+    assert sft_compose.check(cfg).sft.actor_options(tokens=True) == {"micro_batch_size": 8, "token_loss": True,
+                                                                      "stop_token": True, "l1_head": False}
+    assert sft_compose.check(cfg).sft.actor_options(tokens=False)["stop_token"] is False   # null: none for π0's flow
     assert unnorm_key(cfg, SPEC) == "PushCube-v1"          # the env's name, as the policy looks it up
     cfg = sft_compose.compose([*BASE, "runner.max_steps=5", "runner.output_dir=/tmp/x", "sft.batch_size=6",
                               "sft.micro_batch_size=2", "sft.stop_token=false", "model.unnorm_key=my_demos"])
     assert cfg.runner.max_steps == 5 and cfg.runner.output_dir == "/tmp/x"
-    assert sft_compose.check(cfg).sft.actor_options("openvla_oft") == {"micro_batch_size": 2, "token_loss": True,
-                                                                        "stop_token": False, "l1_head": False}
+    assert sft_compose.check(cfg).sft.actor_options(tokens=True) == {"micro_batch_size": 2, "token_loss": True,
+                                                                      "stop_token": False, "l1_head": False}
     assert unnorm_key(cfg, SPEC) == "my_demos"
 
 

@@ -267,6 +267,16 @@ class LeRobotDataset:
         read at construction (no copy, no video decoding); ``.copy()`` it to change it."""
         return _read_only(self._actions)
 
+    def convert_actions(self, convert) -> None:
+        """Replace every frame's action by ``convert(actions)`` (``[len(self), action_dim]`` -> the same shape) and its
+        statistics with the converted ones: ``embodirl sft`` reads the env's native actions a dataset records in the
+        convention of the policy it trains (:meth:`embodirl.envs.conventions.ActionConversion.from_env`)."""
+        converted = np.ascontiguousarray(convert(self._actions.copy()), dtype=np.float32)
+        if converted.shape != self._actions.shape:
+            raise ValueError(f"convert changed the actions' shape {self._actions.shape} to {converted.shape}")
+        self._actions = converted
+        self.stats[self.action_key] = FeatureStats.of(converted)
+
     def all_proprio(self) -> np.ndarray | None:
         """Every frame's proprio (the ``state_key`` feature) as float32 ``[len(self), state_dim]``, row ``i`` =
         ``self[i].proprio``; None when the dataset has no proprio. A read-only view, like :meth:`all_actions`."""

@@ -16,12 +16,11 @@ The protocol (OpenVLA-OFT ``experiments/robot/libero/run_libero_eval.py``), and 
   data), returned as uint8 ``[V, 3, h, w]``; an 8-D proprio ``state``: end-effector position (3), the
   axis-angle of the end-effector quaternion (3, OFT's ``quat2axisangle``: ``2*acos(w)`` about
   ``xyz/|xyz|``, zero when ``w = +-1``) and the two gripper finger positions (2).
-* **Gripper**: the policy's last action dim is in [0, 1] with 1 = open (OFT's normalisation). OFT
-  executes ``invert_gripper_action(normalize_gripper_action(a, binarize=True))``: ``sign(2g - 1)``
-  then a sign flip, i.e. LIBERO's -1 = open, +1 = close. Here ``g > 0.5`` -> -1 (open) and
-  ``g <= 0.5`` -> +1 (close); the only difference is ``g == 0.5`` exactly, where OFT's ``sign`` gives 0
-  (keep the gripper's current command) and this module closes. The other six dims (end-effector delta
-  position / rotation for robosuite's OSC_POSE controller) pass through unchanged.
+* **Actions** are LIBERO's own (:data:`ACTION_CONVENTION`): six end-effector delta dims for robosuite's
+  OSC_POSE controller and the gripper, -1 = open, +1 = close, passed to ``env.step`` unchanged. A policy of
+  another convention is converted before the chunk gets here (:mod:`embodirl.envs.conventions`): OpenVLA-OFT's
+  [0, 1] gripper (1 = open) becomes OFT's ``invert_gripper_action(normalize_gripper_action(a, binarize=True))``,
+  ``-sign(2g - 1)``; π0's LIBERO checkpoints emit LIBERO's convention and pass unchanged.
 * **Success**: the env's done flag (``env._check_success()``, the BDDL goal predicates); the episode
   terminates on success. **Reward**: sparse, 1.0 at a step after which the goal holds, else 0 (the
   reward LIBERO itself returns). With ``ignore_terminations`` the chunk is not cut at success and every
@@ -64,6 +63,7 @@ import numpy as np
 from embodirl import runtime
 from embodirl.config_fields import instance, num, required
 from embodirl.envs.base import TRAIN_INIT_STATE_BASE, ChunkResult, CommonEnvConfig, EnvSpec, SimEnv, TrainingStates
+from embodirl.envs.conventions import OSC_POSE_DELTA, SIGNED_CLOSE_POSITIVE, ActionConvention
 from embodirl.envs.libero import paths as libero_paths
 from embodirl.envs.libero import pro
 from embodirl.envs.libero import states as libero_states
@@ -93,9 +93,10 @@ CAMERAS = {
 }
 ACTION_DIM = 7                  # OSC_POSE delta (6) + gripper (1)
 STATE_DIM = 8                   # eef pos (3) + axis-angle (3) + gripper qpos (2)
-GRIPPER_OPEN_THRESHOLD = 0.5    # policy gripper g > 0.5 means open
 LIBERO_GRIPPER_OPEN = -1.0
-LIBERO_GRIPPER_CLOSE = 1.0
+#: what LIBERO consumes: robosuite's OSC_POSE delta and its gripper (-1 open, +1 close; robosuite moves the fingers by
+#: the command's sign)
+ACTION_CONVENTION = ActionConvention(arm=OSC_POSE_DELTA, gripper=SIGNED_CLOSE_POSITIVE)
 SETTLE_ACTION = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, LIBERO_GRIPPER_OPEN])   # OFT's dummy action
 SUCCESS_REWARD = 1.0
 SCENE_SEED = 20_231_031         # numpy's global RNG is seeded from (SCENE_SEED, task, init state)
@@ -127,13 +128,6 @@ def proprio_state(raw_obs: Mapping[str, np.ndarray]) -> np.ndarray:
     """robosuite observation dict -> OFT's 8-D state float32 ``[8]``."""
     return np.concatenate([raw_obs[EEF_POS], quat_to_axis_angle(raw_obs[EEF_QUAT]),
                            raw_obs[GRIPPER_QPOS]]).astype(np.float32)
-
-
-def to_libero_action(action: np.ndarray) -> np.ndarray:
-    """Policy action ``[7]`` (gripper in [0, 1], 1 = open) -> LIBERO action ``[7]`` (-1 = open, +1 = close)."""
-    out = np.array(action, np.float64)                                       # (7,)
-    out[-1] = LIBERO_GRIPPER_OPEN if out[-1] > GRIPPER_OPEN_THRESHOLD else LIBERO_GRIPPER_CLOSE
-    return out
 
 
 def flip_image(image_hwc: np.ndarray) -> np.ndarray:
@@ -187,7 +181,7 @@ class LiberoSimEnv(SimEnv):
             image_size=self.image_size if self.camera_names else None, state_dim=STATE_DIM,
             num_init_states=[len(self.starts.training_ids(t)) for t in range(len(self.suite.descriptions))],
             first_init_state=self.starts.first_training_id, task_groups=list(self.suite.groups),
-            action_low=[-1.0] * (ACTION_DIM - 1) + [0.0], action_high=[1.0] * ACTION_DIM, name=self.suite.name)
+            action_low=[-1.0] * ACTION_DIM, action_high=[1.0] * ACTION_DIM, name=self.suite.name)
         self.rng = np.random.default_rng(seed)
         self._scenes: OrderedDict[int, Scene] = OrderedDict()
         self.task_id: int | None = None
@@ -309,7 +303,7 @@ class LiberoSimEnv(SimEnv):
                 last = k == len(todo) - 1
                 if gate is not None:
                     gate.open = render_all or last
-                raw, _, done, _ = env.step(to_libero_action(action))
+                raw, _, done, _ = env.step(np.array(action, np.float64))      # LIBERO's own action (7,)
                 self._check_stable()
                 success = bool(done)
                 rewards.append(SUCCESS_REWARD if success else 0.0)
@@ -466,6 +460,11 @@ class LiberoAdapter:
     def eval_schedule(cfg) -> list[tuple[int, int]]:
         """Ordered ``(task_id, init_state_id)`` pairs of an evaluation sweep (see :func:`eval_schedule`)."""
         return eval_schedule(instance(LiberoEnvConfig, cfg, "env"))
+
+    @staticmethod
+    def action_convention(cfg) -> ActionConvention:
+        """LIBERO's own actions, whatever the suite (:data:`ACTION_CONVENTION`)."""
+        return ACTION_CONVENTION
 
     @staticmethod
     def training_states(train_cfg, eval_cfg) -> TrainingStates:

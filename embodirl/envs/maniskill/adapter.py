@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from embodirl.envs.base import TrainingStates
+from embodirl.envs.conventions import ActionConvention
 from embodirl.envs.maniskill import simulator
 from embodirl.envs.maniskill.simulator import GPU_BACKEND, ManiSkillEnvConfig, check_config, make_sim_env, resolve_sim_backend
 from embodirl.envs.registry import register_adapter
@@ -34,6 +35,11 @@ class ManiSkillAdapter:
     def training_states(train_cfg, eval_cfg) -> TrainingStates:
         """Where ``train_cfg``'s episodes start beside ``eval_cfg``'s sweep (:func:`.simulator.training_states`)."""
         return simulator.training_states(simulator.settings_of(train_cfg), simulator.settings_of(eval_cfg))
+
+    @staticmethod
+    def action_convention(cfg) -> ActionConvention:
+        """The controller's own actions (:func:`.simulator.action_convention`)."""
+        return simulator.action_convention(simulator.settings_of(cfg))
 
     @staticmethod
     def make(cfg, *, num_envs: int, seed: int, env_offset: int = 0):

@@ -18,7 +18,9 @@ Conventions shared by both simulators (the helpers below are used by both):
   (:func:`~embodirl.envs.maniskill.tasks.instruction`) is ``spec.task_descriptions[0]``.
 * **Actions** are in the env's own action space (``control_mode``; with ``pd_ee_delta_pos`` each of
   the three arm dims in ``[-1, 1]`` is a fraction of the controller's largest end-effector step and
-  the gripper dim is -1 closed / +1 open). They are clipped to the space's bounds before they run
+  the gripper dim is -1 closed / +1 open), declared as :func:`action_convention` (a policy of another
+  convention is converted before the chunk gets here, :mod:`embodirl.envs.conventions`). They are clipped
+  to the space's bounds before they run
   (ManiSkill's controllers clip as well; clipping here makes the bound explicit and the same on both
   simulators), so a policy gains nothing by leaving the space.
 * **Chunks**: a chunk ``[H, A]`` runs up to H control steps and stops early at termination
@@ -60,6 +62,7 @@ from embodirl.envs.base import (
     TrainingStates,
     shared_starts,
 )
+from embodirl.envs.conventions import SIGNED_OPEN_POSITIVE, ActionConvention
 from embodirl.envs.maniskill.tasks import asset_prompt_guard, check_assets, instruction, task_spec
 from embodirl.errors import ConfigError
 from embodirl.runtime import configure
@@ -360,6 +363,13 @@ def action_bounds(base) -> tuple[np.ndarray, np.ndarray]:
                           f"{type(space).__name__} action space; embodirl needs one flat action vector "
                           "(single-robot tasks)")
     return np.asarray(space.low, np.float32).reshape(-1), np.asarray(space.high, np.float32).reshape(-1)
+
+
+def action_convention(settings: ManiSkillEnvConfig) -> ActionConvention:
+    """What the task's controller consumes: the arm part of ``control_mode`` (``maniskill/<control_mode>``; null: the
+    robot's default mode) and the gripper's normalised finger-joint target, -1 closed / +1 open (``PDJointPosMimic``
+    between the fingers' closed ``lower`` and open ``upper`` limits, as mani_skill's Panda and WidowX declare them)."""
+    return ActionConvention(arm=f"maniskill/{settings.control_mode or 'default'}", gripper=SIGNED_OPEN_POSITIVE)
 
 
 def make_spec(settings: ManiSkillEnvConfig, base, converter: ObsConverter, state_dim: int) -> EnvSpec:

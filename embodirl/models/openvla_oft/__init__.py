@@ -19,18 +19,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from embodirl.envs.conventions import ANY_ARM, OPEN01, OSC_POSE_DELTA, ActionConvention
 from embodirl.errors import ConfigError
+from embodirl.models.openvla_oft import autoconfig
 from embodirl.models.openvla_oft.autoconfig import check_run, configure
 from embodirl.models.openvla_oft.policy import OpenVLAOFTPolicy, build_policy
 from embodirl.models.openvla_oft.resolve import build_config
 from embodirl.models.openvla_oft.schema import OpenVLAOFTConfig
 from embodirl.models.openvla_oft.weights import HUB_ID
-from embodirl.models.registry import register_policy
+from embodirl.models.registry import SFT_TOKENS, register_policy
 
 __all__ = ["OpenVLAOFTPolicy", "build_policy", "build_openvla_oft"]
 
+#: OFT's LIBERO statistics keys (``libero_spatial_no_noops``, ...) name the datasets its arm actions come from
+LIBERO_STATISTICS_PREFIX = "libero"
 
-@register_policy("openvla_oft", config=OpenVLAOFTConfig)
+
+def action_convention(model: OpenVLAOFTConfig) -> ActionConvention:
+    """OFT's gripper, [0, 1] with 1 = open (its LIBERO data's, ``normalize_gripper_action`` binarises it at 0.5); the
+    arm is LIBERO's OSC_POSE delta for a checkpoint whose statistics are all of LIBERO datasets (``libero_10_no_noops``,
+    ...), else the env's (a random init, or SFT on the env's own demos)."""
+    contents = autoconfig.inspect(str(model.path)) if model.path else None
+    keys = contents.statistics_keys if contents is not None else ()
+    libero = bool(keys) and all(str(k).startswith(LIBERO_STATISTICS_PREFIX) for k in keys)
+    return ActionConvention(arm=OSC_POSE_DELTA if libero else ANY_ARM, gripper=OPEN01)
+
+
+@register_policy("openvla_oft", config=OpenVLAOFTConfig, ray=True, sft=SFT_TOKENS, merge=True, compile=True,
+                 value_head=True, action_convention=action_convention)
 def build_openvla_oft(model_cfg, env_spec) -> OpenVLAOFTPolicy:
     """Registry builder: ``builder(model_cfg, env_spec) -> Policy``."""
     return build_policy(model_cfg, env_spec)
@@ -50,6 +66,23 @@ def _check_spec(model_cfg, env_spec) -> None:
     build_config(configure(model_cfg), env_spec)
 
 
+def _describe_checkpoint(path) -> str:
+    """``embodirl doctor``'s checkpoint row: what the folder holds (a ConfigError for one without weights)."""
+    contents = autoconfig.inspect(str(path))
+    if contents is None:
+        return f"{path}: a hub id not downloaded yet (checked when the worker loads it)"
+    weights = sorted(p.name for p in contents.directory.glob("*.safetensors"))
+    adapter = (contents.directory / "lora_adapter").is_dir() or (contents.directory / "adapter_config.json").is_file()
+    if not weights and not adapter:
+        raise ConfigError("model.path", f"{contents.directory} holds no *.safetensors weights and no LoRA adapter; point "
+                                        "model.path at a checkpoint directory in the public OpenVLA-OFT layout")
+    head = "L1 regression head" if contents.action_head is not None else "action tokens"
+    rl = "evaluation only" if contents.action_head is not None else "RL-ready"
+    return (f"{contents.directory.name}: {len(weights)} weight file(s), {head}, "
+            f"{'proprio, ' if contents.proprio_projector is not None else ''}{contents.num_images} image(s), {rl}")
+
+
 build_openvla_oft.check_config = _check_config
+build_openvla_oft.describe_checkpoint = _describe_checkpoint
 build_openvla_oft.check_spec = _check_spec
 build_openvla_oft.check_run = check_run

@@ -11,14 +11,20 @@ Flow-Noise log-probabilities of the denoising chain). Registered as policy ``pi0
 
 from __future__ import annotations
 
+from embodirl.envs.conventions import ANY_ARM, SIGNED_CLOSE_POSITIVE, ActionConvention
 from embodirl.models.pi0.policy import Pi0Policy, build_policy
 from embodirl.models.pi0.schema import Pi0ModelConfig
-from embodirl.models.registry import register_policy
+from embodirl.models.registry import SFT_FLOW, register_policy
 
 __all__ = ["Pi0Policy", "build_policy", "build_pi0"]
 
 
-@register_policy("pi0", config=Pi0ModelConfig)
+#: π0's LIBERO checkpoints (openpi's, LeRobot's, RLinf's) emit LIBERO's gripper: -1 open, +1 close
+ACTION_CONVENTION = ActionConvention(arm=ANY_ARM, gripper=SIGNED_CLOSE_POSITIVE)
+
+
+@register_policy("pi0", config=Pi0ModelConfig, ray=True, sft=SFT_FLOW, merge=True, compile=True, value_head=True,
+                 action_convention=ACTION_CONVENTION)
 def build_pi0(model_cfg, env_spec) -> Pi0Policy:
     """Registry builder: ``builder(model_cfg, env_spec) -> Policy``."""
     return build_policy(model_cfg, env_spec)
