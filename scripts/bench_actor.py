@@ -282,7 +282,7 @@ def part_placement(args) -> list[str]:
 def part_full(args, *, compiled: bool) -> list[str]:
     from embodirl.actor.actor import prepare_batch
     from embodirl.schema import run_config
-    from embodirl.workers.actor_worker import ActorWorker, build_policy, free_port
+    from embodirl.workers.actor_worker import ActorWorker, build_policy
     from tests.actor.helpers import oft_batch, oft_spec
 
     cuda = args.device == "cuda"
@@ -321,7 +321,7 @@ def part_full(args, *, compiled: bool) -> list[str]:
                       lambda: oft_batch(policy, N=args.trajectories, T=args.decisions, seed=SEED).to("cpu"))
     prepared = prepare_batch(batch, cfg.algorithm)[0]
     worker = ActorWorker(cfg, spec, rank=0, world_size=1, policy=policy)
-    timed("process group + FSDP2 set-up", lambda: worker.setup("127.0.0.1", free_port()))
+    timed("process group + FSDP2 set-up", lambda: worker.setup(*worker.rendezvous()))
     try:
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)

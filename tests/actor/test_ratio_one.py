@@ -16,6 +16,8 @@ import json
 import pytest
 import torch.multiprocessing as mp
 
+from .test_fsdp import free_port
+
 #: half of bfloat16's relative precision (2^-8): kernels that sum in another order for another batch shape may move
 #: a log-prob by about that much; the float32-adapter rollout this test replaced measured 6.0e-3 here (5e-3 on the
 #: machine that reported it), and this machine measures 0 for the matched dtypes
@@ -61,8 +63,6 @@ def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:
 
 @pytest.mark.slow
 def test_first_minibatch_ratio_is_one_between_an_inference_worker_and_an_fsdp2_actor(tmp_path):
-    from embodirl.workers.actor_worker import free_port
-
     out = str(tmp_path / "ratio.json")
     mp.spawn(_rank, args=(free_port(), out, OVERRIDES), nprocs=1, join=True)
     with open(out) as f:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 
 import numpy as np
 import pytest
@@ -46,6 +47,9 @@ def test_the_stream_serves_with_more_than_1024_descriptors_open():
             np.testing.assert_array_equal(views["action"], batch["state"] * 2)
             del views
             reader.release(ref)
+        deadline = time.monotonic() + 10.0      # the server counts a batch after its answer is sent
+        while server.served < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert reader.ready_fd(info) > FD_SETSIZE and server.served == 3
     finally:
         server.close()
