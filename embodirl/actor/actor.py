@@ -37,8 +37,8 @@ from embodirl.actor import fsdp
 from embodirl.actor.optim import build_optimizer, clip_grad_norm, lr_schedule, refresh_lr, trainable_named_parameters
 from embodirl.actor.replay_buffer import ReplayBuffer, row_versions
 from embodirl.actor.settings import ActorSettings
+from embodirl.algorithms import behaviour_gap, losses
 from embodirl.algorithms import kl as kl_mod
-from embodirl.algorithms import losses
 from embodirl.algorithms.advantages import compute_advantages
 from embodirl.algorithms.filtering import drop_filtered, group_composition
 from embodirl.algorithms.section import Algorithm, algorithm_of
@@ -230,7 +230,7 @@ class Actor:
         params = self.cfg.algorithm
         generator = torch.Generator().manual_seed(self.cfg.actor.seed * 1_000_003 + self.version)
         orders = [torch.randperm(N, generator=generator) for _ in range(self.cfg.algorithm.update_epochs)]
-        old_logprob, is_weight = self._old_logprob(batch, first_epoch=self._steps(orders[0], rows_per_step))
+        old_logprob, is_weight, is_cap = self._old_logprob(batch, first_epoch=self._steps(orders[0], rows_per_step))
         kl_coef = self.kl_coef if params.use_kl_loss else 0.0
 
         self.policy.train()
@@ -241,6 +241,7 @@ class Actor:
         stopped = False
         skipped = 0
         first_ratio_error = torch.zeros((), device=self.device)
+        gap_stats = None        # |learner - behaviour| log-prob statistics of the first optimizer step's tokens
         self._steps_before_update = self.optimizer_steps
         ticker, total_steps = Ticker(), len(orders) * steps_per_epoch
         for epoch, order in enumerate(orders):
@@ -271,9 +272,12 @@ class Actor:
                         out, fields, old_logprob=old, algorithm=params, norms=device_norms, action_dim=action_dim,
                         kl_coef=kl_coef, is_weight=None if is_weight is None else is_weight[micro_rows].to(self.device))
                     if not step_metrics and not skipped:   # the update's first optimizer step: on-policy, ratio 1
+                        executed = fields.get(D.EXECUTED) if D.EXECUTED in fields.keys() else None
                         first_ratio_error = torch.maximum(first_ratio_error, losses.max_ratio_error(
-                            out[losses.LOGPROB], old, fields.get(D.VALID), action_dim=action_dim,
-                            executed=fields.get(D.EXECUTED) if D.EXECUTED in fields.keys() else None))
+                            out[losses.LOGPROB], old, fields.get(D.VALID), action_dim=action_dim, executed=executed))
+                        gap_stats = behaviour_gap.merge(gap_stats, behaviour_gap.statistics(
+                            out[losses.LOGPROB], fields.get(D.LOGPROB_BEHAVIOR),
+                            behaviour_gap.token_mask(fields.get(D.VALID), L, action_dim=action_dim, executed=executed)))
                     loss.backward()
                     for key, value in micro_metrics.items():
                         sums[key] = sums.get(key, 0.0) + value
@@ -294,6 +298,7 @@ class Actor:
         # max |ratio - 1| over the first optimizer step's tokens: the rollout's and the actor's forwards disagree by
         # this much (numerics only, when the rows are on-policy; see algorithm.recompute_old_logprob)
         metrics["actor/first_step_ratio_error"] = fsdp.all_reduce_(first_ratio_error.to(self.host), "max").cpu()
+        metrics.update(self._gap_metrics(gap_stats, is_weight, is_cap, batch))
         self.kl_ctrl.update(self._measured_kl(metrics), N * self.world_size)
         metrics["actor/kl_coef"] = torch.tensor(self.kl_coef)
         metrics["actor/version"] = torch.tensor(float(self.version))
@@ -535,23 +540,56 @@ class Actor:
         """An epoch's row order cut into optimizer steps."""
         return list(order.split(rows_per_step))
 
-    def _old_logprob(self, batch: TensorDict, first_epoch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _old_logprob(self, batch: TensorDict, first_epoch: list[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
         """Behaviour log-probs for on-policy rows - or, with ``algorithm.recompute_old_logprob``, this actor's
         own log-probs of them, computed in the micro-batches of the first epoch (``first_epoch``: its optimizer
         steps' rows), so that the first optimizer step's ratio is 1 up to the difference between a forward with and
-        without autograd; for replayed (stale) rows the current "proximal" log-probs plus truncated importance
-        weights (decoupled PPO; see :mod:`.replay_buffer`)."""
+        without autograd, plus the truncated importance weights pi_prox / pi_behaviour capped at
+        ``algorithm.behaviour_is_cap`` (none when it is null); for replayed (stale) rows the current "proximal"
+        log-probs plus truncated importance weights (decoupled PPO; see :mod:`.replay_buffer`). The third value is
+        the cap the weights were truncated at."""
         behaviour = batch.get(D.LOGPROB_BEHAVIOR)
         stale = torch.tensor(float((row_versions(batch, self.version) < self.version).any()), device=self.host)
         if not fsdp.all_reduce_(stale, "max").item():
             if self.cfg.algorithm.recompute_old_logprob:
                 micro = [m for rows in first_epoch for m in rows.split(self.cfg.actor.micro_batch_size)]
-                return self._logprob_no_grad(batch, micro), None
-            return behaviour, None
+                prox = self._logprob_no_grad(batch, micro)
+                cap = self.cfg.algorithm.behaviour_is_cap
+                if cap is None:     # the ratio is taken to the actor's own log-probs, the rollout's are dropped
+                    return prox, None, None
+                # decoupled PPO: the clipped ratio is pi / pi_prox, and each unit's loss is weighted by the
+                # truncated pi_prox / pi_behaviour that the rollout copy's numerics (merged bf16 weights) open
+                return prox, losses.importance_weight(
+                    prox, behaviour, batch.get(D.VALID), logprob_type=self.cfg.algorithm.logprob_type,
+                    action_dim=self.policy.action_dim, max_weight=cap,
+                    executed=batch.get(D.EXECUTED) if D.EXECUTED in batch.keys() else None), cap
+            return behaviour, None, None
         prox = self._logprob_no_grad(batch)
         weight = losses.importance_weight(prox, behaviour, batch.get(D.VALID), logprob_type=self.cfg.algorithm.logprob_type,
                                           action_dim=self.policy.action_dim, max_weight=REPLAY_MAX_IMPORTANCE_WEIGHT)
-        return prox, weight
+        return prox, weight, REPLAY_MAX_IMPORTANCE_WEIGHT
+
+    def _gap_metrics(self, gap_stats: torch.Tensor | None, is_weight: torch.Tensor | None, is_cap: float | None,
+                     batch: TensorDict) -> dict[str, torch.Tensor]:
+        """The behaviour/learner log-prob gap of the first optimizer step (mean, p99, max over all ranks'
+        tokens, :mod:`embodirl.algorithms.behaviour_gap`), and the importance weights' mean and truncated
+        fraction over the valid units when the update applies them."""
+        size = 3 + behaviour_gap.BINS + 2
+        stats = gap_stats.to(self.host) if gap_stats is not None else torch.zeros(size, device=self.host)
+        head = fsdp.all_reduce_(stats[behaviour_gap.MAX].clone(), "max")
+        stats = fsdp.all_reduce_(stats)
+        stats[behaviour_gap.MAX] = head
+        metrics = {f"actor/behaviour_gap_{k}": torch.tensor(v) for k, v in behaviour_gap.summary(stats).items()}
+        if is_weight is not None:
+            valid = batch.get(D.VALID)[:, :, None].expand_as(is_weight)
+            sums = torch.stack([is_weight[valid].sum(), valid.sum().float(),
+                                (is_weight[valid] >= is_cap * (1 - 1e-6)).sum().float()]).to(self.host)
+            sums = fsdp.all_reduce_(sums)
+            count = sums[1].clamp(min=1)
+            metrics["actor/is_weight_mean"] = (sums[0] / count).cpu()
+            metrics["actor/is_weight_truncated_fraction"] = (sums[2] / count).cpu()
+        return metrics
 
     def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reduce the step's metric sums over the ranks, clip the gradient and step - unless a loss term or the

@@ -267,11 +267,15 @@ def max_ratio_error(logprob: torch.Tensor, old_logprob: torch.Tensor, valid: tor
 
 
 def importance_weight(prox_logprob: torch.Tensor, behaviour_logprob: torch.Tensor, valid: torch.Tensor, *,
-                      logprob_type: str, action_dim: int, max_weight: float) -> torch.Tensor:
+                      logprob_type: str, action_dim: int, max_weight: float,
+                      executed: torch.Tensor | None = None) -> torch.Tensor:
     """Truncated importance weight ``min(pi_prox / pi_behaviour, max_weight)`` per ratio unit
-    ``(N, T, K)`` from token log-probs ``(N, T, L)`` (1 at invalid decisions), for replayed data."""
+    ``(N, T, K)`` from token log-probs ``(N, T, L)`` (1 at invalid decisions; unexecuted tokens count as equal), for
+    replayed data and for the gap between the rollout's copy and the learner (decoupled PPO)."""
     N, T, L = prox_logprob.shape
     token_mask = valid[:, :, None].expand(N, T, L)
+    if executed is not None:
+        token_mask = token_mask & executed.repeat_interleave(action_dim, dim=2)
     log_w = torch.where(token_mask, prox_logprob.float() - behaviour_logprob.float(),
                         torch.zeros_like(prox_logprob, dtype=torch.float32))
     log_w = to_units(log_w, logprob_type, action_dim)  # (N, T, K)

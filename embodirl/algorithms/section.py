@@ -71,6 +71,7 @@ class Algorithm:
     update_epochs: int = num(1)
     early_stop_kl: float | None = num(0, lo_open=True, null=True)
     recompute_old_logprob: bool = required()
+    behaviour_is_cap: float | None = num(1, null=True)     # verl's rollout_is_threshold (token level)
 
     # --- views the code reads (derived from the fields above, never stored) --------------------------------
     @property
