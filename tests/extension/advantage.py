@@ -1,4 +1,4 @@
-"""An advantage estimator added the way the README's "Adding an advantage estimator" says, from outside the package:
+"""An advantage estimator added the way docs/extending.md's "Adding an advantage estimator" says, from outside the package:
 this one module, registered under its dotted name with what it needs declared (here: groups, like GRPO), selected with
 ``algorithm.adv_type=tests.extension.advantage``. The estimator: each trajectory's return minus its group's median."""
 

@@ -1,4 +1,4 @@
-"""A simulator added the way the README's "Adding a simulator" says, from outside the package: this one module (the
+"""A simulator added the way docs/extending.md's "Adding a simulator" says, from outside the package: this one module (the
 simulator, its adapter and its config class, registered under the module's dotted name) and one env YAML naming it
 (tests/extension/test_extension.py writes it). A point on a line moves towards a goal; success within 0.1 of it."""
 

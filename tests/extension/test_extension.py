@@ -1,4 +1,4 @@
-"""Extension points, used as the README's "Adding a simulator", "Adding an advantage estimator" and "Adding a policy"
+"""Extension points, used as docs/extending.md's "Adding a simulator", "Adding an advantage estimator" and "Adding a policy"
 say and touching only the files they name: a simulator from outside the package is one module
 (tests/extension/grid_sim.py: simulator, adapter and config class, registered under the module's dotted name) plus one
 env YAML; an advantage estimator is one module (tests/extension/advantage.py, registered with what it needs); a policy

@@ -122,7 +122,7 @@ def test_refusal_through_the_cli_writes_nothing(l1_checkpoint, tmp_path):
 
 @pytest.mark.slow
 def test_cli_eval_runs_a_public_l1_proprio_checkpoint_without_flags(l1_checkpoint, tmp_path):
-    """The README's evaluation command on a checkpoint in OFT's layout: real LIBERO, one short episode."""
+    """docs/evaluation.md's evaluation command on a checkpoint in OFT's layout: real LIBERO, one short episode."""
     _, path, _ = l1_checkpoint
     proc = cli_runs.run(
         ["eval", *TINY_LIBERO, f"model.path={path}", "cluster.use_ray=false", "env.eval.task_ids=[0]",

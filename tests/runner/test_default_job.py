@@ -1,9 +1,9 @@
-"""The README's default job learns: `embodirl train` with the default config (ManiSkill PushCube, state policy
+"""The default job learns: `embodirl train` with the default config (ManiSkill PushCube, state policy
 with the state normaliser, joint-delta control, chunk-level PPO), cut to its first 50 training steps (80k
 simulator steps) with the learning rate decaying as in the whole 100-step job, through the real CLI.
 
 The test asserts the greedy evaluation success (50 episodes) before training is low and at step 50 clears a
-bar the untrained policy never does. The bar is set from the seed sweep in the README (seeds 1-10 of the whole
+bar the untrained policy never does. The bar is set from the seed sweep of docs/results/default-job.md (seeds 1-10 of the whole
 job on this project's machine): at step 50 they scored 0.46 to 0.96 (median 0.76), the untrained policy 0.00.
 RL on another CPU follows another trajectory from the same seed, so one seed here stands for a draw from that
 distribution: the bar (0.3) sits below its worst seed, and a learner that does not learn stays near 0. Step 50,

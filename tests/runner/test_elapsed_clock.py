@@ -1,5 +1,5 @@
 """The minutes a run prints (``time/elapsed_min``, the eval curve) count from the start of the command's
-process, so start-up (interpreter, imports, config) is inside them, as the README's curves say."""
+process, so start-up (interpreter, imports, config) is inside them, as the results pages' curves say."""
 
 from __future__ import annotations
 

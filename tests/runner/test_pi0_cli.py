@@ -2,7 +2,7 @@
 camera images, the real simulator) with each flow log-probability and each algorithm, in this process and on Ray
 workers with two gloo FSDP2 actor ranks; the first minibatch's importance ratio is 1; ``embodirl eval`` of the run's
 checkpoint reproduces the run's own last evaluation. Episodes are cut to 16 steps: what is checked is the path,
-not learning (tests/runner/test_pi0_tiny_learning.py, README)."""
+not learning (tests/runner/test_pi0_tiny_learning.py, docs/results/pi0-pushcube.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Demonstrations -> SFT -> RL on real ManiSkill PushCube from 64 px camera images, through the CLI: the README's
+"""Demonstrations -> SFT -> RL on real ManiSkill PushCube from 64 px camera images, through the CLI: the results page's
 "Result on this machine" chain with both training phases cut short. ``embodirl demos`` records 100 expert
-episodes, ``embodirl sft`` fully fine-tunes the tiny OpenVLA-OFT for 150 steps on their action tokens (the README's
+episodes, ``embodirl sft`` fully fine-tunes the tiny OpenVLA-OFT for 150 steps on their action tokens (the results page's
 300 until 2026-12-03: half the SFT's 275 CPU-s, and the checkpoints still clear every bar below), and ``embodirl
-train`` runs 2 GRPO steps from that checkpoint with the README's thirteenth-round RL settings (groups of 2 from
+train`` runs 2 GRPO steps from that checkpoint with the results page's thirteenth-round RL settings (groups of 2 from
 fixed initial states, rollout temperature 0.5, a moving average of the weights for evaluation, a learning rate
 warmed up over 20 optimizer steps; 8 simulators), evaluating (greedy, the same 50 initial states with 5
-simulators) before and after. Smaller than the README's RL phase (16 simulators, 10 for evaluation): the
+simulators) before and after. Smaller than the results page's RL phase (16 simulators, 10 for evaluation): the
 simulators' start-up was a third of it.
 
 What it asserts holds for any draw of the SFT checkpoint: the SFT fits the demonstrations (action-token
@@ -20,14 +20,14 @@ this project's 2-core AMD EPYC machine (2026-12-03), ``runner.seed`` 1/2/3 of th
 accuracy 0.58-0.62 and returns 5.9 and 13.7.
 
 The checkpoint's greedy *success* is printed, not asserted: it is a draw of the closed loop, not of the fit.
-Until 2026-12-03 it had to reach 4 of 50 (0.38 in the README's run, 0.26-0.30 on this project's machine, 0.18 on
+Until 2026-12-03 it had to reach 4 of 50 (0.38 in the results page's run, 0.26-0.30 on this project's machine, 0.18 on
 issue 23's), and a change of summation order in the SFT loss alone (the same token accuracy to 0.001 over the
 last 20 steps) took one checkpoint to 0.04 on this machine. The earlier RL settings (temperature 1, groups of 8,
 the full rate of 2e-4 from the first optimizer step) moved the policy by an approximate KL of 0.08-0.13 per
 update and failed the no-fall bar on a fresh machine of CI's kind (0.38 -> 0.18, 2026-12-01); from the same
 checkpoint these settings moved it by 0.003 and kept 0.38. Whether GRPO *raises* the success in a few steps is
 not asserted: from one checkpoint, 15 steps gave +0.34 (seed 1) and +0.04 (seed 2) on this machine, and +0.38
-and +0.10 on two others; a draw that small is not a test. The README reports the longer runs; that GRPO learns
+and +0.10 on two others; a draw that small is not a test. The results page reports the longer runs; that GRPO learns
 at all is asserted where it is robust (``tests/runner/test_tiny_vla_learning.py``)."""
 
 from __future__ import annotations

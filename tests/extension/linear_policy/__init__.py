@@ -1,4 +1,4 @@
-"""A policy family added the way the README's "Adding a policy" says, from outside the package: this one package (its
+"""A policy family added the way docs/extending.md's "Adding a policy" says, from outside the package: this one package (its
 config class, policy and builder, registered under the package's dotted name with what it can do) and one model YAML
 naming it (tests/extension/test_extension.py copies this package under another name into a temporary folder and writes
 the YAML there). The policy: a linear Gaussian over the state vector, acting in the env's own actions, no value head
