@@ -8,8 +8,10 @@ refuse to mix a CPU tensor into a CUDA computation. A normaliser, tokenizer, pro
 tensor on the CPU instead of on its module's device - the crash a 7B run would meet at its first action -
 fails here, in CI, in seconds. The same run counts what a GPU would do:
 
-* FLOPs per decision of ``act`` and of an update (forward and backward, with gradient checkpointing's
-  recomputation), by PyTorch's own per-operator formulas (:class:`MetaDryRun`; ``FlopCounterMode`` would do, but
+* FLOPs per decision of ``act`` and of an update (forward and backward), counted twice: *model* FLOPs (what the
+  update computes once: the basis of model-FLOP utilisation, MFU) and *hardware* FLOPs (model FLOPs plus gradient
+  checkpointing's recomputed forwards, when ``actor.fsdp.gradient_checkpointing`` is on: the basis of HFU), by
+  PyTorch's own per-operator formulas (:class:`MetaDryRun`; ``FlopCounterMode`` would do, but
   its module hooks keep recomputed activations alive and so falsify the bytes below);
 * bytes of parameters, gradients, optimizer state and activations: the live bytes of every tensor the update
   allocates on the policy's device, tracked by storage with weak references (:class:`MetaDryRun` again) - what the
@@ -38,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry as _FLOP_FORMULAS
 
 from embodirl import data as D
+from embodirl.actor.fsdp import recomputing
 from embodirl.envs.base import EnvSpec
 
 aten = torch.ops.aten
@@ -65,6 +68,7 @@ class MetaDryRun(TorchDispatchMode):
         super().__init__()
         self.count = count
         self.flops = 0
+        self.recomputed_flops = 0     # of those, the FLOPs of checkpointed forwards recomputed in backward
         self.current = 0
         self.peak = 0
         self._live: dict[int, int] = {}
@@ -87,7 +91,10 @@ class MetaDryRun(TorchDispatchMode):
             return out
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
         if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
+            flops = int(formula(*args, **kwargs, out_val=out))
+            self.flops += flops
+            if recomputing():
+                self.recomputed_flops += flops
         # a view or an in-place result shares an input's storage: only storages the op allocated are new
         outputs = [t for t in _tensors(out) if t.is_meta]
         if outputs:
@@ -165,7 +172,9 @@ class DryRunReport:
     act_batch: int
     act_flops_per_decision: float
     update_decisions: int            # decisions in one micro-batch's forward/backward
-    update_flops_per_decision: float
+    update_model_flops_per_decision: float      # forward and backward, each once (MFU's numerator per decision)
+    update_hardware_flops_per_decision: float   # plus the recomputed forwards of gradient checkpointing (HFU's)
+    gradient_checkpointing: bool     # actor.fsdp.gradient_checkpointing of the run described
     published_tensors: int
     published_bytes: int
     ema_bytes: int = 0               # the moving average evaluation acts with (actor.ema_decay), beside the weights
@@ -284,7 +293,8 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     optimizer_bytes = _nbytes(v for state in actor.optimizer.state.values() for v in state.values()
                               if isinstance(v, torch.Tensor) and v.device == META)
     grad_bytes = _nbytes(trainable)
-    update_flops = live.flops / (DRY_RUN_TRAJECTORIES * T)
+    hardware_flops = live.flops / (DRY_RUN_TRAJECTORIES * T)
+    model_flops = (live.flops - live.recomputed_flops) / (DRY_RUN_TRAJECTORIES * T)
 
     t0 = time.perf_counter()
     with MetaDryRun():
@@ -299,7 +309,8 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
         activation_bytes=max(0, live.peak - grad_bytes - optimizer_bytes),
         update_peak_bytes=param_bytes + ema_bytes + live.peak, ema_bytes=ema_bytes,
         act_batch=act_batch, act_flops_per_decision=float(act_flops), update_decisions=T,
-        update_flops_per_decision=float(update_flops), published_tensors=len(published),
+        update_model_flops_per_decision=float(model_flops), update_hardware_flops_per_decision=float(hardware_flops),
+        gradient_checkpointing=bool(cfg.actor.fsdp.gradient_checkpointing), published_tensors=len(published),
         published_bytes=_nbytes(published.values()), seconds=seconds)
 
 
@@ -324,8 +335,10 @@ def format_report(report: DryRunReport | Mapping) -> str:
     return "\n".join([
         f"parameters: {_si(r['params'], '')} ({_si(r['trainable'], '')} trainable), {_bytes(r['param_bytes'])}",
         f"act: {_si(r['act_flops_per_decision'], 'FLOP')} per decision (batch {r['act_batch']})",
-        f"update: {_si(r['update_flops_per_decision'], 'FLOP')} per decision (forward and backward, "
-        f"{r['update_decisions']} decisions per micro-batch)",
+        f"update: {_si(r['update_model_flops_per_decision'], 'FLOP')} model FLOPs per decision (forward and "
+        f"backward, {r['update_decisions']} decisions per micro-batch); "
+        + (f"{_si(r['update_hardware_flops_per_decision'], 'FLOP')} hardware FLOPs with gradient checkpointing's "
+           "recomputation" if r['gradient_checkpointing'] else "no gradient checkpointing: hardware FLOPs = model FLOPs"),
         f"actor bytes: gradients {_bytes(r['grad_bytes'])}, optimizer state {_bytes(r['optimizer_bytes'])}, "
         f"activations {_bytes(r['activation_bytes'])}"
         + (f", moving average {_bytes(r['ema_bytes'])}" if r.get("ema_bytes") else "")

@@ -63,7 +63,7 @@ TRAIN_STEPS = 3
 #: the GPU issue's goals
 ACT_TARGET_DECISIONS_PER_S = 50.0           # policy.act at batch 64 on an H200
 ACT_TARGET_FRACTION_OF_BOUND = 0.55
-LEARNER_TARGET_FRACTION_OF_PEAK = 0.50
+LEARNER_TARGET_MFU = 0.50   # the learner's model-FLOP utilisation with gradient checkpointing
 OFFLOAD_ONLOAD_TARGET_S = 2.0
 
 
@@ -161,11 +161,20 @@ def bf16_peak(name: str) -> float | None:
     return next((peak for key, peak in BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
-def dry_run_step(preset: str) -> dict:
+def checkpointing_of(bench_args: list[str]) -> bool:
+    """The gradient checkpointing a ``bench_actor.py`` call runs with (its ``--gradient-checkpointing``, default on)."""
+    flag = "--gradient-checkpointing"
+    return (bench_args[bench_args.index(flag) + 1] if flag in bench_args else "on") == "on"
+
+
+def dry_run_step(preset: str, checkpointing: bool) -> dict:
+    """The FLOPs and bytes of the preset with the gradient checkpointing of the update it describes (model FLOPs
+    never count the recomputation; hardware FLOPs do when it is on)."""
     from embodirl.config import compose
     from embodirl.dry_run import dry_run, format_report
 
-    report = dry_run(compose(["env=libero_10", f"model={preset}"]))
+    report = dry_run(compose(["env=libero_10", f"model={preset}",
+                              f"actor.fsdp.gradient_checkpointing={str(checkpointing).lower()}"]))
     print(format_report(report), flush=True)
     return report.as_dict()
 
@@ -197,9 +206,27 @@ def pi0_step(report: Report, mode: dict) -> dict:
     from embodirl.config import compose
     from embodirl.dry_run import dry_run
 
-    dry = dry_run(compose(["env=libero_10", f"model={mode['pi0']}"]))
+    checkpointing = checkpointing_of(mode["pi0_actor"])
+    dry = dry_run(compose(["env=libero_10", f"model={mode['pi0']}",
+                           f"actor.fsdp.gradient_checkpointing={str(checkpointing).lower()}"]))
     return {"policy": json.loads(policy_out.read_text()), "actor": json.loads(actor_out.read_text()),
-            "update_flops_per_decision": dry.update_flops_per_decision}
+            "dry_run": {k: getattr(dry, k) for k in ("update_model_flops_per_decision",
+                                                      "update_hardware_flops_per_decision", "gradient_checkpointing")}}
+
+
+def utilisation(decisions_per_s: float, dry: dict, bench: dict, peak: float | None) -> dict:
+    """Model-FLOP (MFU) and hardware-FLOP (HFU) utilisation of a measured update, from the dry run of the same
+    gradient checkpointing: a mismatch is refused, since it would count the recomputation the bench did not run,
+    or leave out the one it did."""
+    if bool(dry["gradient_checkpointing"]) != bool(bench["gradient_checkpointing"]):
+        raise ValueError(f"the dry run counted FLOPs with gradient checkpointing {dry['gradient_checkpointing']} but the "
+                         f"update was timed with {bench['gradient_checkpointing']}: run both with the same "
+                         "actor.fsdp.gradient_checkpointing")
+    model = decisions_per_s * dry["update_model_flops_per_decision"] / 1e12
+    hardware = decisions_per_s * dry["update_hardware_flops_per_decision"] / 1e12
+    return {"gradient_checkpointing": bool(bench["gradient_checkpointing"]), "model_tflops": model,
+            "hardware_tflops": hardware, "mfu": model / peak if peak else None,
+            "hfu": hardware / peak if peak else None}
 
 
 def cli_overrides(mode: dict) -> list[str]:
@@ -266,14 +293,13 @@ def targets(data: dict) -> dict:
                       "tflops": achieved, "fraction_of_peak": achieved / peak if peak else None,
                       "goal_fraction_of_peak": ACT_TARGET_FRACTION_OF_BOUND}
     if actor:
-        achieved = actor["decisions_per_s"] * dry.get("update_flops_per_decision", 0) / 1e12
         seconds = actor.get("seconds", {})
         moves = seconds.get("offload()", 0.0) + seconds.get("onload()", 0.0)     # reused buffers (every later step)
         first = seconds.get("offload() #1", 0.0) + seconds.get("onload() #1", 0.0)
         before = seconds.get("plain .to() offload (before)", 0.0) + seconds.get("plain .to() onload (before)", 0.0)
-        out["actor"] = {"decisions_per_s": actor["decisions_per_s"], "tflops": achieved,
-                          "fraction_of_peak": achieved / peak if peak else None,
-                          "goal_fraction_of_peak": LEARNER_TARGET_FRACTION_OF_PEAK,
+        out["actor"] = {"decisions_per_s": actor["decisions_per_s"],
+                          **utilisation(actor["decisions_per_s"], dry, actor, peak),
+                          "goal_mfu": LEARNER_TARGET_MFU,
                           "offload_plus_onload_s": moves, "goal_offload_plus_onload_s": OFFLOAD_ONLOAD_TARGET_S,
                           "first_offload_plus_onload_s": first, "plain_to_offload_plus_onload_s": before or None,
                           "speedup_over_plain_to": before / moves if before and moves else None,
@@ -282,11 +308,10 @@ def targets(data: dict) -> dict:
     pi0 = steps.get("pi0", {})
     if pi0:
         rows = pi0["policy"]["act"]
-        update = pi0["actor"]["decisions_per_s"] * pi0["update_flops_per_decision"] / 1e12
         out["pi0"] = {"act": {r["batch"]: {k: r.get(k) for k in ("decisions_per_s", "greedy_decisions_per_s",
                                                                   "fraction_of_bf16_peak", "peak_gib")} for r in rows},
-                      "update_decisions_per_s": pi0["actor"]["decisions_per_s"], "update_tflops": update,
-                      "update_fraction_of_peak": update / peak if peak else None,
+                      "update_decisions_per_s": pi0["actor"]["decisions_per_s"],
+                      "update": utilisation(pi0["actor"]["decisions_per_s"], pi0["dry_run"], pi0["actor"], peak),
                       "update_peak_gib": (pi0["actor"].get("train_peak_bytes") or 0) / 2**30 or None}
     return out
 
@@ -306,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out, mode_name)
     report.data["preset"] = mode["preset"]
     report.step("environment", lambda: environment(mode["device"]))
-    report.step("dry_run", lambda: dry_run_step(mode["preset"]))
+    report.step("dry_run", lambda: dry_run_step(mode["preset"], checkpointing_of(mode["actor"])))
     # the end-to-end path first: a lent machine's call is time-limited, and a report cut short still says whether
     # the CLI trained, evaluated and checkpointed on the device
     trained = report.step("train", lambda: train_step(report, mode, work))

@@ -28,9 +28,11 @@ def test_full_size_openvla_oft_dry_run_and_doctor_estimate(compose_cfg, decision
     assert report.params > 7.6e9 and 100e6 < report.trainable < 200e6   # LoRA rank 32 on every linear + heads
     # ~608 tokens through 7.6 B parameters: 2 FLOPs per parameter and token, plus attention
     assert 8.0e12 < report.act_flops_per_decision < 10.0e12, report.act_flops_per_decision
-    # gradient checkpointing: forward, recomputed forward and backward of the activations (the frozen weights
-    # get no gradient): about three forwards
-    assert 2.8 < report.update_flops_per_decision / report.act_flops_per_decision < 3.3
+    # model FLOPs: forward and backward of the activations (the frozen weights get no gradient), about two forwards;
+    # hardware FLOPs add gradient checkpointing's recomputed forward of every block: about three
+    assert report.gradient_checkpointing
+    assert 1.9 < report.update_model_flops_per_decision / report.act_flops_per_decision < 2.2
+    assert 2.8 < report.update_hardware_flops_per_decision / report.act_flops_per_decision < 3.3
     # the adapter and the trainable heads in float32, what an H200 run published (501 MiB)
     assert report.published_bytes == pytest.approx(501.3 * 1024**2, rel=0.01)
     assert report.grad_bytes == report.trainable * 4 and report.optimizer_bytes == report.trainable * 8
@@ -63,7 +65,10 @@ def test_a_normaliser_left_on_the_cpu_fails_the_dry_run(compose_cfg):
 def test_the_default_jobs_state_policy_dry_run(compose_cfg):
     report = dry_run(compose_cfg())
     assert report.params == report.trainable > 0          # every weight of the MLP trains
-    assert report.act_flops_per_decision > 0 and report.update_flops_per_decision > report.act_flops_per_decision
+    assert report.act_flops_per_decision > 0 and report.update_model_flops_per_decision > report.act_flops_per_decision
+    # no gradient checkpointing: nothing is recomputed
+    assert not report.gradient_checkpointing
+    assert report.update_hardware_flops_per_decision == report.update_model_flops_per_decision
     assert report.published_bytes == report.trainable * 4
     # actor.ema_decay: the average is one more fp32 copy of the trainable tensors, made and exchanged on meta too
     averaged = dry_run(compose_cfg("actor.ema_decay=0.9"))
@@ -99,7 +104,8 @@ def test_full_size_pi0_dry_run_and_doctor_estimate(compose_cfg, variant):
     assert 3.4e9 < report.params < 3.6e9
     # ~560 prefix tokens through PaliGemma (~2.9 B) once, the 0.3 B expert over 51 tokens 4 times
     assert 2.6e12 < report.act_flops_per_decision < 3.1e12, report.act_flops_per_decision
-    ratio = report.update_flops_per_decision / report.act_flops_per_decision
+    ratio = report.update_hardware_flops_per_decision / report.act_flops_per_decision
+    assert (report.update_hardware_flops_per_decision > report.update_model_flops_per_decision) == ("checkpointing" in variant)
     if variant.startswith("expert"):
         # RLinf's trainable set: the Gemma-300M expert and its projections in full (not its unused token embedding)
         assert 300e6 < report.trainable < 330e6, report.trainable

@@ -35,8 +35,29 @@ def test_gpu_check_cpu_mode_passes_and_writes_its_report(tmp_path):
     assert report["targets"]["act"]["decisions_per_s"] > 0 and report["targets"]["actor"]["decisions_per_s"] > 0
     pi0 = report["targets"]["pi0"]             # the second VLA family: act at two batch sizes and one update
     assert sorted(pi0["act"]) == ["1", "4"] and all(r["decisions_per_s"] > 0 for r in pi0["act"].values())
-    assert pi0["update_decisions_per_s"] > 0 and pi0["update_tflops"] > 0
+    assert pi0["update_decisions_per_s"] > 0 and pi0["update"]["model_tflops"] > 0
+    # MFU counts the update once; HFU adds the recomputed forwards of the gradient checkpointing both were run with
+    actor = report["targets"]["actor"]
+    assert actor["gradient_checkpointing"] and actor["hardware_tflops"] > actor["model_tflops"] > 0
+    assert pi0["update"]["gradient_checkpointing"] and pi0["update"]["hardware_tflops"] > pi0["update"]["model_tflops"]
     assert len(list(out.iterdir())) <= 8          # what a lent GPU machine sends back
+
+
+def test_utilisation_refuses_a_dry_run_of_other_checkpointing():
+    """MFU from a dry run without checkpointing and an update timed with it (or the reverse) is refused."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    dry = {"update_model_flops_per_decision": 2e12, "update_hardware_flops_per_decision": 3e12,
+           "gradient_checkpointing": True}
+    got = gpu_check.utilisation(100.0, dry, {"gradient_checkpointing": True}, 1000.0)
+    assert got["mfu"] == pytest.approx(0.2) and got["hfu"] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        gpu_check.utilisation(100.0, dry, {"gradient_checkpointing": False}, 1000.0)
+    assert gpu_check.checkpointing_of(["--gradient-checkpointing", "off"]) is False
+    assert gpu_check.checkpointing_of(["--trajectories", "4"]) is True
 
 
 def test_gpu_check_stops_at_the_first_failing_step(tmp_path):

@@ -582,9 +582,10 @@ class Actor:
         stats[behaviour_gap.MAX] = head
         metrics = {f"actor/behaviour_gap_{k}": torch.tensor(v) for k, v in behaviour_gap.summary(stats).items()}
         if is_weight is not None:
-            valid = batch.get(D.VALID)[:, :, None].expand_as(is_weight)
-            sums = torch.stack([is_weight[valid].sum(), valid.sum().float(),
-                                (is_weight[valid] >= is_cap * (1 - 1e-6)).sum().float()]).to(self.host)
+            valid = batch.get(D.VALID)[:, :, None].expand_as(is_weight).to(is_weight.device)
+            truncated = valid & (is_weight >= is_cap * (1 - 1e-6))
+            sums = torch.stack([torch.where(valid, is_weight, 0.0).sum(), valid.sum().float(),
+                                truncated.sum().float()]).to(self.host)
             sums = fsdp.all_reduce_(sums)
             count = sums[1].clamp(min=1)
             metrics["actor/is_weight_mean"] = (sums[0] / count).cpu()

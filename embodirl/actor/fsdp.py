@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import types
 from collections.abc import Iterable
 
@@ -175,6 +176,30 @@ def _own_forward(cls: type):
     return forward
 
 
+#: depth of checkpointed forwards being recomputed in backward now (read by the dry run's FLOP count, which counts
+#: the recomputation as hardware FLOPs and not as model FLOPs)
+_recomputing = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether the operators running now recompute a checkpointed forward inside backward."""
+    return getattr(_recomputing, "depth", 0) > 0
+
+
+def _marking_recomputation(fn):
+    """``fn`` that marks its calls from inside backward (the checkpoint's recomputation; the first call, in forward,
+    runs with no autograd node current) for :func:`recomputing`."""
+    def run(*args, **kwargs):
+        if torch._C._current_autograd_node() is None:
+            return fn(*args, **kwargs)
+        _recomputing.depth = getattr(_recomputing, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _recomputing.depth -= 1
+    return run
+
+
 def enable_gradient_checkpointing(modules: Iterable[nn.Module]) -> int:
     """Recompute each module's activations in backward (``torch.utils.checkpoint``, non-reentrant).
 
@@ -192,7 +217,7 @@ def enable_gradient_checkpointing(modules: Iterable[nn.Module]) -> int:
         def forward(*args, _inner=inner, **kwargs):
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_marking_recomputation(_inner), *args, use_reentrant=False, **kwargs)
 
         module.forward = forward
         module._embodirl_checkpointed = True

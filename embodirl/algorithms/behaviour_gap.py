@@ -39,10 +39,12 @@ def token_mask(valid: torch.Tensor, L: int, *, action_dim: int, executed: torch.
 def statistics(logprob: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """This piece's statistics, float32 ``(3 + BINS + 1,)``: sum and count of the gaps, their max, and the counts of
     the histogram (bin 0: under ``EDGES[0]``; bin ``BINS``: over the last edge). Add pieces with :func:`merge`."""
-    gap = (logprob.detach().float() - behaviour.float()).abs()[mask]
-    hist = torch.bincount(torch.bucketize(gap, edges(gap.device)), minlength=BINS + 2)[:BINS + 2].float()
-    head = torch.stack([gap.sum(), torch.tensor(float(gap.numel()), device=gap.device),
-                        gap.max() if gap.numel() else gap.new_zeros(())])
+    # masks, never boolean indexing: shapes stay independent of the data (the dry run runs this on the meta device)
+    gap = torch.where(mask, (logprob.detach().float() - behaviour.float()).abs(), 0.0).flatten()
+    counted = mask.flatten().float()
+    bins = torch.bucketize(gap, edges(gap.device))
+    hist = torch.zeros(BINS + 2, device=gap.device).scatter_add_(0, bins, counted)
+    head = torch.stack([gap.sum(), counted.sum(), gap.amax() if gap.numel() else gap.new_zeros(())])
     return torch.cat([head, hist])
 
 

@@ -141,4 +141,4 @@ def test_a_policy_family_added_with_one_package_and_one_yaml(tmp_path, monkeypat
             sys.modules.pop(module, None)
     chunk = 2 * 7                                          # H x A, sized without a simulator (memory_plan.UNSET_*)
     assert report.params == size.params == size.trainable == UNSET_STATE_DIM * chunk + 2 * chunk   # weight, bias, log-std
-    assert report.update_flops_per_decision > 0 and memory_plan(cfg, size, "cpu")["actor"] > 0
+    assert report.update_model_flops_per_decision > 0 and memory_plan(cfg, size, "cpu")["actor"] > 0
