@@ -27,7 +27,7 @@ import torch
 from embodirl import data as D
 from embodirl.algorithms.advantages import REWARD_BASELINE
 from embodirl.algorithms.filtering import group_keep_mask
-from embodirl.algorithms.section import Algorithm
+from embodirl.algorithms.section import AlgorithmSection
 from embodirl.rollout.starts import EpisodeStarts
 
 
@@ -67,7 +67,7 @@ class InformativeGroups:
         self.drawn = 0
 
     @classmethod
-    def from_config(cls, algorithm: Algorithm, *, num_slots: int, rollout_epoch: int) -> InformativeGroups | None:
+    def from_config(cls, algorithm: AlgorithmSection, *, num_slots: int, rollout_epoch: int) -> InformativeGroups | None:
         """None unless ``algorithm.filter_groups.resample``."""
         fg = algorithm.filter_groups
         if not (fg.enable and fg.resample):

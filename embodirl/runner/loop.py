@@ -63,7 +63,7 @@ from embodirl.runner.preemption import Preempted, PreemptionWatch
 from embodirl.runner.run_folder import FolderLock, check_eval_folder, no_room, training_start
 from embodirl.runner.run_state import restore as restore_run_state
 from embodirl.runner.weights import complete_record, describe, weights_record
-from embodirl.schema import Config, EnvGroups, run_config
+from embodirl.schema import Config, EnvSplits, run_config
 from embodirl.workers.groups import WorkerGroups
 
 log = logging.getLogger(__name__)
@@ -553,7 +553,7 @@ def worker_config(cfg: Config) -> Config:
     train = cfg.env.train
     if cfg.runner.train_video_interval > 0:
         train = dataclasses.replace(train, video=dataclasses.replace(train.video, enabled=True))
-    return dataclasses.replace(cfg, env=EnvGroups(train=train, eval=eval_env_cfg(cfg)))
+    return dataclasses.replace(cfg, env=EnvSplits(train=train, eval=eval_env_cfg(cfg)))
 
 
 def load_policy_weights(policy, source: Path, cfg) -> None:

@@ -27,7 +27,7 @@ import torch
 from embodirl.actor import fsdp
 from embodirl.actor.actor import Actor
 from embodirl.schema import Config
-from embodirl.schema.sections import Rollout
+from embodirl.schema.sections import RolloutSection
 from embodirl.workers import process_env
 from embodirl.workers.parking import HostParking
 from embodirl.workers.weight_sync import WeightPublisher
@@ -258,7 +258,7 @@ class ActorWorker:
                 log.debug("destroying the process group: %s", exc)
 
 
-def _temperature(rollout: Rollout) -> float:
+def _temperature(rollout: RolloutSection) -> float:
     return 1.0 if rollout.temperature is None else float(rollout.temperature)
 
 

@@ -31,7 +31,7 @@ class EnvWorkerGroup:
                  process_vars: Mapping[str, str] | None = None, mode: str = TRAIN,
                  max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None,
                  deadline=None, conversion=None):
-        self.env_cfg = env_config(env_cfg)     # the typed env group (a mapping of it is converted once)
+        self.env_cfg = env_config(env_cfg)     # the typed env split (a mapping of it is converted once)
         self.layout = layout
         self.inference: InferenceGroup | None = None
         self.mode = mode

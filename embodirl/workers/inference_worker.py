@@ -30,7 +30,7 @@ from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
 from embodirl.rollout.inference import PolicyOutput
 from embodirl.schema import to_object
-from embodirl.schema.sections import Rollout
+from embodirl.schema.sections import RolloutSection
 from embodirl.workers import process_env
 from embodirl.workers.backends import make_backend
 from embodirl.workers.stream import StreamServer
@@ -41,10 +41,10 @@ log = logging.getLogger(__name__)
 TRAIN, EVAL = "train", "eval"
 
 
-def sampling_from_config(rollout: Rollout, eval_greedy: bool = True) -> dict[str, SamplingParams]:
+def sampling_from_config(rollout: RolloutSection, eval_greedy: bool = True) -> dict[str, SamplingParams]:
     """The typed ``rollout`` section's ``temperature`` (null: 1, the policy's own distribution), ``top_k`` and
     ``top_p`` for training; evaluation is greedy (``runner.eval_greedy``) or samples like training."""
-    rollout = to_object(Rollout, rollout, "rollout")
+    rollout = to_object(RolloutSection, rollout, "rollout")
     temperature = 1.0 if rollout.temperature is None else rollout.temperature
     train = SamplingParams(greedy=False, temperature=temperature, top_k=rollout.top_k, top_p=rollout.top_p)
     evaluation = SamplingParams(greedy=bool(eval_greedy), temperature=temperature, top_k=rollout.top_k,
