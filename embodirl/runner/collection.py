@@ -44,11 +44,11 @@ def episode_returns(batch) -> torch.Tensor:
     return (reward * batch.get(D.VALID)).sum(-1).float()
 
 
-def remax_baseline(rollouts, batch, *, seed: int):
+def remax_baseline(groups, batch, *, seed: int):
     """``batch`` with ``extras.reward_baseline``: the return of a greedy rollout from each row's start
     (same simulator seed). Returns ``(batch, seconds)``."""
     t0 = time.perf_counter()
-    greedy = rollouts.collect(episode_starts(batch), seed=seed, greedy=True)
+    greedy = groups.collect(episode_starts(batch), seed=seed, greedy=True)
     return D.set_extra(batch, REWARD_BASELINE, episode_returns(greedy)), time.perf_counter() - t0
 
 

@@ -192,10 +192,10 @@ def check_types(cfg: DictConfig) -> None:
         raise ConfigError("env", "must hold exactly train and eval (an env option fills both)")
     for name, schema in SECTIONS.items():
         check_fields(schema, cfg[name], name)
-    for group in ("train", "eval"):
-        schema, closed = env_schema(cfg.env[group], f"env.{group}")
-        typed(schema, cfg.env[group], f"env.{group}", closed=closed)
-        check_fields(schema, cfg.env[group], f"env.{group}")
+    for split in ("train", "eval"):
+        schema, closed = env_schema(cfg.env[split], f"env.{split}")
+        typed(schema, cfg.env[split], f"env.{split}", closed=closed)
+        check_fields(schema, cfg.env[split], f"env.{split}")
     model, closed = model_schema(cfg.model)
     typed(model, cfg.model, "model", closed=closed)
     check_fields(model, cfg.model, "model")

@@ -48,7 +48,7 @@ def env_rules(cfg) -> None:
 
 def action_conversion(cfg, env_key: str, env=None):
     """The :class:`~embodirl.envs.conventions.ActionConversion` from the configured policy's actions to what the env
-    group ``env_key`` (``env.train`` / ``env.eval``) consumes; a ConfigError (one sentence naming the key) when either
+    split ``env_key`` (``env.train`` / ``env.eval``) consumes; a ConfigError (one sentence naming the key) when either
     side declares none or they cannot be converted. ``cfg``: the typed config."""
     from embodirl.envs.conventions import pairing
     from embodirl.envs.registry import env_convention

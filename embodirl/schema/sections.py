@@ -28,7 +28,7 @@ GUARD_ACTIONS = ("rollback", "stop")                      # runner.guard.action 
 HUNG_ACTIONS = ("restart", "stop")                        # runner.worker_deadline.action (embodirl/workers/deadlines.py)
 
 
-def _rollout_backends():
+def _inference_engines():
     from embodirl.registry import BACKENDS
     return BACKENDS.available()
 
@@ -118,7 +118,7 @@ class ChannelSection:
 
 @dataclass
 class RolloutSection:
-    backend: str = one_of(_rollout_backends)
+    backend: str = one_of(_inference_engines)
     num_workers: int = num(1)
     pipeline_stage_num: int = num(1)
     rollout_epoch: int = num(1)

@@ -60,7 +60,7 @@ from embodirl.workers.env_group import EnvWorkerGroup
 from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.inference_group import InferenceGroup
 from embodirl.workers.inference_worker import EVAL, TRAIN, sampling_from_config
-from embodirl.workers.layout import RolloutLayout, layout_from_config, plan_from_config
+from embodirl.workers.layout import SlotLayout, layout_from_config, plan_from_config
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class WorkerGroups:
             if group is not None:
                 group.attach(self.inference)
 
-    def _env_group(self, env_key: str, layout: RolloutLayout, placement_offset: int = 0) -> EnvWorkerGroup:
+    def _env_group(self, env_key: str, layout: SlotLayout, placement_offset: int = 0) -> EnvWorkerGroup:
         return _env_group(self.cfg, env_key, layout, remote=self.remote, placement=self.placement,
                           process_vars=self.process_vars, placement_offset=placement_offset)
 
@@ -353,7 +353,7 @@ class WorkerGroups:
         self.close(CLOSE_WAIT_S if exc_type is None else CLOSE_WAIT_ON_ERROR_S)
 
 
-def _env_group(cfg: Config, env_key: str, layout: RolloutLayout, *, remote: bool, placement, process_vars,
+def _env_group(cfg: Config, env_key: str, layout: SlotLayout, *, remote: bool, placement, process_vars,
                placement_offset: int = 0) -> EnvWorkerGroup:
     from embodirl.schema.envs import action_conversion
 

@@ -56,7 +56,7 @@ def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
         except rollout_hung as exc:
             raise group.inference.hung_answer(group.layout.inference_worker_of(k), exc) from None
         except rollout_died as exc:
-            recover_rollout(group, k, exc)
+            restart_inference_worker(group, k, exc)
         except env_died as exc:
             replace_env_worker(group, k, exc)
         faults += 1
@@ -89,7 +89,7 @@ def replace_env_worker(group, k: int, cause: BaseException) -> None:
     group.connect(k)
 
 
-def recover_rollout(group, k: int, cause: BaseException) -> None:
+def restart_inference_worker(group, k: int, cause: BaseException) -> None:
     """Env worker ``k``'s inference worker died: restart it (once, whichever env worker noticed first) and
     reconnect ``k``."""
     r = group.layout.inference_worker_of(k)
