@@ -278,7 +278,7 @@ def _collect_with_stages(cfg, S: int, N: int, T: int, *, env_builder=None, polic
     # fractional CPUs: both actors fit a 2-core Ray; the OS, not Ray, shares the cores
     env_group = EnvWorkerGroup(env_cfg, layout, remote=True, return_value=False, use_shm=True,
                                process_vars=process_env.forwarded(), env_builder=env_builder)
-    inference_group = InferenceGroup(cfg.model, env_group.spec, num_workers=1, backend="huggingface",
+    inference_group = InferenceGroup(cfg.model, env_group.spec, num_workers=1, engine="huggingface",
                                        sampling=sampling_from_config(cfg.rollout), remote=True,
                                        process_vars=process_env.forwarded(), policy=policy)
     env_group.attach(inference_group)

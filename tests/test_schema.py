@@ -154,7 +154,8 @@ def test_the_algorithms_and_the_actor_read_the_schema_objects_themselves():
     from embodirl.schema.sections import ActorSection
 
     assert not hasattr(losses, "LossParams") and not hasattr(advantages, "AdvantageParams")
-    assert {f.name: f.type for f in dataclasses.fields(ActorSettings)} == {"algorithm": "AlgorithmSection", "actor": "ActorSection"}
+    assert {f.name: f.type for f in dataclasses.fields(ActorSettings)} == {"algorithm": "AlgorithmSection",
+                                                                           "actor": "ActorSection"}
     settings = ActorSettings.from_config(compose([]))
     assert isinstance(settings.algorithm, AlgorithmSection) and isinstance(settings.actor, ActorSection)
     assert settings.algorithm.gamma == compose([]).algorithm.gamma

@@ -12,7 +12,7 @@ all pipelining needs, and it hides where inference runs:
 
 :func:`act` is the one place that turns an env observation into a policy call (instructions looked up
 from the env's task table, CPU tensors the policy moves to its device after its CPU-side work,
-``torch.inference_mode``); rollout backends reuse it.
+``torch.inference_mode``); inference engines reuse it.
 """
 
 from __future__ import annotations

@@ -52,8 +52,10 @@ from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner import heldout
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
 from embodirl.schema import Config, run_config
-from embodirl.schema.sections import EVAL_PROTOCOLS  # parallel (the adapters' seeding) | oft (OFT's LIBERO seeding)
-from embodirl.schema.sections import RunnerSection
+from embodirl.schema.sections import (
+    EVAL_PROTOCOLS,  # parallel (the adapters' seeding) | oft (OFT's LIBERO seeding)
+    RunnerSection,
+)
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ themselves live in the YAML tree. A section's cross-field rules sit in its ``rul
 fields they relate; :func:`embodirl.schema.check` runs them in the order the sections are listed here.
 The ``algorithm`` section is declared in :mod:`embodirl.algorithms.section`, below this layer, so that the
 algorithms run on it; the others' choice lists come from the registries that define the names (learning-rate
-schedules, rollout backends).
+schedules, inference engines).
 """
 
 from dataclasses import dataclass
@@ -29,8 +29,8 @@ HUNG_ACTIONS = ("restart", "stop")                        # runner.worker_deadli
 
 
 def _inference_engines():
-    from embodirl.registry import BACKENDS
-    return BACKENDS.available()
+    from embodirl.registry import ENGINES
+    return ENGINES.available()
 
 
 AUTO_OR_BOOL = ("auto", True, False)
@@ -298,5 +298,5 @@ class ClusterSection:
 
 
 #: the sections of config.yaml that this module types, in the order their rules run
-SECTIONS = {"runner": RunnerSection, "algorithm": AlgorithmSection, "cluster": ClusterSection, "rollout": RolloutSection, "actor": ActorSection,
-            "env_workers": EnvWorkersSection}
+SECTIONS = {"runner": RunnerSection, "algorithm": AlgorithmSection, "cluster": ClusterSection,
+            "rollout": RolloutSection, "actor": ActorSection, "env_workers": EnvWorkersSection}

@@ -152,7 +152,7 @@ class WorkerGroups:
             self.policy = policy
         rollout_cfg = cfg.rollout
         self.inference = InferenceGroup(
-            cfg.model, spec, num_workers=layout.num_inference_workers, backend=rollout_cfg.backend,
+            cfg.model, spec, num_workers=layout.num_inference_workers, engine=rollout_cfg.backend,
             sampling=sampling_from_config(rollout_cfg, cfg.runner.eval_greedy), remote=self.remote,
             placement=self.placement, process_vars=self.process_vars, policy=policy, seed=cfg.runner.seed,
             init_seed=cfg.runner.seed, weight_source=self._full_weights if self.remote else None,

@@ -25,14 +25,14 @@ class InferenceGroup:
     object (no copy, no weight transfer: the actor's updates are its weights) on its device, and samples
     with the driver's generators; a Ray worker gets a copy and seeds its own (``seed + r + R*restarts``)."""
 
-    def __init__(self, model_cfg, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
+    def __init__(self, model_cfg, env_spec, *, num_workers: int, engine: str, sampling: Mapping,
                  remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
                  seed: int | None = None, init_seed: int | None = None, weight_source=None,
                  trainable_dtype: str | None = None, merge_lora: bool = False, compile_blocks: bool = False,
                  deadline=None):
         self.model_cfg = model_config(model_cfg)   # the typed model section (a mapping of it is converted once)
         self.env_spec = env_spec
-        self.backend = backend
+        self.engine = engine
         self.sampling = dict(sampling)
         self.process_vars = dict(process_vars or {})
         self._policy = policy            # an existing policy object instead of building one
@@ -85,7 +85,7 @@ class InferenceGroup:
         return self._outbox.post(update, set(self.consumer_nodes()), inline=not self.remote)
 
     def _start(self, r: int) -> None:
-        kwargs = dict(backend=self.backend, sampling=self.sampling, process_vars=self.process_vars,
+        kwargs = dict(engine=self.engine, sampling=self.sampling, process_vars=self.process_vars,
                       policy=self._policy, init_seed=self.init_seed)
         if self.shares_policy:           # the driver's policy acts where it is
             param = next(self._policy.parameters(), None)

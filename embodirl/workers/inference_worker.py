@@ -32,7 +32,7 @@ from embodirl.rollout.inference import PolicyOutput
 from embodirl.schema import to_object
 from embodirl.schema.sections import RolloutSection
 from embodirl.workers import process_env
-from embodirl.workers.backends import make_backend
+from embodirl.workers.engines import make_engine
 from embodirl.workers.stream import StreamServer
 from embodirl.workers.weight_sync import WeightReceiver, WeightUpdate
 
@@ -58,14 +58,14 @@ class InferenceWorker:
     Args:
         model_cfg: the ``model`` config.
         env_spec: the env's static description (task table for instructions, action bounds).
-        backend: ``rollout.backend`` name.
+        engine: the inference engine's name (``rollout.backend``).
         sampling: ``{"train": SamplingParams, "eval": SamplingParams}``.
         weights: a full :class:`WeightUpdate` to start from (a restarted worker).
-        device: where the backend runs the policy (default: CUDA when visible, else CPU).
+        device: where the engine runs the policy (default: CUDA when visible, else CPU).
         process_vars: environment variables to adopt before anything heavy is imported (Ray workers
             do not inherit the driver's later ``os.environ`` changes).
         policy: an already built policy instead of one built from ``model_cfg``; in-process it is used
-            as is (the backend puts it in eval mode on its device), through Ray it arrives as a copy.
+            as is (the engine puts it in eval mode on its device), through Ray it arrives as a copy.
         seed: seeds this process's generators (action sampling) when given; leave it None in-process,
             where the generators are the driver's.
         init_seed: build the policy with this seeded initialisation (as the actor ranks do) when no
@@ -77,7 +77,7 @@ class InferenceWorker:
         compile_blocks: compile this copy's networks with ``torch.compile`` (``rollout.compile``).
     """
 
-    def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, backend: str = "huggingface",
+    def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, engine: str = "huggingface",
                  sampling: Mapping[str, SamplingParams] | None = None, weights: WeightUpdate | None = None,
                  device: str | None = None, process_vars: Mapping[str, str] | None = None, policy=None,
                  seed: int | None = None, init_seed: int | None = None, trainable_dtype: str | None = None,
@@ -104,13 +104,13 @@ class InferenceWorker:
             kwargs["compile_blocks"] = True
         if policy is not None:
             kwargs["policy"] = policy
-        self.backend = make_backend(backend, model_cfg, env_spec, **kwargs)
+        self.engine = make_engine(engine, model_cfg, env_spec, **kwargs)
         self.sampling = dict(sampling or {TRAIN: SamplingParams(), EVAL: SamplingParams(greedy=True)})
-        self.receiver = WeightReceiver(self.backend.load_weights)
+        self.receiver = WeightReceiver(self.engine.load_weights)
         self.reader = ShmReader()
         self.requests = 0
         self._lock = threading.RLock()      # decisions (any thread) vs weight updates and offload
-        self.server = StreamServer(self._decide, has_value=self.backend.value_type is not None)
+        self.server = StreamServer(self._decide, has_value=self.engine.value_type is not None)
         if weights is not None:
             self.receiver.apply(weights)
 
@@ -133,7 +133,7 @@ class InferenceWorker:
     def _decide(self, obs: Mapping[str, np.ndarray], return_value: bool, mode: str) -> PolicyOutput:
         t0 = time.perf_counter()
         with self._lock:
-            fields = self.backend.generate(obs, self.sampling[mode], return_value=return_value)
+            fields = self.engine.generate(obs, self.sampling[mode], return_value=return_value)
             version = self.receiver.version
             self.requests += 1
         return PolicyOutput(fields, version, {"infer_s": time.perf_counter() - t0})
@@ -159,7 +159,7 @@ class InferenceWorker:
                 self.receiver.version = int(handle)
             return self.receiver.version, "shared"
 
-        device = getattr(getattr(self.backend, "device", None), "type", None) and self.backend.device
+        device = getattr(getattr(self.engine, "device", None), "type", None) and self.engine.device
         update, path = receive(handle, node_id=process_env.describe()["node_id"], device=device)
         return self.update_weights(update), path
 
@@ -167,16 +167,16 @@ class InferenceWorker:
         return self.receiver.version
 
     def trainable_state_dict(self):
-        return self.backend.trainable_state_dict()
+        return self.engine.trainable_state_dict()
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def offload(self) -> None:
         with self._lock:
-            self.backend.offload()
+            self.engine.offload()
 
     def onload(self) -> None:
         with self._lock:
-            self.backend.onload()
+            self.engine.onload()
 
     def forget_channels(self, prefix: str) -> None:
         """Close streams and unmap rings whose names start with ``prefix`` (their producer was replaced)."""
@@ -205,4 +205,4 @@ class InferenceWorker:
     def close(self) -> None:
         self.server.close()
         self.reader.close()
-        self.backend.close()
+        self.engine.close()

@@ -2,7 +2,7 @@
 
 Per decision no Ray message is sent: the env worker (:class:`StreamClient`) writes the observation
 batch into its request ring and queues it (:meth:`ShmChannel.send`); a thread of the inference worker
-(:class:`StreamServer`) waits on every connected request ring at once, runs the backend on zero-copy
+(:class:`StreamServer`) waits on every connected request ring at once, runs the engine on zero-copy
 views, and writes the answer (action chunk, policy-space actions, log-probs, values, weight version)
 into a response ring it owns for that env worker, which the env worker reads back. Ray carries only
 the one call that opens the stream (it also answers the first decision) and, when an answer is slow,

@@ -43,7 +43,7 @@ def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:
             cfg = compose([*overrides, f"algorithm.recompute_old_logprob={str(recompute).lower()}"])
             with WorkerGroups.from_config(cfg, remote=False) as groups:
                 spec = groups.env.spec
-                policy = groups.inference.workers[0].backend.policy
+                policy = groups.inference.workers[0].engine.policy
                 dtypes = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad})
                 actor = Actor(build_policy(cfg.model, spec, int(cfg.runner.seed)),
                                   {"algorithm": cfg.algorithm, "actor": cfg.actor}, task_table=spec.task_descriptions)

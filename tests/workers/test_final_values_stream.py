@@ -22,10 +22,10 @@ def test_stream_carries_final_value_requests(ray_local, compose_cfg):
                       "env.train.max_episode_steps=6", "env.train.step_size=0.001")
     env_kwargs = dict(num_stages=STAGES, envs_per_stage=ENVS, num_decisions=DECISIONS, return_value=True,
                       use_shm=True, queue_size=1)
-    rollout_kwargs = dict(backend=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout), init_seed=0)
+    inference_kwargs = dict(engine=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout), init_seed=0)
 
     local_env = EnvWorker(env_config(cfg.env.train), **env_kwargs)
-    local_rollout = InferenceWorker(model_config(cfg.model), local_env.spec(), **rollout_kwargs)
+    local_rollout = InferenceWorker(model_config(cfg.model), local_env.spec(), **inference_kwargs)
     local_env.connect_local(local_rollout, mode=EVAL)
     want = local_env.collect(seed=5)
     local_env.close()
@@ -38,7 +38,7 @@ def test_stream_carries_final_value_requests(ray_local, compose_cfg):
     try:
         spec = ray_local.get(env.spec.remote())
         rollout = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
-            model_config(cfg.model), spec, process_vars=variables, **rollout_kwargs)
+            model_config(cfg.model), spec, process_vars=variables, **inference_kwargs)
         ray_local.get(env.connect_remote.remote(rollout, same_node=True, mode=EVAL))
         got = unpack_trajectory(ray_local.get(env.collect.remote(seed=5, packed=True)))
         assert ray_local.get(env.transport_info.remote())["shm"]

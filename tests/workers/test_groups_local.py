@@ -76,7 +76,7 @@ def test_evaluation_only_groups_load_weights_and_count_executed_steps(compose_cf
         before = groups.evaluate(starts, seed=3)
         assert before.batch_size == torch.Size([2, 3])
         assert (before[D.EXECUTED] & before[D.VALID][..., None]).sum(dim=(1, 2)).tolist() == [10, 10]
-        policy = groups.inference.workers[0].backend.policy
+        policy = groups.inference.workers[0].engine.policy
         weights = {k: v + 1.0 for k, v in policy.trainable_state_dict().items()}
         assert groups.load_weights(weights, version=5) == 5
         after = groups.evaluate(starts, seed=3)

@@ -27,7 +27,7 @@ def test_last_stats_count_the_batches_of_each_collection_by_path(ray_local, comp
     try:
         spec = ray_local.get(env.spec.remote())
         rollout = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
-            model_config(cfg.model), spec, backend=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout),
+            model_config(cfg.model), spec, engine=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout),
             process_vars=variables, seed=0)
         env_node, rollout_node = (ray_local.get(a.info.remote())["node_id"] for a in (env, rollout))
         assert env_node == rollout_node

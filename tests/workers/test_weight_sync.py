@@ -149,7 +149,7 @@ def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(
     same = np.asarray(outputs[True][D.ACTION_TOKENS]) == np.asarray(outputs[False][D.ACTION_TOKENS])
     assert same.mean() >= 0.97, f"{int((~same).sum())} of {same.size} greedy tokens differ"
     np.testing.assert_allclose(outputs[True][D.LOGPROB_BEHAVIOR], outputs[False][D.LOGPROB_BEHAVIOR], atol=1e-4)
-    merged, plain = workers[True].backend.policy, dict(workers[False].backend.policy.named_parameters())
+    merged, plain = workers[True].engine.policy, dict(workers[False].engine.policy.named_parameters())
     weights = {n: p.detach().clone() for n, p in merged.named_parameters() if n.endswith("base_layer.weight")}
     assert weights and not any(torch.equal(w, plain[n]) for n, w in weights.items())   # folded in: they differ
     for version, tensors in ((2, second), (3, first)):
@@ -173,9 +173,9 @@ def test_a_compiled_copy_acts_as_the_plain_one_across_weight_updates(compose_cfg
     workers = {compiled: InferenceWorker(cfg.model, env.spec, init_seed=1, merge_lora=True, compile_blocks=compiled,
                                          sampling={"train": SamplingParams(), "eval": SamplingParams(greedy=True)})
                for compiled in (False, True)}
-    blocks = list(workers[True].backend.policy.core.language_model.model.layers)
+    blocks = list(workers[True].engine.policy.core.language_model.model.layers)
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)
-    assert all(b._compiled_call_impl is None for b in workers[False].backend.policy.core.language_model.model.layers)
+    assert all(b._compiled_call_impl is None for b in workers[False].engine.policy.core.language_model.model.layers)
     g = torch.Generator().manual_seed(3)
     logprobs = []
     for version in (1, 2):
