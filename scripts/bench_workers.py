@@ -257,8 +257,8 @@ def sleepy_policy(model_cfg, spec, latency_per_env_s: float):
             time.sleep(self.latency * len(obs["task_id"]))
             return self.inner.act(obs, sampling, return_value=return_value)
 
-        def evaluate(self, obs, actions, **kwargs):
-            return self.inner.evaluate(obs, actions, **kwargs)
+        def score_actions(self, obs, actions, **kwargs):
+            return self.inner.score_actions(obs, actions, **kwargs)
 
     return SleepyPolicy(make_policy(model_cfg, spec), latency_per_env_s)
 

@@ -501,7 +501,7 @@ class Actor:
             idx_n = idx_t = torch.zeros(1, dtype=torch.long, device=valid.device)
         obs = self._obs(micro, idx_n, idx_t)
         actions = micro.get(self.policy.action_field)[idx_n, idx_t]  # (B, L)
-        out = self.policy.evaluate(obs, actions, temperature=self.temperature, return_value=return_value,
+        out = self.policy.score_actions(obs, actions, temperature=self.temperature, return_value=return_value,
                                    return_entropy=return_entropy)
         scattered = {}
         for key in (losses.LOGPROB, losses.ENTROPY, D.VALUE):

@@ -50,7 +50,7 @@ LOG_RATIO_CLAMP = 20.0
 #: order of the entries of :func:`normalisers`' vector (summed across ranks in one all-reduce)
 NORMALISER_KEYS = ("policy_agg", "token_agg", "value_agg", "policy_units", "token_units", "value_units")
 
-# keys of the policy's evaluate() output that compute_loss reads (scattered to [n, T, ...])
+# keys of the policy's score_actions() output that compute_loss reads (scattered to [n, T, ...])
 LOGPROB = "logprob"
 ENTROPY = "entropy"
 

@@ -42,7 +42,7 @@ class OraclePolicy(Policy):
         return {D.ACTION_CHUNK: chunk, D.ACTION_SAMPLE: chunk.reshape(B, -1),
                 D.LOGPROB_BEHAVIOR: torch.zeros(B, self.action_chunk * self.action_dim)}
 
-    def evaluate(self, obs, actions, **kwargs):  # pragma: no cover - not used by rollouts
+    def score_actions(self, obs, actions, **kwargs):  # pragma: no cover - not used by rollouts
         raise NotImplementedError
 
 
