@@ -1,6 +1,6 @@
-"""How the collector asks for actions: a small submit/result protocol, and its in-process form.
+"""How the collector asks for actions: a small request/result protocol, and its in-process form.
 
-The collector never calls a policy directly. It *submits* an observation batch and later asks the
+The collector never calls a policy directly. It *requests* actions for an observation batch and later asks the
 returned handle for the :class:`PolicyOutput`; between the two it steps another env batch. That is
 all pipelining needs, and it hides where inference runs:
 
@@ -51,9 +51,9 @@ class Pending(Protocol):
 
 
 class InferenceClient(Protocol):
-    """Submit an observation batch, get a handle; ``return_value`` asks for the value head too."""
+    """Request actions for an observation batch, get a handle; ``return_value`` asks for the value head too."""
 
-    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending: ...
+    def request(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending: ...
 
 
 class Done:
@@ -104,7 +104,7 @@ def act(policy: Policy, obs: Mapping[str, np.ndarray], task_descriptions: Sequen
 class PolicyInference:
     """In-process :class:`InferenceClient` over a policy.
 
-    ``background=True`` runs every decision on one worker thread, so :meth:`submit` returns at once and
+    ``background=True`` runs every decision on one worker thread, so :meth:`request` returns at once and
     the caller steps another env batch meanwhile (pipelining without Ray). ``weight_version`` is
     reported with every output; :meth:`load_weights` changes both weights and version.
     """
@@ -122,7 +122,7 @@ class PolicyInference:
         fields = act(self.policy, obs, self.task_descriptions, self.sampling, return_value=return_value)
         return PolicyOutput(fields, self.weight_version, {"infer_s": time.perf_counter() - t0})
 
-    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
+    def request(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
         if self._pool is None:
             return Done(self._run(obs, return_value))
         # the env may reuse its observation buffers on the next step: hand the thread its own copy

@@ -88,8 +88,8 @@ class ActorGroup:
             workers.start(r, cfg, spec, rank=r, world_size=N, process_vars=dict(process_vars or {}))
         group = cls(workers, infos=[{} for _ in range(N)])
         try:
-            address, port = group._gather([workers.submit(0, ActorWorker.rendezvous)], "rendezvous")[0]
-            group.infos = group._gather([workers.submit(r, ActorWorker.setup, address, port) for r in range(N)], "setup")
+            address, port = group._gather([workers.call_async(0, ActorWorker.rendezvous)], "rendezvous")[0]
+            group.infos = group._gather([workers.call_async(r, ActorWorker.setup, address, port) for r in range(N)], "setup")
         except BaseException:
             group.close()
             raise
@@ -99,7 +99,7 @@ class ActorGroup:
     # --- calls ---------------------------------------------------------------------------------------
     def _call_all(self, method, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
         args = per_rank_args or [()] * self.world_size
-        return self._gather([self.workers.submit(r, method, *a, **kwargs) for r, a in enumerate(args)], method.__name__)
+        return self._gather([self.workers.call_async(r, method, *a, **kwargs) for r, a in enumerate(args)], method.__name__)
 
     def _gather(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
         """Results of one call per rank; a dead rank (a Ray worker's process) ends it with :class:`ActorRankDied`."""
@@ -154,7 +154,7 @@ class ActorGroup:
                               consumer_gpus=list(consumer_gpus))
 
     def _call_one(self, rank: int, method, *args, **kwargs):
-        return self._gather([self.workers.submit(rank, method, *args, **kwargs)], method.__name__, [rank])[0]
+        return self._gather([self.workers.call_async(rank, method, *args, **kwargs)], method.__name__, [rank])[0]
 
     # --- supervised fine-tuning (embodirl sft) --------------------------------------------------------
     def set_statistics(self, statistics: Mapping) -> None:

@@ -240,7 +240,7 @@ class WorkerGroups:
         kwargs = dict(seed=seed, video_dir=video_dir, step=step, packed=self.remote,   # Ray: the cheap form to send
                       mode=EVAL if greedy else None)
         with self._loaded(group):
-            pending = {group.workers.submit(k, EnvWorker.collect, part, **kwargs): k for k, part in enumerate(parts)}
+            pending = {group.workers.call_async(k, EnvWorker.collect, part, **kwargs): k for k, part in enumerate(parts)}
             try:
                 results = recovery.settle(group, pending, parts, kwargs)
             except WorkerHung as hung:

@@ -62,7 +62,7 @@ def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
         faults += 1
         if faults > group.max_faults:
             raise TooManyFaults(f"workers died {faults} times during one collection; giving up")
-        pending[workers.submit(k, EnvWorker.collect, parts[k], **kwargs)] = k
+        pending[workers.call_async(k, EnvWorker.collect, parts[k], **kwargs)] = k
     return results
 
 

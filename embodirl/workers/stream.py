@@ -222,7 +222,7 @@ class StreamClient:
         self._answers: dict[int, PolicyOutput] = {}
         self.batches = 0
 
-    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
+    def request(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
         if self.request is None:
             self.request = ShmChannel(obs, self.queue_size, tag=self.tag)
         meta = request_meta(return_value, self.mode)
