@@ -106,7 +106,7 @@ class PolicyInference:
 
     ``background=True`` runs every decision on one worker thread, so :meth:`request` returns at once and
     the caller steps another env batch meanwhile (pipelining without Ray). ``weight_version`` is
-    reported with every output; :meth:`load_weights` changes both weights and version.
+    reported with every output; :meth:`receive_weights` changes both weights and version.
     """
 
     def __init__(self, policy: Policy, task_descriptions: Sequence[str], sampling: SamplingParams | None = None,
@@ -129,7 +129,7 @@ class PolicyInference:
         snapshot = {k: np.array(v, copy=True) for k, v in obs.items()}
         return FutureResult(self._pool.submit(self._run, snapshot, return_value))
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    def receive_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         self.policy.load_trainable_state_dict(dict(state))
         self.weight_version = int(version)
 

@@ -4,7 +4,7 @@
 
     actors = ActorGroup.from_config(cfg, spec, remote=True, placement=(plan, groups), process_vars=...)
     version = actors.load(checkpoint)                         # resume (any number of ranks wrote it)
-    handle = actors.publish(full=True, consumers=...)         # rank 0 posts; the driver forwards the handle
+    handle = actors.publish_weights(full=True, consumers=...)  # rank 0 posts; the driver forwards the handle
     prepared = prepare_batch(actors.with_ref_logprob(batch))  # driver side: pure math on the whole batch
     metrics = actors.train(prepared)                          # each rank its shard of whole groups
     actors.save(actor_dir, policy_dir)                      # sharded actor state + public export
@@ -139,19 +139,18 @@ class ActorGroup:
         shards, _ = self._shards(prepared)
         return self._call_all(ActorWorker.train, [(s,) for s in shards])[0]
 
-    def publish(self, *, full: bool = False, consumer_nodes=(), consumer_gpus=()):
+    def publish_weights(self, *, full: bool = False, gather: bool = True, consumer_nodes=(), consumer_gpus=()):
         """Gather the changed trainable tensors and post them from rank 0: its handle. In-process the
-        rollout side shares the module, so only the version moves (an int)."""
+        inference side shares the module, so only the version moves (an int). ``full`` without ``gather``: every
+        trainable tensor at the last published version, posted again by rank 0 (restarted inference workers)."""
+        if not gather:
+            return self._call_one(0, ActorWorker.publish_weights, full=full, gather=False,
+                                  consumer_nodes=list(consumer_nodes), consumer_gpus=list(consumer_gpus))
         if not self.remote:
             version, _ = self.workers[0].actor.publish_weights(full=full)
             return version
-        return self._call_all(ActorWorker.publish, full=full, consumer_nodes=list(consumer_nodes),
+        return self._call_all(ActorWorker.publish_weights, full=full, consumer_nodes=list(consumer_nodes),
                               consumer_gpus=list(consumer_gpus))[0]
-
-    def full_update(self, *, consumer_nodes=(), consumer_gpus=()):
-        """Every trainable tensor at the current version, posted by rank 0 (restarted inference workers)."""
-        return self._call_one(0, ActorWorker.full_update, consumer_nodes=list(consumer_nodes),
-                              consumer_gpus=list(consumer_gpus))
 
     def _call_one(self, rank: int, method, *args, **kwargs):
         return self._gather([self.workers.call_async(rank, method, *args, **kwargs)], method.__name__, [rank])[0]

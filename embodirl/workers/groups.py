@@ -1,10 +1,10 @@
-"""The run's workers: env, rollout and actor groups and Ray's lifetime, owned by one object.
+"""The run's workers: env, inference and actor groups and Ray's lifetime, owned by one object.
 
 :class:`WorkerGroups` is what the runner talks to::
 
     groups = WorkerGroups.from_config(cfg)              # env + inference workers (Ray started here if needed)
     actors = groups.make_actors()                       # the actor ranks (an ActorGroup)
-    groups.sync_weights(full=True)                      # the ranks' publication -> every inference worker
+    groups.publish_weights(full=True)                   # the ranks' publication -> every inference worker
     traj = groups.collect(starts, seed=s)               # Trajectory [N, T], N = env.train.num_envs
     info = run_sweep(groups, cfg, ...)                  # evaluation (runner/evaluation.py) on env.eval workers
     groups.close()                                      # every worker, simulator and (if started here) Ray
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -196,31 +195,21 @@ class WorkerGroups:
         """A restarted inference worker's weights: the ranks' full publication (None before there are ranks)."""
         if self.actors is None:
             return None
-        return self.actors.full_update(consumer_nodes=self.inference.consumer_nodes(),
-                                       consumer_gpus=self.consumer_gpus())
+        return self.actors.publish_weights(full=True, gather=False, consumer_nodes=self.inference.consumer_nodes(),
+                                           consumer_gpus=self.consumer_gpus())
 
-    def sync_weights(self, *, full: bool = False) -> dict[str, float]:
+    def publish_weights(self, *, full: bool = False) -> dict[str, float]:
         """The ranks publish their changed trainable tensors (``full``: all of them) and every inference worker
         applies that publication - the one way weights travel; metrics say how (none when the inference worker shares
         the rank's module: only the version moves)."""
-        handle = self.actors.publish(full=full, consumer_nodes=self.inference.consumer_nodes(),
-                                     consumer_gpus=self.consumer_gpus())
+        handle = self.actors.publish_weights(full=full, consumer_nodes=self.inference.consumer_nodes(),
+                                             consumer_gpus=self.consumer_gpus())
         self.inference.receive_weights(handle)
         if isinstance(handle, int):
             return {}
         paths = self.inference.sync_paths
         return {**{metric: float(paths.get(path, 0)) for path, metric in SYNC_PATHS.items()},
                 "sync/bytes": float(handle.nbytes)}
-
-    def publish(self, tensors: Mapping, version: int | None = None) -> int:
-        """Changed trainable tensors held by the driver (no actor ranks: tests, tools), posted as the ranks'
-        publication is; returns the version every inference worker holds."""
-        return self.inference.publish(tensors, version)
-
-    def load_weights(self, tensors: Mapping, version: int) -> int:
-        """Every trainable tensor at ``version`` from the driver (evaluation of a checkpoint); later
-        :meth:`publish` deltas build on them."""
-        return self.inference.load_weights(tensors, version)
 
     # --- collection ------------------------------------------------------------------------------------
     def collect(self, starts: EpisodeStarts | None = None, *, seed: int | None = None, video_dir=None,

@@ -98,15 +98,15 @@ class InferenceGroup:
         self.workers.start(r, self.model_cfg, self.env_spec, **kwargs)
 
     # --- weights -----------------------------------------------------------------------------------
-    def publish(self, tensors: Mapping, version: int | None = None) -> int:
-        """Publish changed trainable tensors from the driver (as a actor rank would); every worker holds them on
-        return."""
-        return self.receive_weights(self._post(self._driver_publisher().publish(tensors, version)))
-
-    def load_weights(self, tensors: Mapping, version: int) -> int:
-        """Replace every trainable tensor by ``tensors`` at ``version`` (a full update): the actor's
+    def publish_weights(self, tensors: Mapping, version: int | None = None, *, full: bool = False) -> int:
+        """Publish changed trainable tensors from the driver (as an actor rank would); every worker holds them on
+        return. ``full``: replace every trainable tensor by ``tensors`` at ``version`` (a full update): the actor's
         start or resumed weights, or a checkpoint's for evaluation."""
-        return self.receive_weights(self._post(self._driver_publisher().reset(tensors, version)))
+        if full:
+            if version is None:
+                raise TypeError("publish_weights(full=True) needs the version of the tensors")
+            return self.receive_weights(self._post(self._driver_publisher().reset(tensors, version)))
+        return self.receive_weights(self._post(self._driver_publisher().publish_weights(tensors, version)))
 
     def receive_weights(self, handle) -> int:
         """Every worker applies the actor group's publication ``handle`` (it reads the tensors itself:
@@ -161,7 +161,7 @@ class InferenceGroup:
         self.infos[r] = self.workers.call(r, InferenceWorker.info)
         handle = self.weight_source() if self.weight_source is not None else None
         if handle is None and self.publisher is not None:
-            handle = self._post(self.publisher.full_update())
+            handle = self._post(self.publisher.publish_weights(full=True))
         if handle is not None:      # else nothing was published: the rebuilt worker's seeded start weights are current
             self.workers.call(r, InferenceWorker.receive_weights, handle)
 

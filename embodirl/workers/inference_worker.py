@@ -106,7 +106,7 @@ class InferenceWorker:
             kwargs["policy"] = policy
         self.engine = make_engine(engine, model_cfg, env_spec, **kwargs)
         self.sampling = dict(sampling or {TRAIN: SamplingParams(), EVAL: SamplingParams(greedy=True)})
-        self.receiver = WeightReceiver(self.engine.load_weights)
+        self.receiver = WeightReceiver(self.engine.receive_weights)
         self.reader = ShmReader()
         self.requests = 0
         self._lock = threading.RLock()      # decisions (any thread) vs weight updates and offload
@@ -139,7 +139,7 @@ class InferenceWorker:
         return PolicyOutput(fields, version, {"infer_s": time.perf_counter() - t0})
 
     # --- weights -----------------------------------------------------------------------------------
-    def update_weights(self, update: WeightUpdate) -> int:
+    def _apply(self, update: WeightUpdate) -> int:
         """Apply a published update; returns the version now held."""
         with self._lock:
             applied = self.receiver.apply(update)
@@ -150,10 +150,14 @@ class InferenceWorker:
     def receive_weights(self, handle) -> tuple[int, str]:
         """Apply a publication of the actor group (:class:`~embodirl.workers.weight_transfer.WeightHandle`),
         read through shared memory on rank 0's node, Ray's object store elsewhere, or CUDA IPC on rank
-        0's GPU; returns the version now held and the path taken. An int: the version of a actor rank
-        whose module this worker acts with (in this process), whose weights are already these."""
-        from embodirl.workers.weight_transfer import receive
+        0's GPU; returns the version now held and the path taken. An int: the version of an actor rank
+        whose module this worker acts with (in this process), whose weights are already these. A
+        :class:`~embodirl.workers.weight_sync.WeightUpdate` (already in this process) is applied as it is
+        (path ``inline``)."""
+        from embodirl.workers.weight_transfer import INLINE, receive
 
+        if isinstance(handle, WeightUpdate):
+            return self._apply(handle), INLINE
         if isinstance(handle, int):
             with self._lock:
                 self.receiver.version = int(handle)
@@ -161,7 +165,7 @@ class InferenceWorker:
 
         device = getattr(getattr(self.engine, "device", None), "type", None) and self.engine.device
         update, path = receive(handle, node_id=process_env.describe()["node_id"], device=device)
-        return self.update_weights(update), path
+        return self._apply(update), path
 
     def weight_version(self) -> int:
         return self.receiver.version

@@ -50,7 +50,7 @@ def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:
                 # two steps: the second starts from trained adapters (the first from LoRA's B = 0, which adds nothing)
                 for _ in range(2):
                     version, tensors = actor.publish_weights(full=True)
-                    groups.load_weights(tensors, version)
+                    groups.inference.publish_weights(tensors, version, full=True)
                     prepared, _ = prepare_batch(groups.collect(), cfg.algorithm)
                     metrics = actor.update(prepared)
                 results[str(recompute)] = {"error": float(metrics["actor/first_step_ratio_error"]),

@@ -78,7 +78,7 @@ def test_evaluation_only_groups_load_weights_and_count_executed_steps(compose_cf
         assert (before[D.EXECUTED] & before[D.VALID][..., None]).sum(dim=(1, 2)).tolist() == [10, 10]
         policy = groups.inference.workers[0].engine.policy
         weights = {k: v + 1.0 for k, v in policy.trainable_state_dict().items()}
-        assert groups.load_weights(weights, version=5) == 5
+        assert groups.inference.publish_weights(weights, version=5, full=True) == 5
         after = groups.evaluate(starts, seed=3)
         assert (after[D.WEIGHT_VERSION] == 5).all()
         assert not torch.allclose(after[D.ACTION_CHUNK], before[D.ACTION_CHUNK])

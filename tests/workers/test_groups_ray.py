@@ -52,7 +52,7 @@ def test_collect_through_actors_over_shared_memory(ray_local, compose_cfg):
         assert all(r in _run_entries() for r in rings)
         # weight sync: the next rollout's decisions carry the published version
         state = groups.inference.workers.call(0, InferenceWorker.trainable_state_dict)
-        assert groups.publish({k: v * 0.5 for k, v in state.items()}) == 1
+        assert groups.inference.publish_weights({k: v * 0.5 for k, v in state.items()}) == 1
         assert groups.inference.weight_versions() == [1]
         assert (groups.collect()[D.WEIGHT_VERSION] == 1).all()
     assert not [r for r in rings if r in _run_entries()]
@@ -108,8 +108,8 @@ def test_inference_worker_killed_mid_rollout_restarts_with_published_weights(ray
     cfg = _toy(compose_cfg, "env_workers.num_workers=2", "env.train.max_episode_steps=1000")
     with WorkerGroups.from_config(cfg, remote=True) as groups:
         state = groups.inference.workers.call(0, InferenceWorker.trainable_state_dict)
-        groups.publish({k: v + 0.01 for k, v in state.items()})
-        groups.publish({k: v + 0.02 for k, v in state.items()})
+        groups.inference.publish_weights({k: v + 0.01 for k, v in state.items()})
+        groups.inference.publish_weights({k: v + 0.02 for k, v in state.items()})
         victim = groups.inference.infos[0]["pid"]
         killed: list = []
         # the inference worker's response rings appear once it serves the env workers' streams

@@ -41,7 +41,7 @@ class InferenceEngine(abc.ABC):
         """One batched decision (see module docstring for the returned arrays)."""
 
     @abc.abstractmethod
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+    def receive_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load (a subset of) the trainable tensors, by name, as the actor published them."""
 
     @abc.abstractmethod

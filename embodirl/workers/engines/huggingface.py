@@ -61,7 +61,7 @@ class HuggingFaceEngine(InferenceEngine):
         return act(self.policy, obs, self.env_spec.task_descriptions, sampling,
                    return_value=return_value and self.value_type is not None)
 
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+    def receive_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         self.policy.load_trainable_state_dict(dict(state))
         if self.merge_lora:
             self.policy.merge_adapters_()
