@@ -262,7 +262,7 @@ class Runner:
                                 "runner.keep_last, then run the same command to resume") from None
 
     def _train_attempts(self) -> None:
-        """Train; with ``runner.max_restarts > 0`` a actor rank that dies, or a worker stuck past its deadline
+        """Train; with ``runner.max_restarts > 0`` an actor rank that dies, or a worker stuck past its deadline
         (``runner.worker_deadline.action: restart``), rebuilds every worker group and the run goes on from its last
         complete checkpoint. A preemption signal ends it with :class:`~embodirl.runner.preemption.Preempted`."""
         from embodirl.workers.actor_group import ActorRankDied

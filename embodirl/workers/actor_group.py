@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class ActorRankDied(RuntimeError):
-    """A actor rank's process died during a call (the message is one sentence)."""
+    """An actor rank's process died during a call (the message is one sentence)."""
 
 
 class ActorGroup:

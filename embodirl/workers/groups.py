@@ -71,7 +71,7 @@ SYNC_PATHS = {"shm": "sync/shm_workers", "object_store": "sync/object_store_work
 
 
 def trainable_dtype(cfg: Config, train: bool) -> str | None:
-    """The dtype a rollout copy holds its trainable tensors in: the one the actor ranks compute them in
+    """The dtype a inference copy holds its trainable tensors in: the one the actor ranks compute them in
     (training), so that the rollout's log-probs are the actor's; evaluation only: the policy's own."""
     from embodirl.actor.fsdp import actor_compute_dtype
 

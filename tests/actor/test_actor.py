@@ -115,7 +115,7 @@ def test_publish_weights_names_only_changed_tensors():
     assert set(state) == {n for n in trainable if not n.startswith("value_head")}
     assert all(t.device.type == "cpu" and not t.requires_grad for t in state.values())
     assert actor.publish_weights() == (1, {})
-    # a rollout copy that loads the published tensors acts like the actor's policy
+    # a inference copy that loads the published tensors acts like the actor's policy
     rollout = TinyTokenPolicy()
     rollout.load_trainable_state_dict(state)
     batch = token_batch(seed=9)
@@ -172,7 +172,7 @@ def test_value_lr_groups_and_warmup_schedule():
                                               ("cosine", [1.0, 0.8535534, 0.5, 0.1464466, 0.0])])
 def test_lr_decays_over_training_steps_and_resumes(kind, expected):
     """The decay counts actor updates (not optimizer steps) and is restored with the actor's
-    state: a actor loaded after two updates continues the same schedule."""
+    state: an actor loaded after two updates continues the same schedule."""
     policy, batch = state_policy_and_batch()
     over = {"global_batch_size": 4, "optim.lr": 1e-3, "optim.lr_schedule": kind, "optim.lr_decay_steps": 4,
             "optim.min_lr_ratio": 0.25 if kind == "linear" else 0.0}

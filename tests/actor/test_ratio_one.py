@@ -2,10 +2,10 @@
 of the tiny OpenVLA-OFT in bfloat16 collects a batch on the toy task, an FSDP2 actor rank (gloo, one rank, bf16
 compute with float32 master weights) updates on it, and the first optimizer step's max |ratio - 1| is measured.
 
-The rollout copy holds its adapters in the dtype the actor computes them in (FSDP2's param_dtype), so the two
+The inference copy holds its adapters in the dtype the actor computes them in (FSDP2's param_dtype), so the two
 forwards agree up to bfloat16 rounding in differently shaped batches (the rollout decides for 8 envs at a time,
 the actor scores 2 trajectories of 6 decisions); with ``algorithm.recompute_old_logprob`` the actor scores
-the batch itself in the first epoch's micro-batches and the ratio is 1 exactly. Before, the rollout copy ran its
+the batch itself in the first epoch's micro-batches and the ratio is 1 exactly. Before, the inference copy ran its
 adapters in float32 (peft upcasts them) while the actor computed in bfloat16: 6.0e-3 here. Two training steps
 run, and the second is measured: the first starts from LoRA's B = 0, where the adapters add nothing in any dtype."""
 
