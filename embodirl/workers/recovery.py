@@ -44,8 +44,8 @@ def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
     workers = group.workers
     results: list = [None] * len(workers)
     env_died = _worker_died() if workers.remote else ()
-    rollout_died = (InferenceWorkerDied,) if workers.remote else ()
-    rollout_hung = (InferenceWorkerHung,) if workers.remote else ()
+    inference_died = (InferenceWorkerDied,) if workers.remote else ()
+    inference_hung = (InferenceWorkerHung,) if workers.remote else ()
     faults = 0
     while pending:
         ref = workers.wait_first(pending)
@@ -53,9 +53,9 @@ def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
         try:
             results[k] = workers.get(ref)
             continue
-        except rollout_hung as exc:
+        except inference_hung as exc:
             raise group.inference.hung_answer(group.layout.inference_worker_of(k), exc) from None
-        except rollout_died as exc:
+        except inference_died as exc:
             restart_inference_worker(group, k, exc)
         except env_died as exc:
             replace_env_worker(group, k, exc)

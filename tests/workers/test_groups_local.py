@@ -57,7 +57,7 @@ def test_in_process_groups_collect_evaluate_and_record_video(compose_cfg, tmp_pa
         assert written == sorted(str(p) for p in (tmp_path / "step_3").glob("*.mp4"))
 
 
-def test_evaluation_only_groups_load_weights_and_count_executed_steps(compose_cfg):
+def test_evaluation_only_groups_publish_weights_and_count_executed_steps(compose_cfg):
     # 10 low-level steps in chunks of 4: the third chunk executes only 2 of its actions
     cfg = _cfg(compose_cfg, "env.eval.num_envs=2", "env.eval.max_episode_steps=10")
     seen = []
