@@ -96,14 +96,15 @@ class WeightPublisher:
 
 
 class WeightReceiver:
-    """Inference-worker-side version tracking: applies updates through ``load`` in order."""
+    """Inference-worker-side version tracking: applies updates through ``receive`` (the engine's
+    ``receive_weights``) in order."""
 
-    def __init__(self, load: Callable[[dict[str, torch.Tensor]], None], version: int = INITIAL_VERSION):
-        self._load = load
+    def __init__(self, receive: Callable[[dict[str, torch.Tensor]], None], version: int = INITIAL_VERSION):
+        self._receive = receive
         self.version = int(version)
 
     def apply(self, update: WeightUpdate) -> bool:
-        """Load ``update``; returns False (and loads nothing) when it is not newer than what is held.
+        """Apply ``update``; returns False (and applies nothing) when it is not newer than what is held.
         Raises :class:`WeightVersionError` for a delta whose base is not the held version."""
         if update.version <= self.version and not (update.full and update.version == self.version):
             return False
@@ -111,7 +112,7 @@ class WeightReceiver:
             raise WeightVersionError(f"update v{update.base_version}->v{update.version} does not apply to "
                                      f"weights v{self.version}; send a full update")
         if update.tensors:
-            self._load(update.tensors)
+            self._receive(update.tensors)
         self.version = update.version
         return True
 
