@@ -148,8 +148,8 @@ def brdf_table() -> str:
 # assets
 # --------------------------------------------------------------------------------------------------
 def libero_assets_problem(env) -> str | None:
-    """None when the asset folder holds what the env group's tasks place, else what is missing (``env``: the typed
-    LIBERO env group)."""
+    """None when the asset folder holds what the env split's tasks place, else what is missing (``env``: the typed
+    LIBERO env split)."""
     from embodirl.envs.libero import paths as libero_paths
     from embodirl.envs.libero import suite as libero_suite
 
@@ -170,7 +170,7 @@ def libero_assets_problem(env) -> str | None:
 
 
 def check_assets(cfg, env_key: str) -> Check:
-    """``env_key``'s simulator data (``cfg``: the typed config, or a composed one: its env group is converted)."""
+    """``env_key``'s simulator data (``cfg``: the typed config, or a composed one: its env split is converted)."""
     from embodirl.envs.registry import check_env_config, env_config
 
     name = f"assets/{env_key.split('.')[-1]}"

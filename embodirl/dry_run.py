@@ -1,5 +1,5 @@
 """A full-size dry run on PyTorch's ``meta`` device: the policy a config describes is built without memory,
-acts, is evaluated, takes one actor update and publishes its weights - the code paths a GPU run takes,
+acts, scores its actions, takes one actor update and publishes its weights - the code paths a GPU run takes,
 on a machine without a GPU.
 
 Why the meta device: a tensor on the meta device has a shape and a dtype but no data, and PyTorch refuses to

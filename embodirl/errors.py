@@ -25,7 +25,7 @@ class AssetsMissing(FileNotFoundError):
 
 
 class RunFailed(RuntimeError):
-    """A run cannot go on (a actor rank died and no restart is left); the message is one sentence and
+    """A run cannot go on (an actor rank died and no restart is left); the message is one sentence and
     says where the last complete checkpoint is. The CLI prints it and exits with status 1."""
 
 

@@ -1,6 +1,6 @@
 """The memory a config needs, estimated before anything starts (``embodirl doctor``'s memory check and the
 pre-flight of ``train``/``eval``): parameter counts of the policy built on torch's meta device, and peak bytes
-per actor rank, rollout copy and env worker (:func:`memory_plan`) against what a device has
+per actor rank, inference copy and env worker (:func:`memory_plan`) against what a device has
 (:func:`available_memory`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 GIB = 1024**3
-#: bytes per trainable parameter on a actor rank: fp32 master copy, fp32 gradient, AdamW's two moments
+#: bytes per trainable parameter on an actor rank: fp32 master copy, fp32 gradient, AdamW's two moments
 MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 #: activation bytes per token per transformer layer and hidden unit while training. Korthikanti et al. 2022
 #: ("Reducing Activation Recomputation in Large Transformer Models", eq. 1 without the attention-score term, as

@@ -1,4 +1,4 @@
-"""Named components imported on first use: simulator adapters, policies and rollout backends.
+"""Named components imported on first use: simulator adapters, policies and inference engines.
 
 Each kind keeps a :class:`LazyRegistry`: a table of built-in names -> the module that registers them
 on import (so choosing ``env=maniskill_*`` never imports LIBERO), plus whatever a module registers
@@ -109,8 +109,8 @@ POLICIES = LazyRegistry("policy", "model.name", {
     "state_mlp": "embodirl.models.state_policy",
 }, common="embodirl.models.base.CommonModelConfig")
 
-#: rollout backends (``rollout.backend``): here rather than in :mod:`embodirl.workers.backends`, whose layer sits
+#: inference engines (``rollout.backend``): here rather than in :mod:`embodirl.workers.engines`, whose layer sits
 #: above the schema that lists the names
-BACKENDS = LazyRegistry("rollout backend", "rollout.backend", {
-    "huggingface": "embodirl.workers.backends.huggingface",
+ENGINES = LazyRegistry("inference engine", "rollout.backend", {
+    "huggingface": "embodirl.workers.engines.huggingface",
 })

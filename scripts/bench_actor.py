@@ -29,7 +29,7 @@ timed asserts):
    actor_worker.ActorWorker` in this process with a process group of one rank (NCCL), the full-size
    ``model=openvla_oft`` with random weights created on the GPU, bf16, LoRA,
    ``actor.fsdp.gradient_checkpointing=true actor.enable_offload=true``: per-phase times (build, sample
-   the batch with the policy, FSDP2 set-up, one ``train``, one ``publish(full=True, inline=True)``,
+   the batch with the policy, FSDP2 set-up, one ``train``, one ``publish_weights(full=True, inline=True)``,
    ``offload()``, ``onload()``), peak GPU memory, decisions/s. Not run on the 2-core machine (no GPU):
    there only its import and argument parsing were checked, and the same code path ran with
    ``--preset full --device cpu --model openvla_oft_tiny`` (gloo, bf16 on CPU). ``--compile on`` adds
@@ -329,7 +329,7 @@ def part_full(args, *, compiled: bool) -> list[str]:
         for i in range(args.repeats):
             metrics = timed(f"train #{i + 1}", lambda: worker.train(prepared))
         train_peak = torch.cuda.max_memory_allocated(device) if cuda else None
-        handle = timed("publish(full=True, inline=True)", lambda: worker.publish(full=True, inline=True))
+        handle = timed("publish_weights(full=True, inline=True)", lambda: worker.publish_weights(full=True, inline=True))
         resident = torch.cuda.memory_allocated(device) if cuda else None
         # the first offload lays out the page-locked host buffers; the second reuses them (every later step)
         timed("offload() #1", worker.offload)

@@ -257,8 +257,8 @@ def sleepy_policy(model_cfg, spec, latency_per_env_s: float):
             time.sleep(self.latency * len(obs["task_id"]))
             return self.inner.act(obs, sampling, return_value=return_value)
 
-        def evaluate(self, obs, actions, **kwargs):
-            return self.inner.evaluate(obs, actions, **kwargs)
+        def score_actions(self, obs, actions, **kwargs):
+            return self.inner.score_actions(obs, actions, **kwargs)
 
     return SleepyPolicy(make_policy(model_cfg, spec), latency_per_env_s)
 
@@ -270,18 +270,18 @@ def _collect_with_stages(cfg, S: int, N: int, T: int, *, env_builder=None, polic
     from embodirl.workers.env_group import EnvWorkerGroup
     from embodirl.workers.inference_group import InferenceGroup
     from embodirl.workers.inference_worker import sampling_from_config
-    from embodirl.workers.layout import RolloutLayout
+    from embodirl.workers.layout import SlotLayout
 
-    layout = RolloutLayout(num_env_workers=1, num_stages=S, envs_per_stage=N // S, num_inference_workers=1,
+    layout = SlotLayout(num_env_workers=1, num_stages=S, envs_per_stage=N // S, num_inference_workers=1,
                            num_decisions=T)
     env_cfg = OmegaConf.to_container(cfg.env.train, resolve=True)
     # fractional CPUs: both actors fit a 2-core Ray; the OS, not Ray, shares the cores
     env_group = EnvWorkerGroup(env_cfg, layout, remote=True, return_value=False, use_shm=True,
                                process_vars=process_env.forwarded(), env_builder=env_builder)
-    rollout_group = InferenceGroup(cfg.model, env_group.spec, num_workers=1, backend="huggingface",
+    inference_group = InferenceGroup(cfg.model, env_group.spec, num_workers=1, engine="huggingface",
                                        sampling=sampling_from_config(cfg.rollout), remote=True,
                                        process_vars=process_env.forwarded(), policy=policy)
-    env_group.attach(rollout_group)
+    env_group.attach(inference_group)
     try:
         env_group.collect()                      # warm-up (first-call costs, allocations)
         best = None
@@ -295,7 +295,7 @@ def _collect_with_stages(cfg, S: int, N: int, T: int, *, env_builder=None, polic
         return best
     finally:
         env_group.close()
-        rollout_group.close()
+        inference_group.close()
 
 
 def bench_pipeline(load: str, N: int, T: int, rounds: int, latency_s: float = 0.010) -> dict:

@@ -256,7 +256,7 @@ def train_step(report: Report, mode: dict, work: Path) -> dict:
     if len(steps) != TRAIN_STEPS or not evals or not (checkpoint / "COMPLETE").is_file():
         raise RuntimeError(f"the run ended with {len(steps)} steps, {len(evals)} evaluations and "
                            f"{'a' if checkpoint.is_dir() else 'no'} checkpoint at step {TRAIN_STEPS}")
-    keys = ("time/step", "time/collect", "time/update", "time/sync_weights", "actor/first_step_ratio_error",
+    keys = ("time/step", "time/collect", "time/update", "time/publish_weights", "actor/first_step_ratio_error",
             "actor/clip_fraction", "train/success_rate", "actor/decisions")
     return {"steps": [{k: r.get(k) for k in ("step", *keys)} for r in steps],
             "eval": {k: evals[-1].get(k) for k in ("step", "eval/success_rate", "eval/episodes", "time/eval")},

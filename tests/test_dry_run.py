@@ -1,5 +1,5 @@
-"""The full-size dry run on the meta device (embodirl/dry_run.py): OpenVLA-OFT at 7.7 B parameters acts, is
-evaluated, takes a actor update and publishes its adapter without memory or a GPU, so a tensor left on the CPU
+"""The full-size dry run on the meta device (embodirl/dry_run.py): OpenVLA-OFT at 7.7 B parameters acts,
+scores its actions, takes an actor update and publishes its adapter without memory or a GPU, so a tensor left on the CPU
 inside the policy, its normalisers, tokenizer, processor or loss fails here (it crashed the first action on an
 H200 at d1d7c5b: the normalisers stayed on the CPU - this test fails there). The same run counts FLOPs and bytes,
 and ``embodirl doctor``'s memory estimate must lie within 15 % of its bytes."""

@@ -150,13 +150,14 @@ def test_the_algorithms_and_the_actor_read_the_schema_objects_themselves():
     with defaults of their own): the actor's settings are the schema's typed sections, converted once."""
     from embodirl.actor.settings import ActorSettings
     from embodirl.algorithms import advantages, losses
-    from embodirl.algorithms.section import Algorithm
-    from embodirl.schema.sections import Actor
+    from embodirl.algorithms.section import AlgorithmSection
+    from embodirl.schema.sections import ActorSection
 
     assert not hasattr(losses, "LossParams") and not hasattr(advantages, "AdvantageParams")
-    assert {f.name: f.type for f in dataclasses.fields(ActorSettings)} == {"algorithm": "Algorithm", "actor": "Actor"}
+    assert {f.name: f.type for f in dataclasses.fields(ActorSettings)} == {"algorithm": "AlgorithmSection",
+                                                                           "actor": "ActorSection"}
     settings = ActorSettings.from_config(compose([]))
-    assert isinstance(settings.algorithm, Algorithm) and isinstance(settings.actor, Actor)
+    assert isinstance(settings.algorithm, AlgorithmSection) and isinstance(settings.actor, ActorSection)
     assert settings.algorithm.gamma == compose([]).algorithm.gamma
 
 

@@ -41,7 +41,7 @@ from embodirl.algorithms import behaviour_gap, losses
 from embodirl.algorithms import kl as kl_mod
 from embodirl.algorithms.advantages import compute_advantages
 from embodirl.algorithms.filtering import drop_filtered, group_composition
-from embodirl.algorithms.section import Algorithm, algorithm_of
+from embodirl.algorithms.section import AlgorithmSection, algorithm_of
 from embodirl.dtypes import parse_dtype
 from embodirl.errors import ConfigError, NonFiniteUpdate
 from embodirl.models.base import Policy, scoring_temperature
@@ -60,7 +60,7 @@ def _take(value, rows: torch.Tensor):
     return torch.as_tensor(value)[rows]
 
 
-def prepare_batch(batch: TensorDict, algorithm: Algorithm, *, kl_coef: float = 0.0
+def prepare_batch(batch: TensorDict, algorithm: AlgorithmSection, *, kl_coef: float = 0.0
                   ) -> tuple[TensorDict, dict[str, torch.Tensor]]:
     """Driver-side preparation of a whole rollout batch (before it is cut into actor shards):
     the KL reward penalty (``use_kl_loss: false``; needs ``logprob_ref``), group filtering
@@ -506,7 +506,7 @@ class Actor:
             idx_n = idx_t = torch.zeros(1, dtype=torch.long, device=valid.device)
         obs = self._obs(micro, idx_n, idx_t)
         actions = micro.get(self.policy.action_field)[idx_n, idx_t]  # (B, L)
-        out = self.policy.evaluate(obs, actions, temperature=self.temperature, return_value=return_value,
+        out = self.policy.score_actions(obs, actions, temperature=self.temperature, return_value=return_value,
                                    return_entropy=return_entropy)
         scattered = {}
         for key in (losses.LOGPROB, losses.ENTROPY, D.VALUE):

@@ -35,7 +35,7 @@ from embodirl.dtypes import DTYPES
 log = logging.getLogger(__name__)
 
 #: methods of a policy that run its forward computation outside ``forward`` (FSDP2 must see them)
-FORWARD_METHODS = ("evaluate", "act", "supervised")
+FORWARD_METHODS = ("score_actions", "act", "supervised")
 
 
 # --- process group ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from embodirl.schema.sections import LR_SCHEDULES, Optim
+from embodirl.schema.sections import LR_SCHEDULES, OptimSection
 
 #: a parameter belongs to the critic when a component of its dotted name starts with one of these
 #: (``value_head`` in OpenVLA-OFT, also inside peft's ``modules_to_save``; ``critic`` in state_mlp)
@@ -29,7 +29,7 @@ def trainable_named_parameters(policy: nn.Module) -> list[tuple[str, nn.Paramete
     return [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
 
 
-def build_optimizer(policy: nn.Module, optim: Optim) -> torch.optim.AdamW:
+def build_optimizer(policy: nn.Module, optim: OptimSection) -> torch.optim.AdamW:
     """AdamW over the trainable parameters: a ``policy`` group at ``lr`` and a ``value`` group at
     ``value_lr`` (empty groups are left out)."""
     named = trainable_named_parameters(policy)
@@ -63,7 +63,7 @@ def decay_factor(kind: str, progress: float, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * shape
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, optim: Optim, training_step: Callable[[], int]
+def lr_schedule(optimizer: torch.optim.Optimizer, optim: OptimSection, training_step: Callable[[], int]
                 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over the first ``warmup_steps`` optimizer
     steps, times the ``lr_schedule`` decay over ``lr_decay_steps`` training steps (read through

@@ -61,7 +61,7 @@ class ReplayBuffer:
         self.dropped_rows = 0
 
     @classmethod
-    def from_config(cls, replay: sections.ReplayBuffer) -> ReplayBuffer:
+    def from_config(cls, replay: sections.ReplayBufferSection) -> ReplayBuffer:
         """From the typed ``actor.replay_buffer`` section."""
         return cls(reuse_last_k=replay.reuse_last_k, max_staleness=replay.max_staleness, max_bytes=replay.max_bytes)
 

@@ -1,8 +1,8 @@
 """The actor's view of the configuration: the typed ``algorithm`` and ``actor`` sections, converted once.
 
 Defaults live in ``config/config.yaml`` only, types, ranges and choices in the schema's dataclasses; the actor
-holds those dataclasses themselves (:class:`~embodirl.algorithms.section.Algorithm`,
-:class:`~embodirl.schema.sections.Actor`), so no field is declared twice. A plain node (what a Ray worker
+holds those dataclasses themselves (:class:`~embodirl.algorithms.section.AlgorithmSection`,
+:class:`~embodirl.schema.sections.ActorSection`), so no field is declared twice. A plain node (what a Ray worker
 receives) is checked against the schema first (a missing, mistyped or out-of-range key is a
 :class:`~embodirl.errors.ConfigError` naming it), and the actor's rules run again with the actor's world size
 (:func:`embodirl.schema.sections.actor_rules`).
@@ -18,25 +18,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from embodirl.algorithms.section import Algorithm
+from embodirl.algorithms.section import AlgorithmSection
 from embodirl.errors import ConfigError
 from embodirl.schema import to_object
-from embodirl.schema.sections import Actor, actor_rules
+from embodirl.schema.sections import ActorSection, actor_rules
 
 
 @dataclass(frozen=True)
 class ActorSettings:
     """The two sections the actor reads, as the schema's own typed objects (nothing re-declared, no defaults)."""
 
-    algorithm: Algorithm
-    actor: Actor
+    algorithm: AlgorithmSection
+    actor: ActorSection
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> ActorSettings:
         """``cfg`` holds ``algorithm`` and ``actor`` (typed objects, DictConfigs or plain dicts, as a Ray worker
         receives them); plain nodes are checked against the schema and converted once."""
         sections = {}
-        for name, schema in (("algorithm", Algorithm), ("actor", Actor)):
+        for name, schema in (("algorithm", AlgorithmSection), ("actor", ActorSection)):
             node = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
             if node is None:
                 raise ConfigError(name, "is missing from the configuration (see config/config.yaml)")

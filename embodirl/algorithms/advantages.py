@@ -1,6 +1,6 @@
 """Advantage estimators selected by ``algorithm.adv_type``.
 
-Every estimator is a pure function ``fn(inputs: AdvantageInputs, algorithm: Algorithm) ->
+Every estimator is a pure function ``fn(inputs: AdvantageInputs, algorithm: AlgorithmSection) ->
 (advantage, returns)`` registered under its config name. Inputs are per-decision tensors of one
 trajectory batch ``[N, T]`` (one row = one env slot):
 
@@ -51,7 +51,7 @@ import torch
 
 from embodirl import data as D
 from embodirl.algorithms.estimators import estimator_spec, register_advantage
-from embodirl.algorithms.section import Algorithm
+from embodirl.algorithms.section import AlgorithmSection
 
 if TYPE_CHECKING:  # the batch carrier of the data contract; only named in annotations here
     from tensordict import TensorDict
@@ -178,7 +178,7 @@ def broadcast_rows(per_row: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 # --- estimators ---------------------------------------------------------------------------------------
 @register_advantage("gae", critic=True)
-def gae(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(inp: AdvantageInputs, algorithm: AlgorithmSection) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over decisions or actions.
 
     Action level when ``value`` is ``(N, T, H)`` (rewards must then be ``(N, T, H)`` too); advantage
@@ -206,7 +206,7 @@ def gae(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch
 
 
 @register_advantage("grpo", groups=True)
-def grpo(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
+def grpo(inp: AdvantageInputs, algorithm: AlgorithmSection) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative advantage (Shao et al. 2024): ``(R - mean_g) / (std_g + eps)`` with the group's
     unbiased std, or ``R - mean_g`` when ``norm_adv_by_std_in_grpo`` is off (Dr. GRPO)."""
     scores, grouped = _group_scores(inp, algorithm.group_size)
@@ -218,7 +218,7 @@ def grpo(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torc
 
 
 @register_advantage("rloo", groups=True)
-def rloo(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
+def rloo(inp: AdvantageInputs, algorithm: AlgorithmSection) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): ``R_i - mean_{j != i} R_j`` within the group."""
     scores, grouped = _group_scores(inp, algorithm.group_size)
     G = algorithm.group_size
@@ -228,7 +228,7 @@ def rloo(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torc
 
 
 @register_advantage("reinforce_plus_plus")
-def reinforce_plus_plus(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_plus_plus(inp: AdvantageInputs, algorithm: AlgorithmSection) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per step (restarting at episode ends, no
     critic, no bootstrap), whitened over all valid steps of the batch."""
     per_action = inp.reward.dim() == 3
@@ -248,7 +248,7 @@ def reinforce_plus_plus(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[tor
 
 
 @register_advantage("remax", greedy_baseline=True)
-def remax(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
+def remax(inp: AdvantageInputs, algorithm: AlgorithmSection) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2024): ``R - b`` with ``b`` the return of a greedy rollout from the same init
     state (``extras.reward_baseline``)."""
     if inp.reward_baseline is None:
@@ -286,7 +286,7 @@ def inputs_from_batch(batch: TensorDict, reward_type: str) -> AdvantageInputs:
     )
 
 
-def compute_advantages(batch: TensorDict, algorithm: Algorithm) -> TensorDict:
+def compute_advantages(batch: TensorDict, algorithm: AlgorithmSection) -> TensorDict:
     """Fill ``advantage`` and ``returns`` of a whole rollout batch (a shallow copy is returned).
 
     Reads ``algorithm.{adv_type, reward_type, gamma, gae_lambda, group_size, norm_adv_by_std_in_grpo,

@@ -34,7 +34,7 @@ class EstimatorSpec:
 
 def register_advantage(name: str, *, critic: bool = False, groups: bool = False, greedy_baseline: bool = False):
     """Decorator: ``@register_advantage("name", critic=..., groups=..., greedy_baseline=...)`` on an estimator
-    ``fn(inputs: AdvantageInputs, algorithm: Algorithm) -> (advantage, returns)``; ``algorithm.adv_type=name`` then
+    ``fn(inputs: AdvantageInputs, algorithm: AlgorithmSection) -> (advantage, returns)``; ``algorithm.adv_type=name`` then
     selects it."""
     def wrap(fn: Callable) -> Callable:
         ESTIMATORS.register(name)(EstimatorSpec(fn, critic=critic, groups=groups, greedy_baseline=greedy_baseline))

@@ -40,7 +40,7 @@ import torch
 
 from embodirl import data as D
 from embodirl.algorithms import aggregation, kl
-from embodirl.algorithms.section import Algorithm
+from embodirl.algorithms.section import AlgorithmSection
 
 if TYPE_CHECKING:  # the batch carrier of the data contract; only named in annotations here
     from tensordict import TensorDict
@@ -50,7 +50,7 @@ LOG_RATIO_CLAMP = 20.0
 #: order of the entries of :func:`normalisers`' vector (summed across ranks in one all-reduce)
 NORMALISER_KEYS = ("policy_agg", "token_agg", "value_agg", "policy_units", "token_units", "value_units")
 
-# keys of the policy's evaluate() output that compute_loss reads (scattered to [n, T, ...])
+# keys of the policy's score_actions() output that compute_loss reads (scattered to [n, T, ...])
 LOGPROB = "logprob"
 ENTROPY = "entropy"
 
@@ -148,7 +148,7 @@ def clipped_value_loss(value: torch.Tensor, old_value: torch.Tensor, returns: to
 
 
 # --- normalisers and the full objective ---------------------------------------------------------------
-def loss_masks(valid: torch.Tensor, algorithm: Algorithm, *, L: int, action_dim: int, value_dims: int = 2,
+def loss_masks(valid: torch.Tensor, algorithm: AlgorithmSection, *, L: int, action_dim: int, value_dims: int = 2,
                executed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Masks of the policy units ``(N, T, K)``, tokens ``(N, T, L)`` and values ``(N, T)`` or
     ``(N, T, H)`` (``value_dims`` = 2 or 3) from ``valid`` ``(N, T)``.
@@ -167,7 +167,7 @@ def loss_masks(valid: torch.Tensor, algorithm: Algorithm, *, L: int, action_dim:
     return policy_mask, token_mask, value_mask
 
 
-def normalisers(valid: torch.Tensor, algorithm: Algorithm, *, L: int, action_dim: int,
+def normalisers(valid: torch.Tensor, algorithm: AlgorithmSection, *, L: int, action_dim: int,
                 value_dims: int = 2, executed: torch.Tensor | None = None) -> torch.Tensor:
     """This piece's share of the global denominators, float32 ``(6,)`` in :data:`NORMALISER_KEYS`
     order: the aggregation denominators of the policy, token (entropy, KL) and value losses, then
@@ -179,7 +179,7 @@ def normalisers(valid: torch.Tensor, algorithm: Algorithm, *, L: int, action_dim
 
 
 def compute_loss(out: Mapping[str, torch.Tensor], batch: TensorDict, *, old_logprob: torch.Tensor,
-                 algorithm: Algorithm, norms: torch.Tensor, action_dim: int, kl_coef: float = 0.0,
+                 algorithm: AlgorithmSection, norms: torch.Tensor, action_dim: int, kl_coef: float = 0.0,
                  is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The objective of one micro-batch ``[n, T]`` and its metric contributions.
 

@@ -1,8 +1,8 @@
 """The ``algorithm`` section of the config as the typed object the algorithms run on.
 
-:class:`Algorithm` declares each key's type, range and choices (:mod:`embodirl.config_fields`; the values live in
+:class:`AlgorithmSection` declares each key's type, range and choices (:mod:`embodirl.config_fields`; the values live in
 ``config/config.yaml``) and its rules between keys. After validation the section is converted once to an
-:class:`Algorithm` instance (:func:`algorithm_of`), and the advantage estimators, the losses, the KL controller and
+:class:`AlgorithmSection` instance (:func:`algorithm_of`), and the advantage estimators, the losses, the KL controller and
 the actor read its attributes: no second dataclass re-declares its fields, and no code holds a default of its own.
 
 It sits in the algorithms package, below the schema that lists it among the sections, so that the algorithms can
@@ -46,7 +46,7 @@ class FilterGroups:
 
 
 @dataclass
-class Algorithm:
+class AlgorithmSection:
     adv_type: str = one_of(ESTIMATORS.available, known=ESTIMATORS.known)
     group_size: int = num(1)
     reward_type: str = one_of(D.REWARD_TYPES)
@@ -132,6 +132,6 @@ class Algorithm:
                                              f"'{alg.reward_type}'; set both to the same value")
 
 
-def algorithm_of(node: Any) -> Algorithm:
-    """The ``algorithm`` node (a DictConfig, a plain dict or an :class:`Algorithm`) as an :class:`Algorithm`."""
-    return instance(Algorithm, node, "algorithm")
+def algorithm_of(node: Any) -> AlgorithmSection:
+    """The ``algorithm`` node (a DictConfig, a plain dict or an :class:`AlgorithmSection`) as an :class:`AlgorithmSection`."""
+    return instance(AlgorithmSection, node, "algorithm")

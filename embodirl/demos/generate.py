@@ -35,7 +35,7 @@ CONFIG_NAME = "demos"
 @dataclass
 class DemosConfig:
     """``config/demos.yaml`` as the object generation runs on: each key's type and range declared once here
-    (:mod:`embodirl.config_fields`), its value in the YAML. ``env``: the ManiSkill env group's ``train`` options as the
+    (:mod:`embodirl.config_fields`), its value in the YAML. ``env``: the ManiSkill env split's ``train`` options as the
     adapter's typed config (:func:`validate` fills it in)."""
 
     num_episodes: int = num(1)

@@ -176,7 +176,7 @@ class VideoConfig:
 
 @dataclass
 class CommonEnvConfig:
-    """The keys every env group has, whatever its adapter (types and ranges; the values live in the YAML). An
+    """The keys every env split has, whatever its adapter (types and ranges; the values live in the YAML). An
     adapter types its own keys with a subclass it registers with (``@register_adapter(name, config=...)``)."""
 
     adapter: str = one_of(_adapters, known=_known_adapter)
@@ -211,7 +211,7 @@ class CommonEnvConfig:
 
 @dataclass
 class TrainingStates:
-    """Where an env group's training episodes start, beside the evaluation sweep of another group (the adapters with
+    """Where an env split's training episodes start, beside the evaluation sweep of another group (the adapters with
     evaluation states of their own: ``training_states(train_env, eval_env)``)."""
 
     pools: dict[int, Sequence[int]]       # task id -> the init state ids training resets draw from

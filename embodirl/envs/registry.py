@@ -1,7 +1,7 @@
 """Simulator adapters by name, imported lazily (LIBERO is imported only when a LIBERO env is chosen).
 
 An env config (one YAML under ``config/env/``) names its adapter with ``adapter: <name>``. An adapter
-is a class registered with :func:`register_adapter` (with its config class) that provides, each taking the env group
+is a class registered with :func:`register_adapter` (with its config class) that provides, each taking the env split
 as an instance of that class (:func:`env_config` converts a composed node once),
 
 * ``check_config(cfg) -> None`` - cheap checks run before any worker starts (unknown task ids,
@@ -34,7 +34,7 @@ def get_adapter(name: str, key: str = "env.adapter"):
 
 
 def env_config(node: Any, key: str = "env"):
-    """An env group as its adapter's typed config (:class:`~embodirl.envs.base.CommonEnvConfig` or the subclass the
+    """An env split as its adapter's typed config (:class:`~embodirl.envs.base.CommonEnvConfig` or the subclass the
     adapter registered with), converted once; an instance passes through. The adapters and workers run on it."""
     return ADAPTERS.typed(node, key)
 
@@ -45,7 +45,7 @@ def check_env_config(cfg: Any, key: str = "env") -> None:
 
 
 def env_convention(cfg: Any, key: str = "env"):
-    """The :class:`~embodirl.envs.conventions.ActionConvention` an env group's adapter declares (None: it declares
+    """The :class:`~embodirl.envs.conventions.ActionConvention` an env split's adapter declares (None: it declares
     none)."""
     env = env_config(cfg, key)
     declare = getattr(get_adapter(env.adapter, f"{key}.adapter"), "action_convention", None)
@@ -53,7 +53,7 @@ def env_convention(cfg: Any, key: str = "env"):
 
 
 def make_env(cfg: Any, *, num_envs: int | None = None, seed: int = 0, env_offset: int = 0):
-    """Build the :class:`~embodirl.envs.base.ChunkVectorEnv` an env group (typed, or a mapping of it) describes; its
+    """Build the :class:`~embodirl.envs.base.ChunkVectorEnv` an env split (typed, or a mapping of it) describes; its
     ``spec`` carries the adapter's action convention."""
     import dataclasses
 

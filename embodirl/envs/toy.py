@@ -281,7 +281,7 @@ class ToyAdapter:
 
     @staticmethod
     def check_config(cfg) -> ToyEnvConfig:
-        """The env group as the typed :class:`ToyEnvConfig`, with the rules between its keys checked."""
+        """The env split as the typed :class:`ToyEnvConfig`, with the rules between its keys checked."""
         env = instance(ToyEnvConfig, cfg, "env")
         for task in env.task_ids or []:
             if not 0 <= task < env.num_tasks:

@@ -181,7 +181,7 @@ class VideoRecorder:
     @classmethod
     def for_env(cls, venv, out_dir: str | os.PathLike, video: VideoConfig, *, env_offset: int = 0, step: int | None = 0
                 ) -> VideoRecorder:
-        """A recorder of ``venv.record_env_ids`` named after ``venv.spec`` with an env group's typed ``video``
+        """A recorder of ``venv.record_env_ids`` named after ``venv.spec`` with an env split's typed ``video``
         section (``fps``, ``overlay``)."""
         return cls(out_dir, env_ids=venv.record_env_ids, env_name=venv.spec.name,
                    task_descriptions=venv.spec.task_descriptions, fps=video.fps, overlay=video.overlay,

@@ -1,4 +1,4 @@
-"""The policy interface shared by the inference worker (``act``) and the actor (``evaluate``).
+"""The policy interface shared by the inference worker (``act``) and the actor (``score_actions``).
 
 A policy maps a batched observation to an action chunk ``[B, H, A]`` and returns the quantities RL
 needs: the sampled "policy-space" actions from which log-probs are recomputed (``action_tokens`` for
@@ -90,7 +90,7 @@ class Policy(nn.Module, abc.ABC):
         and, with ``return_value``, ``value``. Runs without autograd."""
 
     @abc.abstractmethod
-    def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
+    def score_actions(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
                  return_value: bool = True, return_entropy: bool = True) -> dict[str, torch.Tensor]:
         """Recompute with autograd for given policy-space ``actions`` ``[B, L]``: ``logprob`` float32
         ``[B, L]``, ``entropy`` ``[B, L]``, and ``value`` when asked."""

@@ -276,7 +276,7 @@ class PromptTokenizer:
     """Instructions -> left-padded prompt ids without BOS (the model places BOS itself).
 
     ``tokenizer`` is a transformers tokenizer (from the checkpoint) or ``None`` for
-    :class:`HashWordTokenizer`. Ids per instruction are cached: an env group repeats a few instructions.
+    :class:`HashWordTokenizer`. Ids per instruction are cached: an env split repeats a few instructions.
     """
 
     def __init__(self, tokenizer=None):

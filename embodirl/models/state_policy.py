@@ -182,7 +182,7 @@ class StateMLPPolicy(Policy):
             out[D.VALUE] = self._value(state).float()
         return out
 
-    def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
+    def score_actions(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
                  return_value: bool = True, return_entropy: bool = True) -> dict[str, torch.Tensor]:
         state = self._state(obs)
         mean, log_std = self._dist(state, temperature)

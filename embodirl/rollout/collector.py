@@ -2,7 +2,7 @@
 
 A :class:`RolloutCollector` drives ``S`` independent env batches (pipeline stages, ``B`` simulators
 each) for ``T`` decisions against an :class:`~embodirl.rollout.inference.InferenceClient`. With
-``S = 2`` the loop submits stage 1's observation for inference, steps stage 0 with the actions it
+``S = 2`` the loop requests stage 1's actions from inference, steps stage 0 with the actions it
 already has, and so on: while one batch simulates, the policy thinks about the other (ping-pong; with
 ``S = 1`` env and policy alternate). Per decision it records what the policy saw and returned and
 what the env answered (:class:`~embodirl.rollout.records.DecisionRecorder`) and returns one
@@ -197,7 +197,7 @@ class RolloutCollector:
         ticker = Ticker()
         for s, stage in stages:
             self._reset(s, stage, seed)
-            stage.pending = self.inference.submit(stage.obs, return_value=self.return_value)
+            stage.pending = self.inference.request(stage.obs, return_value=self.return_value)
         for t in range(self.T):
             for _, stage in stages:
                 if stage.finished_at is None:
@@ -260,15 +260,15 @@ class RolloutCollector:
         # final observation is in info (the returned one starts the next episode)
         after = _merge_rows(obs, info.get("final_obs"), truncated_rows) if self.auto_reset else obs
         if self.return_value and truncated_rows.any() and not last:
-            stage.final = (t, truncated_rows, self.inference.submit(after, return_value=True))
+            stage.final = (t, truncated_rows, self.inference.request(after, return_value=True))
         if not last and not stage.alive.any():
             stage.finished_at = t + 1          # every episode of the stage ended: stop stepping
             rec.mark_rest_invalid(t + 1)
             self._take_final_values(stage)
         elif not last:
-            stage.pending = self.inference.submit(obs, return_value=self.return_value)
+            stage.pending = self.inference.request(obs, return_value=self.return_value)
         elif self.return_value and (self._cut_rows(stage).any() or truncated_rows.any()):
-            stage.bootstrap = self.inference.submit(after, return_value=True)
+            stage.bootstrap = self.inference.request(after, return_value=True)
             stage.bootstrap_truncated = truncated_rows
 
     def _take_final_values(self, stage: _Stage) -> None:

@@ -1,6 +1,6 @@
-"""How the collector asks for actions: a small submit/result protocol, and its in-process form.
+"""How the collector asks for actions: a small request/result protocol, and its in-process form.
 
-The collector never calls a policy directly. It *submits* an observation batch and later asks the
+The collector never calls a policy directly. It *requests* actions for an observation batch and later asks the
 returned handle for the :class:`PolicyOutput`; between the two it steps another env batch. That is
 all pipelining needs, and it hides where inference runs:
 
@@ -12,7 +12,7 @@ all pipelining needs, and it hides where inference runs:
 
 :func:`act` is the one place that turns an env observation into a policy call (instructions looked up
 from the env's task table, CPU tensors the policy moves to its device after its CPU-side work,
-``torch.inference_mode``); rollout backends reuse it.
+``torch.inference_mode``); inference engines reuse it.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ class Pending(Protocol):
 
 
 class InferenceClient(Protocol):
-    """Submit an observation batch, get a handle; ``return_value`` asks for the value head too."""
+    """Request actions for an observation batch, get a handle; ``return_value`` asks for the value head too."""
 
-    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending: ...
+    def request(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending: ...
 
 
 class Done:
@@ -104,9 +104,9 @@ def act(policy: Policy, obs: Mapping[str, np.ndarray], task_descriptions: Sequen
 class PolicyInference:
     """In-process :class:`InferenceClient` over a policy.
 
-    ``background=True`` runs every decision on one worker thread, so :meth:`submit` returns at once and
+    ``background=True`` runs every decision on one worker thread, so :meth:`request` returns at once and
     the caller steps another env batch meanwhile (pipelining without Ray). ``weight_version`` is
-    reported with every output; :meth:`load_weights` changes both weights and version.
+    reported with every output; :meth:`receive_weights` changes both weights and version.
     """
 
     def __init__(self, policy: Policy, task_descriptions: Sequence[str], sampling: SamplingParams | None = None,
@@ -122,14 +122,14 @@ class PolicyInference:
         fields = act(self.policy, obs, self.task_descriptions, self.sampling, return_value=return_value)
         return PolicyOutput(fields, self.weight_version, {"infer_s": time.perf_counter() - t0})
 
-    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
+    def request(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
         if self._pool is None:
             return Done(self._run(obs, return_value))
         # the env may reuse its observation buffers on the next step: hand the thread its own copy
         snapshot = {k: np.array(v, copy=True) for k, v in obs.items()}
         return FutureResult(self._pool.submit(self._run, snapshot, return_value))
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    def receive_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         self.policy.load_trainable_state_dict(dict(state))
         self.weight_version = int(version)
 

@@ -65,14 +65,14 @@ def group_ids(num_slots: int, group_size: int, slot_offset: int = 0) -> np.ndarr
 
 
 def allowed_tasks(env: CommonEnvConfig, spec: EnvSpec) -> list[int]:
-    """Task ids the env group trains on (its ``task_subset``; default: the whole task table)."""
+    """Task ids the env split trains on (its ``task_subset``; default: the whole task table)."""
     ids = env.task_subset
     return list(ids) if ids else list(range(len(spec.task_descriptions)))
 
 
 def plan_starts(env_cfg, spec: EnvSpec, num_slots: int, group_size: int, rng: np.random.Generator,
                 ) -> EpisodeStarts:
-    """Starts for one rollout of ``num_slots`` slots (see module docstring); ``env_cfg``: the env group, typed (or a
+    """Starts for one rollout of ``num_slots`` slots (see module docstring); ``env_cfg``: the env split, typed (or a
     mapping of it, converted here)."""
     env = env_config(env_cfg)
     if not env.use_fixed_reset_state_ids or group_size <= 1:

@@ -1,4 +1,4 @@
-"""The single-controller runner: collect -> advantages -> update -> sync weights, evaluation,
+"""The single-controller runner: collect -> advantages -> update -> publish weights, evaluation,
 checkpoints and logging. Only this package and ``embodirl.workers`` import Ray."""
 
 

@@ -27,7 +27,7 @@ import torch
 from embodirl import data as D
 from embodirl.algorithms.advantages import REWARD_BASELINE
 from embodirl.algorithms.filtering import group_keep_mask
-from embodirl.algorithms.section import Algorithm
+from embodirl.algorithms.section import AlgorithmSection
 from embodirl.rollout.starts import EpisodeStarts
 
 
@@ -44,11 +44,11 @@ def episode_returns(batch) -> torch.Tensor:
     return (reward * batch.get(D.VALID)).sum(-1).float()
 
 
-def remax_baseline(rollouts, batch, *, seed: int):
+def remax_baseline(groups, batch, *, seed: int):
     """``batch`` with ``extras.reward_baseline``: the return of a greedy rollout from each row's start
     (same simulator seed). Returns ``(batch, seconds)``."""
     t0 = time.perf_counter()
-    greedy = rollouts.collect(episode_starts(batch), seed=seed, greedy=True)
+    greedy = groups.collect(episode_starts(batch), seed=seed, greedy=True)
     return D.set_extra(batch, REWARD_BASELINE, episode_returns(greedy)), time.perf_counter() - t0
 
 
@@ -67,7 +67,7 @@ class InformativeGroups:
         self.drawn = 0
 
     @classmethod
-    def from_config(cls, algorithm: Algorithm, *, num_slots: int, rollout_epoch: int) -> InformativeGroups | None:
+    def from_config(cls, algorithm: AlgorithmSection, *, num_slots: int, rollout_epoch: int) -> InformativeGroups | None:
         """None unless ``algorithm.filter_groups.resample``."""
         fg = algorithm.filter_groups
         if not (fg.enable and fg.resample):

@@ -52,8 +52,10 @@ from embodirl.rollout.starts import EpisodeStarts
 from embodirl.runner import heldout
 from embodirl.runner.eval_report import EpisodeResult, build_eval_info
 from embodirl.schema import Config, run_config
-from embodirl.schema.sections import EVAL_PROTOCOLS  # parallel (the adapters' seeding) | oft (OFT's LIBERO seeding)
-from embodirl.schema.sections import Runner as RunnerSection
+from embodirl.schema.sections import (
+    EVAL_PROTOCOLS,  # parallel (the adapters' seeding) | oft (OFT's LIBERO seeding)
+    RunnerSection,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ def check_eval_protocol(runner: RunnerSection, eval_env: CommonEnvConfig) -> Non
 
 
 def protocol_env_cfg(env: CommonEnvConfig, protocol: str | None, num_envs: int | None = None) -> CommonEnvConfig:
-    """``env`` (a typed env group) as ``runner.eval_protocol`` runs it (``oft``: the adapter's OFT seeding switched
+    """``env`` (a typed env split) as ``runner.eval_protocol`` runs it (``oft``: the adapter's OFT seeding switched
     on), with ``runner.eval_num_envs`` simulators when set. An episode's outcome does not depend on which slot or batch
     runs it (scenes are seeded from (task, init state), actions are greedy), so the sweep's per-episode
     results are the same at any number of simulators, returns up to float rounding (another batch size may sum

@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
-from embodirl.schema.sections import GUARD_ACTIONS, Guard
+from embodirl.schema.sections import GUARD_ACTIONS, GuardSection
 
 ROLLBACK, STOP = GUARD_ACTIONS
 KL_METRIC = "kl/behaviour_ref_kl"
@@ -52,7 +52,7 @@ class GuardState:
 class CollapseGuard:
     """Decides when a run has collapsed (see module docstring)."""
 
-    def __init__(self, settings: Guard | None = None, state: GuardState | None = None):
+    def __init__(self, settings: GuardSection | None = None, state: GuardState | None = None):
         """``settings``: the typed ``runner.guard`` section; None: no guard (before a run's settings are read)."""
         self.settings = settings
         self.state = state or GuardState()

@@ -1,4 +1,4 @@
-"""The single-controller loop: ``collect -> advantages -> update -> sync weights``, each timed, with
+"""The single-controller loop: ``collect -> advantages -> update -> publish weights``, each timed, with
 evaluation, checkpoints and logging around it.
 
 Every worker belongs to one :class:`~embodirl.workers.groups.WorkerGroups`: env workers and inference workers, in
@@ -13,7 +13,7 @@ One step::
     batch    = actors.with_ref_logprob(batch)   # only with a KL term (reference forward on the ranks)
     prepared = prepare_batch(batch)             # driver: KL penalty, group filter, advantages (whole batch)
     metrics  = actors.train(prepared)           # every rank its shard of whole groups: replay + update epochs
-    groups.sync_weights()                       # rank 0 posts the changed tensors; inference workers read them
+    groups.publish_weights()                    # rank 0 posts the changed tensors; inference workers read them
 
 Every ``runner.train_video_interval`` steps the first rollout of the step is recorded to
 ``videos/train/step_<n>/`` (the envs of ``env.train.video.env_ids``).
@@ -23,7 +23,7 @@ before any worker starts). Resuming: ``runner.resume_mode=auto`` continues from 
 ``runner.output_dir`` when its saved config has the same hyper-parameters (or from ``runner.resume_dir``); the
 actor ranks restore their state (from any number of ranks that wrote it), RNG states (the inference workers' too)
 and the start-planning generator are restored, and the acting policy starts from the restored weights and version.
-A actor rank that dies, or a Ray worker stuck past its deadline (``runner.worker_deadline``), ends the run with one
+An actor rank that dies, or a Ray worker stuck past its deadline (``runner.worker_deadline``), ends the run with one
 sentence, or with ``runner.max_restarts`` rebuilds the workers from the last complete checkpoint. SIGTERM or SIGUSR1
 (preemption: :mod:`embodirl.runner.preemption`) ends the step under way, writes its checkpoint and stops the run.
 """
@@ -63,7 +63,7 @@ from embodirl.runner.preemption import Preempted, PreemptionWatch
 from embodirl.runner.run_folder import FolderLock, check_eval_folder, no_room, training_start
 from embodirl.runner.run_state import restore as restore_run_state
 from embodirl.runner.weights import complete_record, describe, weights_record
-from embodirl.schema import Config, EnvGroups, run_config
+from embodirl.schema import Config, EnvSplits, run_config
 from embodirl.workers.groups import WorkerGroups
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class Runner:
         with self._workers(train=False) as groups:
             if source is not None:
                 load_policy_weights(groups.policy, source, self.cfg)
-                groups.load_weights(groups.policy.trainable_state_dict(), version=0)
+                groups.inference.publish_weights(groups.policy.trainable_state_dict(), version=0, full=True)
             yield groups, (ckpt.checkpoint_step(source) if source else 0)
 
     # --- training -------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ class Runner:
                                 "runner.keep_last, then run the same command to resume") from None
 
     def _train_attempts(self) -> None:
-        """Train; with ``runner.max_restarts > 0`` a actor rank that dies, or a worker stuck past its deadline
+        """Train; with ``runner.max_restarts > 0`` an actor rank that dies, or a worker stuck past its deadline
         (``runner.worker_deadline.action: restart``), rebuilds every worker group and the run goes on from its last
         complete checkpoint. A preemption signal ends it with :class:`~embodirl.runner.preemption.Preempted`."""
         from embodirl.workers.actor_group import ActorRankDied
@@ -313,7 +313,7 @@ class Runner:
             env_steps, self._elapsed_offset, kl_coef = restored.env_steps, restored.elapsed_min, restored.kl_coef
             log.info("resumed from %s (step %d)", source, start_step)
         # the acting policy starts from the actor's weights and version (restored ones after a resume)
-        groups.sync_weights(full=True)
+        groups.publish_weights(full=True)
         self._write_placement(groups, actors)
         logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
         logger.log_hparams(dataclasses.asdict(cfg))
@@ -351,13 +351,13 @@ class Runner:
         def evaluate(step: int) -> None:
             if ema:   # actor.ema_decay: the acting policy evaluates the moving average, then gets the weights back
                 actors.swap_ema()
-                groups.sync_weights(full=True)
+                groups.publish_weights(full=True)
             try:
                 success = self._log_eval(logger, groups, step)
             finally:
                 if ema:
                     actors.swap_ema()
-                    groups.sync_weights(full=True)
+                    groups.publish_weights(full=True)
                 if ema and offload:
                     actors.offload()
             if not self.guard.enabled:
@@ -398,12 +398,12 @@ class Runner:
                     continue
                 kl_coef = state["kl_coef"] = float(update_metrics.get("actor/kl_coef", kl_coef))
                 timings["time/update"] = time.perf_counter() - t1
-                # sync weights: the tensors this update changed go from rank 0 to the acting policy
+                # publish weights: the tensors this update changed go from rank 0 to the acting policy
                 t2 = time.perf_counter()
-                sync_metrics = groups.sync_weights()
+                sync_metrics = groups.publish_weights()
                 if offload:   # collocated: the actor's state waits in host memory while the rollout runs
                     actors.offload()
-                timings["time/sync_weights"] = time.perf_counter() - t2
+                timings["time/publish_weights"] = time.perf_counter() - t2
                 timings["time/step"] = time.perf_counter() - t0
                 metrics.update({k: float(v) for k, v in prepare_metrics.items()})
                 metrics.update(update_metrics)
@@ -443,7 +443,7 @@ class Runner:
             raise RunFailed(sentence)
         load_actor_state(actors, Path(st.best_checkpoint), self.cfg)
         actors.set_lr_scale(st.lr_scale)
-        groups.sync_weights(full=True)
+        groups.publish_weights(full=True)
 
     def _collect(self, groups: WorkerGroups, step: int, starts_rng: np.random.Generator) -> tuple:
         """``rollout.rollout_epoch`` rollouts -> one batch ``[N, T]`` and their summed timings; the first
@@ -553,7 +553,7 @@ def worker_config(cfg: Config) -> Config:
     train = cfg.env.train
     if cfg.runner.train_video_interval > 0:
         train = dataclasses.replace(train, video=dataclasses.replace(train.video, enabled=True))
-    return dataclasses.replace(cfg, env=EnvGroups(train=train, eval=eval_env_cfg(cfg)))
+    return dataclasses.replace(cfg, env=EnvSplits(train=train, eval=eval_env_cfg(cfg)))
 
 
 def load_policy_weights(policy, source: Path, cfg) -> None:

@@ -25,14 +25,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from embodirl.algorithms.section import Algorithm
+from embodirl.algorithms.section import AlgorithmSection
 from embodirl.config_fields import check_fields, check_finite, instance, required, section, template
 from embodirl.errors import ConfigError
 from embodirl.schema.envs import env_rules, env_schema
 from embodirl.schema.models import model_rules, model_schema
-from embodirl.schema.sections import SECTIONS, Actor, Cluster, EnvWorkers, Rollout, Runner
+from embodirl.schema.sections import SECTIONS, ActorSection, ClusterSection, EnvWorkersSection, RolloutSection, RunnerSection
 
-__all__ = ["SCHEMA_NAME", "SECTIONS", "Config", "EnvGroups", "add_section", "check", "check_types",
+__all__ = ["SCHEMA_NAME", "SECTIONS", "Config", "EnvSplits", "add_section", "check", "check_types",
            "error", "register", "run_config", "to_object", "typed", "unknown_key"]
 
 SCHEMA_NAME = "embodirl_schema"
@@ -43,19 +43,19 @@ class Config:
     """The composed config. ``env`` (``train``/``eval``) and ``model`` are typed per adapter and per policy
     when checked (:func:`check`), since their keys depend on the option chosen."""
 
-    runner: Runner = section(Runner)
-    algorithm: Algorithm = section(Algorithm)
-    rollout: Rollout = section(Rollout)
-    env_workers: EnvWorkers = section(EnvWorkers)
-    actor: Actor = section(Actor)
-    cluster: Cluster = section(Cluster)
+    runner: RunnerSection = section(RunnerSection)
+    algorithm: AlgorithmSection = section(AlgorithmSection)
+    rollout: RolloutSection = section(RolloutSection)
+    env_workers: EnvWorkersSection = section(EnvWorkersSection)
+    actor: ActorSection = section(ActorSection)
+    cluster: ClusterSection = section(ClusterSection)
     env: Any = required()
     model: Any = required()
 
 
 @dataclass
-class EnvGroups:
-    """``env`` of the typed config: the training and evaluation env groups, each its adapter's config class."""
+class EnvSplits:
+    """``env`` of the typed config: the training and evaluation env splits, each its adapter's config class."""
 
     train: Any
     eval: Any
@@ -151,7 +151,7 @@ def to_object(schema: type, node: Any, prefix: str = ""):
 
 def run_config(cfg: Any) -> Config:
     """A composed and validated config as the typed object the code runs on: every section its schema dataclass,
-    ``env.train``/``env.eval`` their adapters' config classes and ``model`` its policy's (:class:`EnvGroups`,
+    ``env.train``/``env.eval`` their adapters' config classes and ``model`` its policy's (:class:`EnvSplits`,
     :func:`embodirl.envs.registry.env_config`, :func:`embodirl.models.registry.model_config`). Converted once, where a
     command takes the config; a :class:`Config` passes through. Sections another command adds (``sft``, ``data``)
     are that command's to convert."""
@@ -161,7 +161,7 @@ def run_config(cfg: Any) -> Config:
     if isinstance(cfg, Config):
         return cfg
     sections = {name: instance(schema, getattr(cfg, name), name) for name, schema in SECTIONS.items()}
-    env = EnvGroups(train=env_config(cfg.env.train, "env.train"), eval=env_config(cfg.env.eval, "env.eval"))
+    env = EnvSplits(train=env_config(cfg.env.train, "env.train"), eval=env_config(cfg.env.eval, "env.eval"))
     return Config(**sections, env=env, model=model_config(cfg.model))
 
 
@@ -192,10 +192,10 @@ def check_types(cfg: DictConfig) -> None:
         raise ConfigError("env", "must hold exactly train and eval (an env option fills both)")
     for name, schema in SECTIONS.items():
         check_fields(schema, cfg[name], name)
-    for group in ("train", "eval"):
-        schema, closed = env_schema(cfg.env[group], f"env.{group}")
-        typed(schema, cfg.env[group], f"env.{group}", closed=closed)
-        check_fields(schema, cfg.env[group], f"env.{group}")
+    for split in ("train", "eval"):
+        schema, closed = env_schema(cfg.env[split], f"env.{split}")
+        typed(schema, cfg.env[split], f"env.{split}", closed=closed)
+        check_fields(schema, cfg.env[split], f"env.{split}")
     model, closed = model_schema(cfg.model)
     typed(model, cfg.model, "model", closed=closed)
     check_fields(model, cfg.model, "model")

@@ -1,6 +1,6 @@
-"""Typed env groups (``env.train``, ``env.eval``): each adapter declares its config class next to its code and
+"""Typed env splits (``env.train``, ``env.eval``): each adapter declares its config class next to its code and
 registers with it (``@register_adapter(name, config=...)``, a subclass of
-:class:`~embodirl.envs.base.CommonEnvConfig`); this module finds it and holds the rules between the env groups and
+:class:`~embodirl.envs.base.CommonEnvConfig`); this module finds it and holds the rules between the env splits and
 the model. The adapters still check the values only they know (task ids, suites, cameras, assets).
 
 An adapter registered without a config class gets the common keys checked; its own keys are its ``check_config``'s.
@@ -12,7 +12,7 @@ from embodirl.errors import ConfigError
 
 
 def env_schema(node: Any, key: str) -> tuple[type, bool]:
-    """(schema, closed) for one env group: the config class its adapter registered with (closed: it refuses keys it
+    """(schema, closed) for one env split: the config class its adapter registered with (closed: it refuses keys it
     does not declare), else :class:`~embodirl.envs.base.CommonEnvConfig` for the shared keys (open)."""
     from embodirl.envs.base import CommonEnvConfig
     from embodirl.envs.registry import ADAPTERS
@@ -25,9 +25,9 @@ def env_schema(node: Any, key: str) -> tuple[type, bool]:
 
 
 def env_rules(cfg) -> None:
-    """Rules between the env groups and the model (``cfg``: the typed config): a chunk must fit in an episode,
+    """Rules between the env splits and the model (``cfg``: the typed config): a chunk must fit in an episode,
     evaluation drives the robot through the controller the policy was trained with (its action space), where both
-    groups' adapters have one (``control_mode``), and the policy's action convention converts to what each env group's
+    splits' adapters have one (``control_mode``), and the policy's action convention converts to what each env split's
     adapter consumes (:func:`embodirl.envs.conventions.pairing`)."""
     for env_key, env in (("env.train", cfg.env.train), ("env.eval", cfg.env.eval)):
         action_conversion(cfg, env_key, env)
@@ -48,7 +48,7 @@ def env_rules(cfg) -> None:
 
 def action_conversion(cfg, env_key: str, env=None):
     """The :class:`~embodirl.envs.conventions.ActionConversion` from the configured policy's actions to what the env
-    group ``env_key`` (``env.train`` / ``env.eval``) consumes; a ConfigError (one sentence naming the key) when either
+    split ``env_key`` (``env.train`` / ``env.eval``) consumes; a ConfigError (one sentence naming the key) when either
     side declares none or they cannot be converted. ``cfg``: the typed config."""
     from embodirl.envs.conventions import pairing
     from embodirl.envs.registry import env_convention

@@ -5,13 +5,13 @@ themselves live in the YAML tree. A section's cross-field rules sit in its ``rul
 fields they relate; :func:`embodirl.schema.check` runs them in the order the sections are listed here.
 The ``algorithm`` section is declared in :mod:`embodirl.algorithms.section`, below this layer, so that the
 algorithms run on it; the others' choice lists come from the registries that define the names (learning-rate
-schedules, rollout backends).
+schedules, inference engines).
 """
 
 from dataclasses import dataclass
 from typing import Any
 
-from embodirl.algorithms.section import Algorithm
+from embodirl.algorithms.section import AlgorithmSection
 from embodirl.config_fields import num, one_of, required, section
 from embodirl.errors import ConfigError
 
@@ -28,9 +28,9 @@ GUARD_ACTIONS = ("rollback", "stop")                      # runner.guard.action 
 HUNG_ACTIONS = ("restart", "stop")                        # runner.worker_deadline.action (embodirl/workers/deadlines.py)
 
 
-def _rollout_backends():
-    from embodirl.registry import BACKENDS
-    return BACKENDS.available()
+def _inference_engines():
+    from embodirl.registry import ENGINES
+    return ENGINES.available()
 
 
 AUTO_OR_BOOL = ("auto", True, False)
@@ -39,7 +39,7 @@ RESUME_MODES = ("auto", "disable")
 
 # --- runner ------------------------------------------------------------------------------------------------
 @dataclass
-class Logger:
+class LoggerSection:
     console: bool = required()
     tensorboard: bool = required()
     wandb: bool = required()
@@ -48,7 +48,7 @@ class Logger:
 
 
 @dataclass
-class Guard:
+class GuardSection:
     enabled: bool = required()
     success_drop: float | None = num(0, 1, lo_open=True, null=True)
     patience: int = num(1)
@@ -61,7 +61,7 @@ class Guard:
 
 
 @dataclass
-class WorkerDeadline:
+class WorkerDeadlineSection:
     floor_s: float | None = num(0, lo_open=True, null=True)
     multiple: float = num(1)
     first_call_s: float = num(0, lo_open=True)
@@ -69,7 +69,7 @@ class WorkerDeadline:
 
 
 @dataclass
-class Runner:
+class RunnerSection:
     experiment_name: str = required()
     output_dir: str = required()
     seed: int = num(0)
@@ -82,8 +82,8 @@ class Runner:
     resume_dir: str | None = required()
     resume_mode: str = one_of(RESUME_MODES)
     max_restarts: int = num(0)
-    worker_deadline: WorkerDeadline = section(WorkerDeadline)
-    logger: Logger = section(Logger)
+    worker_deadline: WorkerDeadlineSection = section(WorkerDeadlineSection)
+    logger: LoggerSection = section(LoggerSection)
     progress_bar: bool = required()
     torch_threads: Any = num(1, auto=True, integer=True)
     train_video_interval: int = num(0)
@@ -94,7 +94,7 @@ class Runner:
     eval_episodes: list[int] | None = required()
     eval_num_envs: int | None = num(1, null=True)
     eval_train_states_per_task: int = num(0)
-    guard: Guard = section(Guard)
+    guard: GuardSection = section(GuardSection)
 
     @staticmethod
     def rules(cfg, ctx) -> None:
@@ -111,14 +111,14 @@ class Runner:
 
 # --- rollout and env workers -------------------------------------------------------------------------------
 @dataclass
-class Channel:
+class ChannelSection:
     shm: bool = required()
     queue_size: int = num(1)
 
 
 @dataclass
-class Rollout:
-    backend: str = one_of(_rollout_backends)
+class RolloutSection:
+    backend: str = one_of(_inference_engines)
     num_workers: int = num(1)
     pipeline_stage_num: int = num(1)
     rollout_epoch: int = num(1)
@@ -129,7 +129,7 @@ class Rollout:
     enable_offload: bool = required()
     merge_lora: bool = required()
     compile: bool = required()
-    channel: Channel = section(Channel)
+    channel: ChannelSection = section(ChannelSection)
 
     @staticmethod
     def rules(cfg, ctx) -> None:
@@ -177,14 +177,14 @@ class Rollout:
 
 
 @dataclass
-class EnvWorkers:
+class EnvWorkersSection:
     num_workers: int = num(1)
     enable_offload: bool = required()
 
 
 # --- actor (the actor) -----------------------------------------------------------------------------------
 @dataclass
-class Optim:
+class OptimSection:
     lr: float = num(0, lo_open=True)
     value_lr: float = num(0, lo_open=True)
     weight_decay: float = num(0)
@@ -198,7 +198,7 @@ class Optim:
 
 
 @dataclass
-class FSDP:
+class FSDPSection:
     enabled: Any = one_of(AUTO_OR_BOOL)
     param_dtype: str | None = one_of(("float32", "bfloat16", "float16"), null=True)
     reduce_dtype: str | None = one_of(("float32", "bfloat16", "float16"), null=True)
@@ -208,14 +208,14 @@ class FSDP:
 
 
 @dataclass
-class ReplayBuffer:
+class ReplayBufferSection:
     reuse_last_k: int = num(0)
     max_staleness: int = num(0)
     max_bytes: float = num(0, lo_open=True)
 
 
 @dataclass
-class Actor:
+class ActorSection:
     global_batch_size: int = num(1)
     micro_batch_size: int = num(1)
     seed: int = num(0)
@@ -223,9 +223,9 @@ class Actor:
     enable_offload: bool = required()
     compile: bool = required()
     ema_decay: float = num(0, 1, hi_open=True)
-    optim: Optim = section(Optim)
-    fsdp: FSDP = section(FSDP)
-    replay_buffer: ReplayBuffer = section(ReplayBuffer)
+    optim: OptimSection = section(OptimSection)
+    fsdp: FSDPSection = section(FSDPSection)
+    replay_buffer: ReplayBufferSection = section(ReplayBufferSection)
 
     @staticmethod
     def rules(cfg, ctx) -> None:
@@ -279,7 +279,7 @@ def actor_rules(actor, algorithm, world_size: int) -> None:
 
 # --- cluster -----------------------------------------------------------------------------------------------
 @dataclass
-class Cluster:
+class ClusterSection:
     use_ray: Any = one_of(AUTO_OR_BOOL)
     num_nodes: int = num(1)
     ray_address: str | None = required()
@@ -298,5 +298,5 @@ class Cluster:
 
 
 #: the sections of config.yaml that this module types, in the order their rules run
-SECTIONS = {"runner": Runner, "algorithm": Algorithm, "cluster": Cluster, "rollout": Rollout, "actor": Actor,
-            "env_workers": EnvWorkers}
+SECTIONS = {"runner": RunnerSection, "algorithm": AlgorithmSection, "cluster": ClusterSection,
+            "rollout": RolloutSection, "actor": ActorSection, "env_workers": EnvWorkersSection}

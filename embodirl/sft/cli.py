@@ -26,7 +26,7 @@ def main(overrides: Sequence[str]) -> int:
     sft_compose.check_chunk(cfg, dataset)
     runtime.configure()
     runtime.set_torch_threads(cfg.runner.torch_threads)
-    probe = make_env(cfg.env.train, num_envs=1, seed=cfg.runner.seed)   # the env group, converted to its typed config
+    probe = make_env(cfg.env.train, num_envs=1, seed=cfg.runner.seed)   # the env split, converted to its typed config
     spec = probe.spec
     probe.close()
     camera_keys = sft_compose.check_dataset(cfg, dataset, spec)

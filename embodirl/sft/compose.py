@@ -62,7 +62,7 @@ def check(cfg: DictConfig) -> SftSections:
     ``sft`` and ``data`` sections the run then reads."""
     from embodirl.models.registry import SFT_FLOW, available_policies, policy_family
     from embodirl.schema import to_object
-    from embodirl.schema.sections import Runner
+    from embodirl.schema.sections import RunnerSection
 
     loss = policy_family(cfg.model.name).sft
     if loss is None:
@@ -73,7 +73,7 @@ def check(cfg: DictConfig) -> SftSections:
     if not own.data.path:
         raise ConfigError("data.path", "is not set; point it at a LeRobot dataset folder (meta/info.json inside), "
                                        "e.g. one written by `embodirl demos env=maniskill_pushcube_rgb`")
-    to_object(Runner, cfg.runner, "runner")      # its types and ranges, before the rules below read it
+    to_object(RunnerSection, cfg.runner, "runner")      # its types and ranges, before the rules below read it
     s = own.sft
     if loss == SFT_FLOW:
         for key in TOKENS_ONLY:
@@ -101,9 +101,9 @@ def check(cfg: DictConfig) -> SftSections:
 def _check_common(cfg: DictConfig, s: Sft) -> None:
     from embodirl.placement import data_parallel_size, placement_from_config
     from embodirl.schema import to_object
-    from embodirl.schema.sections import Cluster
+    from embodirl.schema.sections import ClusterSection
 
-    ranks = data_parallel_size(cfg, placement_from_config(to_object(Cluster, cfg.cluster, "cluster")))
+    ranks = data_parallel_size(cfg, placement_from_config(to_object(ClusterSection, cfg.cluster, "cluster")))
     if ranks != 1:
         raise ConfigError("actor.cpu_world_size", f"gives {ranks} actor ranks, but embodirl sft runs one actor "
                                                   "rank in this process for now; set it to 1 (one GPU)")

@@ -5,6 +5,6 @@ in this process or on Ray (the one place that tells the two apart); ``groups`` c
 workers (with their placement on Ray), runs collection and weight sync, ``layout`` splits the slots and
 ``recovery`` replaces dead workers; ``actor_group`` holds the actor's ranks; ``stream`` (shared memory on one
 node) and ``transport`` (in-process, or Ray's object store between nodes) move observation batches and
-answers; ``backends`` holds the inference engines; ``weight_sync`` the versioned weight updates;
+answers; ``engines`` holds the inference engines; ``weight_sync`` the versioned weight updates;
 ``placement_groups`` the Ray bundles; ``ray_cluster`` starts or joins Ray. No math here.
 """

@@ -4,7 +4,7 @@
 
     actors = ActorGroup.from_config(cfg, spec, remote=True, placement=(plan, groups), process_vars=...)
     version = actors.load(checkpoint)                         # resume (any number of ranks wrote it)
-    handle = actors.publish(full=True, consumers=...)         # rank 0 posts; the driver forwards the handle
+    handle = actors.publish_weights(full=True, consumers=...)  # rank 0 posts; the driver forwards the handle
     prepared = prepare_batch(actors.with_ref_logprob(batch))  # driver side: pure math on the whole batch
     metrics = actors.train(prepared)                          # each rank its shard of whole groups
     actors.save(actor_dir, policy_dir)                      # sharded actor state + public export
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class ActorRankDied(RuntimeError):
-    """A actor rank's process died during a call (the message is one sentence)."""
+    """An actor rank's process died during a call (the message is one sentence)."""
 
 
 class ActorGroup:
@@ -88,8 +88,8 @@ class ActorGroup:
             workers.start(r, cfg, spec, rank=r, world_size=N, process_vars=dict(process_vars or {}))
         group = cls(workers, infos=[{} for _ in range(N)])
         try:
-            address, port = group._gather([workers.submit(0, ActorWorker.rendezvous)], "rendezvous")[0]
-            group.infos = group._gather([workers.submit(r, ActorWorker.setup, address, port) for r in range(N)], "setup")
+            address, port = group._gather([workers.call_async(0, ActorWorker.rendezvous)], "rendezvous")[0]
+            group.infos = group._gather([workers.call_async(r, ActorWorker.setup, address, port) for r in range(N)], "setup")
         except BaseException:
             group.close()
             raise
@@ -99,7 +99,7 @@ class ActorGroup:
     # --- calls ---------------------------------------------------------------------------------------
     def _call_all(self, method, per_rank_args: Sequence[tuple] | None = None, **kwargs) -> list:
         args = per_rank_args or [()] * self.world_size
-        return self._gather([self.workers.submit(r, method, *a, **kwargs) for r, a in enumerate(args)], method.__name__)
+        return self._gather([self.workers.call_async(r, method, *a, **kwargs) for r, a in enumerate(args)], method.__name__)
 
     def _gather(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
         """Results of one call per rank; a dead rank (a Ray worker's process) ends it with :class:`ActorRankDied`."""
@@ -139,22 +139,21 @@ class ActorGroup:
         shards, _ = self._shards(prepared)
         return self._call_all(ActorWorker.train, [(s,) for s in shards])[0]
 
-    def publish(self, *, full: bool = False, consumer_nodes=(), consumer_gpus=()):
+    def publish_weights(self, *, full: bool = False, gather: bool = True, consumer_nodes=(), consumer_gpus=()):
         """Gather the changed trainable tensors and post them from rank 0: its handle. In-process the
-        rollout side shares the module, so only the version moves (an int)."""
+        inference side shares the module, so only the version moves (an int). ``full`` without ``gather``: every
+        trainable tensor at the last published version, posted again by rank 0 (restarted inference workers)."""
+        if not gather:
+            return self._call_one(0, ActorWorker.publish_weights, full=full, gather=False,
+                                  consumer_nodes=list(consumer_nodes), consumer_gpus=list(consumer_gpus))
         if not self.remote:
             version, _ = self.workers[0].actor.publish_weights(full=full)
             return version
-        return self._call_all(ActorWorker.publish, full=full, consumer_nodes=list(consumer_nodes),
+        return self._call_all(ActorWorker.publish_weights, full=full, consumer_nodes=list(consumer_nodes),
                               consumer_gpus=list(consumer_gpus))[0]
 
-    def full_update(self, *, consumer_nodes=(), consumer_gpus=()):
-        """Every trainable tensor at the current version, posted by rank 0 (restarted inference workers)."""
-        return self._call_one(0, ActorWorker.full_update, consumer_nodes=list(consumer_nodes),
-                              consumer_gpus=list(consumer_gpus))
-
     def _call_one(self, rank: int, method, *args, **kwargs):
-        return self._gather([self.workers.submit(rank, method, *args, **kwargs)], method.__name__, [rank])[0]
+        return self._gather([self.workers.call_async(rank, method, *args, **kwargs)], method.__name__, [rank])[0]
 
     # --- supervised fine-tuning (embodirl sft) --------------------------------------------------------
     def set_statistics(self, statistics: Mapping) -> None:

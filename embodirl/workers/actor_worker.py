@@ -27,7 +27,7 @@ import torch
 from embodirl.actor import fsdp
 from embodirl.actor.actor import Actor
 from embodirl.schema import Config
-from embodirl.schema.sections import Rollout
+from embodirl.schema.sections import RolloutSection
 from embodirl.workers import process_env
 from embodirl.workers.parking import HostParking
 from embodirl.workers.weight_sync import WeightPublisher
@@ -138,10 +138,17 @@ class ActorWorker:
         metrics["actor/onloaded"] = float(was_offloaded)   # collocated: the state came back for this update
         return metrics
 
-    def publish(self, *, full: bool = False, consumer_nodes=(), consumer_gpus=(), inline: bool = False):
+    def publish_weights(self, *, full: bool = False, gather: bool = True, consumer_nodes=(), consumer_gpus=(),
+                        inline: bool = False):
         """Gather what the last update changed (every tensor with ``full``; collective) and, on rank 0,
         post it for the inference workers: returns the :class:`~.weight_transfer.WeightHandle` (other
-        ranks: None)."""
+        ranks: None). ``full`` without ``gather`` (rank 0 only, no collective): every trainable tensor at the
+        last published version, posted again (a new or restarted inference worker)."""
+        if not gather:
+            if not full:
+                raise TypeError("publish_weights(gather=False) posts the last publication in full: pass full=True")
+            return self.outbox.post(self.publisher.publish_weights(full=True), set(consumer_nodes), inline=inline,
+                                    consumer_gpus=set(consumer_gpus))
         version, tensors = self.actor.publish_weights(full=full)
         if self.rank != 0:
             return None
@@ -149,13 +156,8 @@ class ActorWorker:
             self.publisher = WeightPublisher()
             update = self.publisher.reset(tensors, version)
         else:
-            update = self.publisher.publish(tensors, version)
+            update = self.publisher.publish_weights(tensors, version)
         return self.outbox.post(update, set(consumer_nodes), inline=inline, consumer_gpus=set(consumer_gpus))
-
-    def full_update(self, *, consumer_nodes=(), consumer_gpus=(), inline: bool = False):
-        """Rank 0: every trainable tensor at the current version (a new or restarted inference worker)."""
-        return self.outbox.post(self.publisher.full_update(), set(consumer_nodes), inline=inline,
-                                consumer_gpus=set(consumer_gpus))
 
     def set_lr_scale(self, scale: float) -> None:
         """The configured learning rates times ``scale`` from now on (every rank)."""
@@ -258,7 +260,7 @@ class ActorWorker:
                 log.debug("destroying the process group: %s", exc)
 
 
-def _temperature(rollout: Rollout) -> float:
+def _temperature(rollout: RolloutSection) -> float:
     return 1.0 if rollout.temperature is None else float(rollout.temperature)
 
 

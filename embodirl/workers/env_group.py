@@ -18,7 +18,7 @@ from embodirl.workers.deadlines import CallTimes
 from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.inference_group import InferenceGroup
 from embodirl.workers.inference_worker import TRAIN
-from embodirl.workers.layout import RolloutLayout, placement_options
+from embodirl.workers.layout import SlotLayout, placement_options
 from embodirl.workers.transport import unpack_trajectory
 from embodirl.workers.worker_set import WorkerSet
 
@@ -26,12 +26,12 @@ from embodirl.workers.worker_set import WorkerSet
 class EnvWorkerGroup:
     """K env workers, each connected to its inference worker (see module docstring)."""
 
-    def __init__(self, env_cfg, layout: RolloutLayout, *, remote: bool, return_value: bool, seed: int = 0,
+    def __init__(self, env_cfg, layout: SlotLayout, *, remote: bool, return_value: bool, seed: int = 0,
                  use_shm: bool = True, queue_size: int = 4, placement=None,
                  process_vars: Mapping[str, str] | None = None, mode: str = TRAIN,
                  max_faults: int = recovery.DEFAULT_MAX_FAULTS, env_placement_offset: int = 0, env_builder=None,
                  deadline=None, conversion=None):
-        self.env_cfg = env_config(env_cfg)     # the typed env group (a mapping of it is converted once)
+        self.env_cfg = env_config(env_cfg)     # the typed env split (a mapping of it is converted once)
         self.layout = layout
         self.inference: InferenceGroup | None = None
         self.mode = mode

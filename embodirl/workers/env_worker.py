@@ -61,7 +61,7 @@ class EnvWorker:
             from embodirl.envs.registry import make_env as env_builder  # after adopt(): runtime set up
         from embodirl.envs.registry import env_config
 
-        self.env_cfg = env_config(env_cfg)     # the typed env group (a mapping of it is converted once)
+        self.env_cfg = env_config(env_cfg)     # the typed env split (a mapping of it is converted once)
         self.S, self.B, self.T = int(num_stages), int(envs_per_stage), int(num_decisions)
         self.slot_offset = int(slot_offset)
         self.group_size = int(group_size)

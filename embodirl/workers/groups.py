@@ -1,10 +1,10 @@
-"""The run's workers: env, rollout and actor groups and Ray's lifetime, owned by one object.
+"""The run's workers: env, inference and actor groups and Ray's lifetime, owned by one object.
 
 :class:`WorkerGroups` is what the runner talks to::
 
     groups = WorkerGroups.from_config(cfg)              # env + inference workers (Ray started here if needed)
     actors = groups.make_actors()                       # the actor ranks (an ActorGroup)
-    groups.sync_weights(full=True)                      # the ranks' publication -> every inference worker
+    groups.publish_weights(full=True)                   # the ranks' publication -> every inference worker
     traj = groups.collect(starts, seed=s)               # Trajectory [N, T], N = env.train.num_envs
     info = run_sweep(groups, cfg, ...)                  # evaluation (runner/evaluation.py) on env.eval workers
     groups.close()                                      # every worker, simulator and (if started here) Ray
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -60,7 +59,7 @@ from embodirl.workers.env_group import EnvWorkerGroup
 from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.inference_group import InferenceGroup
 from embodirl.workers.inference_worker import EVAL, TRAIN, sampling_from_config
-from embodirl.workers.layout import RolloutLayout, layout_from_config, plan_from_config
+from embodirl.workers.layout import SlotLayout, layout_from_config, plan_from_config
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ SYNC_PATHS = {"shm": "sync/shm_workers", "object_store": "sync/object_store_work
 
 
 def trainable_dtype(cfg: Config, train: bool) -> str | None:
-    """The dtype a rollout copy holds its trainable tensors in: the one the actor ranks compute them in
+    """The dtype a inference copy holds its trainable tensors in: the one the actor ranks compute them in
     (training), so that the rollout's log-probs are the actor's; evaluation only: the policy's own."""
     from embodirl.actor.fsdp import actor_compute_dtype
 
@@ -152,7 +151,7 @@ class WorkerGroups:
             self.policy = policy
         rollout_cfg = cfg.rollout
         self.inference = InferenceGroup(
-            cfg.model, spec, num_workers=layout.num_inference_workers, backend=rollout_cfg.backend,
+            cfg.model, spec, num_workers=layout.num_inference_workers, engine=rollout_cfg.backend,
             sampling=sampling_from_config(rollout_cfg, cfg.runner.eval_greedy), remote=self.remote,
             placement=self.placement, process_vars=self.process_vars, policy=policy, seed=cfg.runner.seed,
             init_seed=cfg.runner.seed, weight_source=self._full_weights if self.remote else None,
@@ -162,7 +161,7 @@ class WorkerGroups:
             if group is not None:
                 group.attach(self.inference)
 
-    def _env_group(self, env_key: str, layout: RolloutLayout, placement_offset: int = 0) -> EnvWorkerGroup:
+    def _env_group(self, env_key: str, layout: SlotLayout, placement_offset: int = 0) -> EnvWorkerGroup:
         return _env_group(self.cfg, env_key, layout, remote=self.remote, placement=self.placement,
                           process_vars=self.process_vars, placement_offset=placement_offset)
 
@@ -196,31 +195,21 @@ class WorkerGroups:
         """A restarted inference worker's weights: the ranks' full publication (None before there are ranks)."""
         if self.actors is None:
             return None
-        return self.actors.full_update(consumer_nodes=self.inference.consumer_nodes(),
-                                       consumer_gpus=self.consumer_gpus())
+        return self.actors.publish_weights(full=True, gather=False, consumer_nodes=self.inference.consumer_nodes(),
+                                           consumer_gpus=self.consumer_gpus())
 
-    def sync_weights(self, *, full: bool = False) -> dict[str, float]:
+    def publish_weights(self, *, full: bool = False) -> dict[str, float]:
         """The ranks publish their changed trainable tensors (``full``: all of them) and every inference worker
         applies that publication - the one way weights travel; metrics say how (none when the inference worker shares
         the rank's module: only the version moves)."""
-        handle = self.actors.publish(full=full, consumer_nodes=self.inference.consumer_nodes(),
-                                     consumer_gpus=self.consumer_gpus())
+        handle = self.actors.publish_weights(full=full, consumer_nodes=self.inference.consumer_nodes(),
+                                             consumer_gpus=self.consumer_gpus())
         self.inference.receive_weights(handle)
         if isinstance(handle, int):
             return {}
         paths = self.inference.sync_paths
         return {**{metric: float(paths.get(path, 0)) for path, metric in SYNC_PATHS.items()},
                 "sync/bytes": float(handle.nbytes)}
-
-    def publish(self, tensors: Mapping, version: int | None = None) -> int:
-        """Changed trainable tensors held by the driver (no actor ranks: tests, tools), posted as the ranks'
-        publication is; returns the version every inference worker holds."""
-        return self.inference.publish(tensors, version)
-
-    def load_weights(self, tensors: Mapping, version: int) -> int:
-        """Every trainable tensor at ``version`` from the driver (evaluation of a checkpoint); later
-        :meth:`publish` deltas build on them."""
-        return self.inference.load_weights(tensors, version)
 
     # --- collection ------------------------------------------------------------------------------------
     def collect(self, starts: EpisodeStarts | None = None, *, seed: int | None = None, video_dir=None,
@@ -240,7 +229,7 @@ class WorkerGroups:
         kwargs = dict(seed=seed, video_dir=video_dir, step=step, packed=self.remote,   # Ray: the cheap form to send
                       mode=EVAL if greedy else None)
         with self._loaded(group):
-            pending = {group.workers.submit(k, EnvWorker.collect, part, **kwargs): k for k, part in enumerate(parts)}
+            pending = {group.workers.call_async(k, EnvWorker.collect, part, **kwargs): k for k, part in enumerate(parts)}
             try:
                 results = recovery.settle(group, pending, parts, kwargs)
             except WorkerHung as hung:
@@ -353,7 +342,7 @@ class WorkerGroups:
         self.close(CLOSE_WAIT_S if exc_type is None else CLOSE_WAIT_ON_ERROR_S)
 
 
-def _env_group(cfg: Config, env_key: str, layout: RolloutLayout, *, remote: bool, placement, process_vars,
+def _env_group(cfg: Config, env_key: str, layout: SlotLayout, *, remote: bool, placement, process_vars,
                placement_offset: int = 0) -> EnvWorkerGroup:
     from embodirl.schema.envs import action_conversion
 

@@ -25,14 +25,14 @@ class InferenceGroup:
     object (no copy, no weight transfer: the actor's updates are its weights) on its device, and samples
     with the driver's generators; a Ray worker gets a copy and seeds its own (``seed + r + R*restarts``)."""
 
-    def __init__(self, model_cfg, env_spec, *, num_workers: int, backend: str, sampling: Mapping,
+    def __init__(self, model_cfg, env_spec, *, num_workers: int, engine: str, sampling: Mapping,
                  remote: bool, placement=None, process_vars: Mapping[str, str] | None = None, policy=None,
                  seed: int | None = None, init_seed: int | None = None, weight_source=None,
                  trainable_dtype: str | None = None, merge_lora: bool = False, compile_blocks: bool = False,
                  deadline=None):
         self.model_cfg = model_config(model_cfg)   # the typed model section (a mapping of it is converted once)
         self.env_spec = env_spec
-        self.backend = backend
+        self.engine = engine
         self.sampling = dict(sampling)
         self.process_vars = dict(process_vars or {})
         self._policy = policy            # an existing policy object instead of building one
@@ -85,7 +85,7 @@ class InferenceGroup:
         return self._outbox.post(update, set(self.consumer_nodes()), inline=not self.remote)
 
     def _start(self, r: int) -> None:
-        kwargs = dict(backend=self.backend, sampling=self.sampling, process_vars=self.process_vars,
+        kwargs = dict(engine=self.engine, sampling=self.sampling, process_vars=self.process_vars,
                       policy=self._policy, init_seed=self.init_seed)
         if self.shares_policy:           # the driver's policy acts where it is
             param = next(self._policy.parameters(), None)
@@ -98,15 +98,15 @@ class InferenceGroup:
         self.workers.start(r, self.model_cfg, self.env_spec, **kwargs)
 
     # --- weights -----------------------------------------------------------------------------------
-    def publish(self, tensors: Mapping, version: int | None = None) -> int:
-        """Publish changed trainable tensors from the driver (as a actor rank would); every worker holds them on
-        return."""
-        return self.receive_weights(self._post(self._driver_publisher().publish(tensors, version)))
-
-    def load_weights(self, tensors: Mapping, version: int) -> int:
-        """Replace every trainable tensor by ``tensors`` at ``version`` (a full update): the actor's
+    def publish_weights(self, tensors: Mapping, version: int | None = None, *, full: bool = False) -> int:
+        """Publish changed trainable tensors from the driver (as an actor rank would); every worker holds them on
+        return. ``full``: replace every trainable tensor by ``tensors`` at ``version`` (a full update): the actor's
         start or resumed weights, or a checkpoint's for evaluation."""
-        return self.receive_weights(self._post(self._driver_publisher().reset(tensors, version)))
+        if full:
+            if version is None:
+                raise TypeError("publish_weights(full=True) needs the version of the tensors")
+            return self.receive_weights(self._post(self._driver_publisher().reset(tensors, version)))
+        return self.receive_weights(self._post(self._driver_publisher().publish_weights(tensors, version)))
 
     def receive_weights(self, handle) -> int:
         """Every worker applies the actor group's publication ``handle`` (it reads the tensors itself:
@@ -161,7 +161,7 @@ class InferenceGroup:
         self.infos[r] = self.workers.call(r, InferenceWorker.info)
         handle = self.weight_source() if self.weight_source is not None else None
         if handle is None and self.publisher is not None:
-            handle = self._post(self.publisher.full_update())
+            handle = self._post(self.publisher.publish_weights(full=True))
         if handle is not None:      # else nothing was published: the rebuilt worker's seeded start weights are current
             self.workers.call(r, InferenceWorker.receive_weights, handle)
 

@@ -30,9 +30,9 @@ from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
 from embodirl.rollout.inference import PolicyOutput
 from embodirl.schema import to_object
-from embodirl.schema.sections import Rollout
+from embodirl.schema.sections import RolloutSection
 from embodirl.workers import process_env
-from embodirl.workers.backends import make_backend
+from embodirl.workers.engines import make_engine
 from embodirl.workers.stream import StreamServer
 from embodirl.workers.weight_sync import WeightReceiver, WeightUpdate
 
@@ -41,10 +41,10 @@ log = logging.getLogger(__name__)
 TRAIN, EVAL = "train", "eval"
 
 
-def sampling_from_config(rollout: Rollout, eval_greedy: bool = True) -> dict[str, SamplingParams]:
+def sampling_from_config(rollout: RolloutSection, eval_greedy: bool = True) -> dict[str, SamplingParams]:
     """The typed ``rollout`` section's ``temperature`` (null: 1, the policy's own distribution), ``top_k`` and
     ``top_p`` for training; evaluation is greedy (``runner.eval_greedy``) or samples like training."""
-    rollout = to_object(Rollout, rollout, "rollout")
+    rollout = to_object(RolloutSection, rollout, "rollout")
     temperature = 1.0 if rollout.temperature is None else rollout.temperature
     train = SamplingParams(greedy=False, temperature=temperature, top_k=rollout.top_k, top_p=rollout.top_p)
     evaluation = SamplingParams(greedy=bool(eval_greedy), temperature=temperature, top_k=rollout.top_k,
@@ -58,14 +58,14 @@ class InferenceWorker:
     Args:
         model_cfg: the ``model`` config.
         env_spec: the env's static description (task table for instructions, action bounds).
-        backend: ``rollout.backend`` name.
+        engine: the inference engine's name (``rollout.backend``).
         sampling: ``{"train": SamplingParams, "eval": SamplingParams}``.
         weights: a full :class:`WeightUpdate` to start from (a restarted worker).
-        device: where the backend runs the policy (default: CUDA when visible, else CPU).
+        device: where the engine runs the policy (default: CUDA when visible, else CPU).
         process_vars: environment variables to adopt before anything heavy is imported (Ray workers
             do not inherit the driver's later ``os.environ`` changes).
         policy: an already built policy instead of one built from ``model_cfg``; in-process it is used
-            as is (the backend puts it in eval mode on its device), through Ray it arrives as a copy.
+            as is (the engine puts it in eval mode on its device), through Ray it arrives as a copy.
         seed: seeds this process's generators (action sampling) when given; leave it None in-process,
             where the generators are the driver's.
         init_seed: build the policy with this seeded initialisation (as the actor ranks do) when no
@@ -77,7 +77,7 @@ class InferenceWorker:
         compile_blocks: compile this copy's networks with ``torch.compile`` (``rollout.compile``).
     """
 
-    def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, backend: str = "huggingface",
+    def __init__(self, model_cfg: Mapping, env_spec: EnvSpec, *, engine: str = "huggingface",
                  sampling: Mapping[str, SamplingParams] | None = None, weights: WeightUpdate | None = None,
                  device: str | None = None, process_vars: Mapping[str, str] | None = None, policy=None,
                  seed: int | None = None, init_seed: int | None = None, trainable_dtype: str | None = None,
@@ -104,13 +104,13 @@ class InferenceWorker:
             kwargs["compile_blocks"] = True
         if policy is not None:
             kwargs["policy"] = policy
-        self.backend = make_backend(backend, model_cfg, env_spec, **kwargs)
+        self.engine = make_engine(engine, model_cfg, env_spec, **kwargs)
         self.sampling = dict(sampling or {TRAIN: SamplingParams(), EVAL: SamplingParams(greedy=True)})
-        self.receiver = WeightReceiver(self.backend.load_weights)
+        self.receiver = WeightReceiver(self.engine.receive_weights)
         self.reader = ShmReader()
         self.requests = 0
         self._lock = threading.RLock()      # decisions (any thread) vs weight updates and offload
-        self.server = StreamServer(self._decide, has_value=self.backend.value_type is not None)
+        self.server = StreamServer(self._decide, has_value=self.engine.value_type is not None)
         if weights is not None:
             self.receiver.apply(weights)
 
@@ -133,13 +133,13 @@ class InferenceWorker:
     def _decide(self, obs: Mapping[str, np.ndarray], return_value: bool, mode: str) -> PolicyOutput:
         t0 = time.perf_counter()
         with self._lock:
-            fields = self.backend.generate(obs, self.sampling[mode], return_value=return_value)
+            fields = self.engine.generate(obs, self.sampling[mode], return_value=return_value)
             version = self.receiver.version
             self.requests += 1
         return PolicyOutput(fields, version, {"infer_s": time.perf_counter() - t0})
 
     # --- weights -----------------------------------------------------------------------------------
-    def update_weights(self, update: WeightUpdate) -> int:
+    def _apply(self, update: WeightUpdate) -> int:
         """Apply a published update; returns the version now held."""
         with self._lock:
             applied = self.receiver.apply(update)
@@ -150,33 +150,37 @@ class InferenceWorker:
     def receive_weights(self, handle) -> tuple[int, str]:
         """Apply a publication of the actor group (:class:`~embodirl.workers.weight_transfer.WeightHandle`),
         read through shared memory on rank 0's node, Ray's object store elsewhere, or CUDA IPC on rank
-        0's GPU; returns the version now held and the path taken. An int: the version of a actor rank
-        whose module this worker acts with (in this process), whose weights are already these."""
-        from embodirl.workers.weight_transfer import receive
+        0's GPU; returns the version now held and the path taken. An int: the version of an actor rank
+        whose module this worker acts with (in this process), whose weights are already these. A
+        :class:`~embodirl.workers.weight_sync.WeightUpdate` (already in this process) is applied as it is
+        (path ``inline``)."""
+        from embodirl.workers.weight_transfer import INLINE, receive
 
+        if isinstance(handle, WeightUpdate):
+            return self._apply(handle), INLINE
         if isinstance(handle, int):
             with self._lock:
                 self.receiver.version = int(handle)
             return self.receiver.version, "shared"
 
-        device = getattr(getattr(self.backend, "device", None), "type", None) and self.backend.device
+        device = getattr(getattr(self.engine, "device", None), "type", None) and self.engine.device
         update, path = receive(handle, node_id=process_env.describe()["node_id"], device=device)
-        return self.update_weights(update), path
+        return self._apply(update), path
 
     def weight_version(self) -> int:
         return self.receiver.version
 
     def trainable_state_dict(self):
-        return self.backend.trainable_state_dict()
+        return self.engine.trainable_state_dict()
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def offload(self) -> None:
         with self._lock:
-            self.backend.offload()
+            self.engine.offload()
 
     def onload(self) -> None:
         with self._lock:
-            self.backend.onload()
+            self.engine.onload()
 
     def forget_channels(self, prefix: str) -> None:
         """Close streams and unmap rings whose names start with ``prefix`` (their producer was replaced)."""
@@ -205,4 +209,4 @@ class InferenceWorker:
     def close(self) -> None:
         self.server.close()
         self.reader.close()
-        self.backend.close()
+        self.engine.close()

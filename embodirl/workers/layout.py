@@ -16,7 +16,7 @@ from embodirl.rollout.records import decisions_per_episode
 
 
 @dataclass(frozen=True)
-class RolloutLayout:
+class SlotLayout:
     """How N env slots split over K env workers x S stages x B simulators, served by R inference
     workers, for T decisions."""
 
@@ -39,7 +39,7 @@ class RolloutLayout:
         return k % self.num_inference_workers
 
 
-def layout_from_config(cfg, env_key: str = "env.train") -> RolloutLayout:
+def layout_from_config(cfg, env_key: str = "env.train") -> SlotLayout:
     """The layout the typed config asks for (``env_key``: ``env.train`` or ``env.eval``).
 
     Evaluation gets its own env workers: as many as training has when they divide ``env.eval.num_envs``
@@ -59,10 +59,10 @@ def layout_from_config(cfg, env_key: str = "env.train") -> RolloutLayout:
     else:
         T = math.ceil(env.max_episode_steps / cfg.model.action_chunk)
     G = cfg.algorithm.group_size if env_key == "env.train" else 1
-    return RolloutLayout(K, S, N // (K * S), cfg.rollout.num_workers, T, G)
+    return SlotLayout(K, S, N // (K * S), cfg.rollout.num_workers, T, G)
 
 
-def plan_from_config(cfg, layout: RolloutLayout, eval_layout: RolloutLayout | None = None):
+def plan_from_config(cfg, layout: SlotLayout, eval_layout: SlotLayout | None = None):
     """The placement plan for this layout (and the evaluation env workers, placed after the training
     ones) plus the actor's ranks (``actor``)."""
     from embodirl.placement import data_parallel_size, placement_from_config

@@ -1,6 +1,6 @@
 """Park a module (and its optimizer's state) in host memory between phases, and bring it back, fast.
 
-A collocated run moves the actor and the rollout copy off the GPU every step. ``module.to("cpu")`` allocates
+A collocated run moves the actor and the inference copy off the GPU every step. ``module.to("cpu")`` allocates
 fresh pageable host memory each time and copies synchronously (about 1.3 GB/s measured on an H200 for the 7B
 actor); this keeps one set of page-locked host buffers per module, allocated at the first offload and reused
 afterwards, and copies into and out of them without blocking, synchronising once per move.

@@ -44,8 +44,8 @@ def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
     workers = group.workers
     results: list = [None] * len(workers)
     env_died = _worker_died() if workers.remote else ()
-    rollout_died = (InferenceWorkerDied,) if workers.remote else ()
-    rollout_hung = (InferenceWorkerHung,) if workers.remote else ()
+    inference_died = (InferenceWorkerDied,) if workers.remote else ()
+    inference_hung = (InferenceWorkerHung,) if workers.remote else ()
     faults = 0
     while pending:
         ref = workers.wait_first(pending)
@@ -53,16 +53,16 @@ def settle(group, pending: dict, parts: list, kwargs: dict) -> list:
         try:
             results[k] = workers.get(ref)
             continue
-        except rollout_hung as exc:
+        except inference_hung as exc:
             raise group.inference.hung_answer(group.layout.inference_worker_of(k), exc) from None
-        except rollout_died as exc:
-            recover_rollout(group, k, exc)
+        except inference_died as exc:
+            restart_inference_worker(group, k, exc)
         except env_died as exc:
             replace_env_worker(group, k, exc)
         faults += 1
         if faults > group.max_faults:
             raise TooManyFaults(f"workers died {faults} times during one collection; giving up")
-        pending[workers.submit(k, EnvWorker.collect, parts[k], **kwargs)] = k
+        pending[workers.call_async(k, EnvWorker.collect, parts[k], **kwargs)] = k
     return results
 
 
@@ -89,7 +89,7 @@ def replace_env_worker(group, k: int, cause: BaseException) -> None:
     group.connect(k)
 
 
-def recover_rollout(group, k: int, cause: BaseException) -> None:
+def restart_inference_worker(group, k: int, cause: BaseException) -> None:
     """Env worker ``k``'s inference worker died: restart it (once, whichever env worker noticed first) and
     reconnect ``k``."""
     r = group.layout.inference_worker_of(k)

@@ -2,7 +2,7 @@
 
 Per decision no Ray message is sent: the env worker (:class:`StreamClient`) writes the observation
 batch into its request ring and queues it (:meth:`ShmChannel.send`); a thread of the inference worker
-(:class:`StreamServer`) waits on every connected request ring at once, runs the backend on zero-copy
+(:class:`StreamServer`) waits on every connected request ring at once, runs the engine on zero-copy
 views, and writes the answer (action chunk, policy-space actions, log-probs, values, weight version)
 into a response ring it owns for that env worker, which the env worker reads back. Ray carries only
 the one call that opens the stream (it also answers the first decision) and, when an answer is slow,
@@ -215,30 +215,30 @@ class StreamClient:
         self.mode = mode
         self.tag = tag
         self.liveness_check_s = liveness_check_s
-        self.request: ShmChannel | None = None
+        self.request_ring: ShmChannel | None = None
         self.response: ChannelInfo | None = None
         self._server_pidfd: int | None = None
         self._reader = ShmReader()
         self._answers: dict[int, PolicyOutput] = {}
         self.batches = 0
 
-    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
-        if self.request is None:
-            self.request = ShmChannel(obs, self.queue_size, tag=self.tag)
+    def request(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
+        if self.request_ring is None:
+            self.request_ring = ShmChannel(obs, self.queue_size, tag=self.tag)
         meta = request_meta(return_value, self.mode)
         self.batches += 1
         if self.response is None:   # a new stream: the first batch goes by reference in the opening call
             import ray
 
-            ref = self.request.put(obs)
+            ref = self.request_ring.put(obs)
             limit, sent = self.times.limit(OPEN), time.monotonic()
-            info, out, pid = self._call(lambda: ray.get(self.worker.open_stream.remote(self.request.info, ref, meta),
+            info, out, pid = self._call(lambda: ray.get(self.worker.open_stream.remote(self.request_ring.info, ref, meta),
                                                         timeout=limit), OPEN)
             self.times.record(OPEN, time.monotonic() - sent)
             self.response = info
             self._watch(pid)
             return Done(_strip(out, return_value))
-        ref = self.request.send(obs, meta=meta)
+        ref = self.request_ring.send(obs, meta=meta)
         self._sent[ref.seq] = time.monotonic()
         return _StreamPending(self, ref.seq, return_value)
 
@@ -336,14 +336,14 @@ class StreamClient:
                                       f"({self.times.describe(kind)})") from None
 
     def info(self) -> dict:
-        return {"shm": True, "stream": True, "segment": self.request.info.segment if self.request else None,
+        return {"shm": True, "stream": True, "segment": self.request_ring.info.segment if self.request_ring else None,
                 "shm_batches": self.batches, "ray_batches": 0, "fallbacks": 0}
 
     def reconnect(self, worker) -> None:
         """Serve from a new inference worker: requests the old one held are dropped, a new stream opens."""
         self.worker = worker
-        if self.request is not None:
-            self.request.reclaim()
+        if self.request_ring is not None:
+            self.request_ring.reclaim()
         if self.response is not None:
             self._reader.forget(self.response.segment)
         self.response = None
@@ -354,9 +354,9 @@ class StreamClient:
     def close(self) -> None:
         self._unwatch()
         self._reader.close()
-        if self.request is not None:
-            self.request.close()
-            self.request = None
+        if self.request_ring is not None:
+            self.request_ring.close()
+            self.request_ring = None
 
 
 def _strip(out: PolicyOutput, return_value: bool) -> PolicyOutput:

@@ -65,7 +65,7 @@ class LocalClient:
         self.mode = mode
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embodirl-rollout") if background else None
 
-    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
+    def request(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
         if self._pool is None:
             return Done(self.worker.infer(obs, return_value=return_value, mode=self.mode))
         snapshot = {k: np.array(v, copy=True) for k, v in obs.items()}
@@ -112,7 +112,7 @@ class RayClient:
         self.batches = 0
         self.times = CallTimes(deadline)
 
-    def submit(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
+    def request(self, obs: Mapping[str, np.ndarray], *, return_value: bool = False) -> Pending:
         self.batches += 1
         return _RayPending(self.worker.infer.remote(dict(obs), return_value=return_value, mode=self.mode), self.times)
 

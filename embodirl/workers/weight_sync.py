@@ -56,9 +56,18 @@ class WeightPublisher:
         self.version = int(version)
         self._snapshot: dict[str, torch.Tensor] = {k: _cpu(v) for k, v in (initial or {}).items()}
 
-    def publish(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> WeightUpdate:
-        """Record a actor update and return the delta to send. ``version`` defaults to the next one
-        and must increase. Tensors equal to the snapshot are left out of the delta."""
+    def publish_weights(self, tensors: Mapping[str, torch.Tensor] | None = None, version: int | None = None, *,
+                        full: bool = False) -> WeightUpdate:
+        """Record an actor update and return the delta to send. ``version`` defaults to the next one
+        and must increase. Tensors equal to the snapshot are left out of the delta. ``full`` (no ``tensors``):
+        every trainable tensor at the current version instead (for new or restarted workers)."""
+        if full:
+            if tensors is not None:
+                raise TypeError("publish_weights(full=True) sends the snapshot; start over from tensors with reset()")
+            return WeightUpdate(version=self.version, base_version=self.version, tensors=dict(self._snapshot),
+                                full=True)
+        if tensors is None:
+            raise TypeError("publish_weights() needs the tensors of the update (or full=True)")
         version = self.version + 1 if version is None else int(version)
         if version <= self.version:
             raise WeightVersionError(f"published version {version} is not newer than {self.version}")
@@ -80,25 +89,22 @@ class WeightPublisher:
         there (workers must not hold a newer version)."""
         self.version = int(version)
         self._snapshot = {k: _cpu(v) for k, v in tensors.items()}
-        return self.full_update()
-
-    def full_update(self) -> WeightUpdate:
-        """Every trainable tensor at the current version (for new or restarted workers)."""
-        return WeightUpdate(version=self.version, base_version=self.version, tensors=dict(self._snapshot), full=True)
+        return self.publish_weights(full=True)
 
     def state(self) -> dict[str, torch.Tensor]:
         return dict(self._snapshot)
 
 
 class WeightReceiver:
-    """Rollout-worker-side version tracking: applies updates through ``load`` in order."""
+    """Inference-worker-side version tracking: applies updates through ``receive`` (the engine's
+    ``receive_weights``) in order."""
 
-    def __init__(self, load: Callable[[dict[str, torch.Tensor]], None], version: int = INITIAL_VERSION):
-        self._load = load
+    def __init__(self, receive: Callable[[dict[str, torch.Tensor]], None], version: int = INITIAL_VERSION):
+        self._receive = receive
         self.version = int(version)
 
     def apply(self, update: WeightUpdate) -> bool:
-        """Load ``update``; returns False (and loads nothing) when it is not newer than what is held.
+        """Apply ``update``; returns False (and applies nothing) when it is not newer than what is held.
         Raises :class:`WeightVersionError` for a delta whose base is not the held version."""
         if update.version <= self.version and not (update.full and update.version == self.version):
             return False
@@ -106,7 +112,7 @@ class WeightReceiver:
             raise WeightVersionError(f"update v{update.base_version}->v{update.version} does not apply to "
                                      f"weights v{self.version}; send a full update")
         if update.tensors:
-            self._load(update.tensors)
+            self._receive(update.tensors)
         self.version = update.version
         return True
 

@@ -7,12 +7,12 @@ or a Ray worker process changes nothing in their code::
     workers = WorkerSet(EnvWorker, remote=False)
     workers.start(0, env_cfg, num_stages=2, ...)          # or remote=True: ray.remote(EnvWorker) with options
     spec = workers.call(0, EnvWorker.spec)
-    pending = {workers.submit(k, EnvWorker.collect, part): k for k, part in enumerate(parts)}
+    pending = {workers.call_async(k, EnvWorker.collect, part): k for k, part in enumerate(parts)}
     ref, result, error = workers.wait_first(pending)      # remote: the first to answer; local: in order
     workers.close(wait_s=10)
 
 A method is named by the worker class's own function (``EnvWorker.collect``), not by a string, so that an IDE
-follows a call from the group to the worker. In this process a call runs at once and :meth:`submit` returns its
+follows a call from the group to the worker. In this process a call runs at once and :meth:`call_async` returns its
 outcome already settled (an error is kept and raised by :meth:`get`, as Ray raises it), so the group code that waits
 for the first answer and recovers from a failed one is the same on both sides.
 
@@ -66,7 +66,7 @@ class WorkerSet:
         self.times = times if times is not None else CallTimes()
         self.label = label or cls.__name__
         self.info_of = info_of
-        self._calls: dict = {}          # a Ray call in flight -> (method name, rank, when it was submitted)
+        self._calls: dict = {}          # a Ray call in flight -> (method name, rank, when it was started)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -101,7 +101,7 @@ class WorkerSet:
             raise TypeError(f"{method!r} is not a method of {self.cls.__name__}; pass {self.cls.__name__}.<method>")
         return name
 
-    def submit(self, rank: int, method: Callable, /, *args, **kwargs):
+    def call_async(self, rank: int, method: Callable, /, *args, **kwargs):
         """Start ``method`` (a function of the worker class, e.g. ``EnvWorker.collect``) on worker ``rank``: a Ray
         object ref, or (here) its settled outcome."""
         name = self._name(method)
@@ -172,7 +172,7 @@ class WorkerSet:
         return [r for r, ref in enumerate(probes) if ref not in ready]
 
     def get(self, pending, timeout: float | None = None):
-        """The result of :meth:`submit` (or a list of them); a worker's error is raised here, and
+        """The result of :meth:`call_async` (or a list of them); a worker's error is raised here, and
         :class:`WorkerHung` for a call past its deadline."""
         if self.remote:
             import ray
@@ -195,17 +195,17 @@ class WorkerSet:
         return pending.value
 
     def call(self, rank: int, method: Callable, /, *args, **kwargs):
-        return self.get(self.submit(rank, method, *args, **kwargs))
+        return self.get(self.call_async(rank, method, *args, **kwargs))
 
     def call_all(self, method: Callable, *args, **kwargs) -> list:
-        return self.get([self.submit(rank, method, *args, **kwargs) for rank in range(len(self.handles))])
+        return self.get([self.call_async(rank, method, *args, **kwargs) for rank in range(len(self.handles))])
 
     def call_each(self, method: Callable, args_per_rank: list) -> list:
         """``method(args_per_rank[k])`` on every worker ``k``, together."""
-        return self.get([self.submit(rank, method, arg) for rank, arg in enumerate(args_per_rank)])
+        return self.get([self.call_async(rank, method, arg) for rank, arg in enumerate(args_per_rank)])
 
     def gather(self, pending: list, ranks: list[int] | None = None, *, probe: Callable | None = None) -> list:
-        """The results of ``pending`` (one :meth:`submit` per worker; ``ranks[i]`` made ``pending[i]``, default
+        """The results of ``pending`` (one :meth:`call_async` per worker; ``ranks[i]`` made ``pending[i]``, default
         ``i``), in that order. A Ray worker that died raises :class:`WorkerDied` naming its rank; so does a call that
         failed because a peer died (a collective), found by calling ``probe`` (a cheap method) on every worker."""
         if not self.remote:
@@ -248,7 +248,7 @@ class WorkerSet:
         return dead
 
     def wait_first(self, pending: Mapping) -> object:
-        """The key of ``pending`` (a dict keyed by :meth:`submit` results) that finished first (:class:`WorkerHung`
+        """The key of ``pending`` (a dict keyed by :meth:`call_async` results) that finished first (:class:`WorkerHung`
         when one is past its deadline first)."""
         if self.remote:
             return self._wait(list(pending))[0]

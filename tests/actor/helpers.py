@@ -96,7 +96,7 @@ class TinyTokenPolicy(Policy):
             out[D.VALUE] = self.value_head(x).squeeze(-1).float()
         return out
 
-    def evaluate(self, obs, actions, *, temperature=1.0, return_value=True, return_entropy=True):
+    def score_actions(self, obs, actions, *, temperature=1.0, return_value=True, return_entropy=True):
         x = self._hidden(obs)
         logp_all = torch.log_softmax(self._logits(x, temperature), -1)  # (B, L, BINS)
         tokens = torch.as_tensor(actions, device=logp_all.device).long()
@@ -151,7 +151,7 @@ def token_batch(N: int = 8, T: int = 4, seed: int = 0, policy: TinyTokenPolicy |
             flat_obs = {D.IMAGES: fields[D.IMAGES].flatten(0, 1), D.STATE: fields[D.STATE].flatten(0, 1),
                         D.TASK_ID: fields[D.TASK_ID][:, None].expand(N, T).flatten(),
                         "instruction": ["x"] * (N * T)}
-            out = policy.evaluate(flat_obs, fields[D.ACTION_TOKENS].flatten(0, 1), return_entropy=False)
+            out = policy.score_actions(flat_obs, fields[D.ACTION_TOKENS].flatten(0, 1), return_entropy=False)
         fields[D.LOGPROB_BEHAVIOR] = out["logprob"].view(N, T, L).float()
         fields[D.VALUE] = out[D.VALUE].view(N, T).float()
     return D.make_trajectory(fields, extras={D.BOOTSTRAP_VALUE: torch.randn(N, generator=g)})

@@ -49,13 +49,13 @@ def test_update_equals_manual_full_batch_step(alg):
     obs = {D.IMAGES: prepared.get(D.IMAGES)[n_idx, t_idx], D.STATE: prepared.get(D.STATE)[n_idx, t_idx],
            D.TASK_ID: prepared.get(D.TASK_ID)[n_idx, t_idx], "instruction": ["x"] * len(n_idx)}
     use_critic = alg["adv_type"] == "gae"
-    out = reference.evaluate(obs, prepared.get(D.ACTION_TOKENS)[n_idx, t_idx], return_value=use_critic)
+    out = reference.score_actions(obs, prepared.get(D.ACTION_TOKENS)[n_idx, t_idx], return_value=use_critic)
     N, T, L = prepared.get(D.LOGPROB_BEHAVIOR).shape
     full = {k: v.new_zeros((N, T, *v.shape[1:])).index_put((n_idx, t_idx), v) for k, v in out.items()}
     params = actor.cfg.algorithm
     norms = losses.normalisers(valid, params, L=L, action_dim=3)
     with reference.reference_mode(), torch.no_grad():
-        ref_out = reference.evaluate(obs, prepared.get(D.ACTION_TOKENS)[n_idx, t_idx], return_value=False,
+        ref_out = reference.score_actions(obs, prepared.get(D.ACTION_TOKENS)[n_idx, t_idx], return_value=False,
                                      return_entropy=False)
     prepared.set(D.LOGPROB_REF, prepared.get(D.LOGPROB_BEHAVIOR).clone().index_put(
         (n_idx, t_idx), ref_out["logprob"]))
@@ -115,15 +115,15 @@ def test_publish_weights_names_only_changed_tensors():
     assert set(state) == {n for n in trainable if not n.startswith("value_head")}
     assert all(t.device.type == "cpu" and not t.requires_grad for t in state.values())
     assert actor.publish_weights() == (1, {})
-    # a rollout copy that loads the published tensors acts like the actor's policy
+    # a inference copy that loads the published tensors acts like the actor's policy
     rollout = TinyTokenPolicy()
     rollout.load_trainable_state_dict(state)
     batch = token_batch(seed=9)
     obs = {D.IMAGES: batch.get(D.IMAGES)[:, 0], D.STATE: batch.get(D.STATE)[:, 0],
            D.TASK_ID: batch.get(D.TASK_ID)[:, 0], "instruction": ["x"] * 8}
     with torch.no_grad():
-        ours = rollout.evaluate(obs, batch.get(D.ACTION_TOKENS)[:, 0])["logprob"]
-        theirs = policy.evaluate(obs, batch.get(D.ACTION_TOKENS)[:, 0])["logprob"]
+        ours = rollout.score_actions(obs, batch.get(D.ACTION_TOKENS)[:, 0])["logprob"]
+        theirs = policy.score_actions(obs, batch.get(D.ACTION_TOKENS)[:, 0])["logprob"]
     torch.testing.assert_close(ours, theirs)
 
 
@@ -172,7 +172,7 @@ def test_value_lr_groups_and_warmup_schedule():
                                               ("cosine", [1.0, 0.8535534, 0.5, 0.1464466, 0.0])])
 def test_lr_decays_over_training_steps_and_resumes(kind, expected):
     """The decay counts actor updates (not optimizer steps) and is restored with the actor's
-    state: a actor loaded after two updates continues the same schedule."""
+    state: an actor loaded after two updates continues the same schedule."""
     policy, batch = state_policy_and_batch()
     over = {"global_batch_size": 4, "optim.lr": 1e-3, "optim.lr_schedule": kind, "optim.lr_decay_steps": 4,
             "optim.min_lr_ratio": 0.25 if kind == "linear" else 0.0}
@@ -337,7 +337,7 @@ def test_action_level_rewards_and_values(logprob_type):
     _, batch = state_policy_and_batch()
     N, T = batch.batch_size
     with torch.no_grad():
-        values = policy.evaluate({D.STATE: batch.get(D.STATE).flatten(0, 1)}, batch.get(D.ACTION_SAMPLE).flatten(0, 1),
+        values = policy.score_actions({D.STATE: batch.get(D.STATE).flatten(0, 1)}, batch.get(D.ACTION_SAMPLE).flatten(0, 1),
                                  return_entropy=False)[D.VALUE]
     batch.set(D.VALUE, values.view(N, T, 2))
     batch.set(D.REWARD, torch.randn(N, T, 2))

@@ -64,7 +64,7 @@ def decision_logprob(policy, batch) -> torch.Tensor:
     """log pi(action chunk | state) per decision ``(N, T)`` under ``policy``."""
     n, T = batch.batch_size
     with torch.no_grad():
-        out = policy.evaluate({D.STATE: batch.get(D.STATE).flatten(0, 1)}, batch.get(D.ACTION_SAMPLE).flatten(0, 1),
+        out = policy.score_actions({D.STATE: batch.get(D.STATE).flatten(0, 1)}, batch.get(D.ACTION_SAMPLE).flatten(0, 1),
                               return_value=False, return_entropy=False)
     return out["logprob"].sum(-1).view(n, T)
 

@@ -75,7 +75,7 @@ def test_state_policy_temperature_zero_is_greedy():
         torch.testing.assert_close(cold[key], greedy[key], rtol=0, atol=0)
     # the actor scores greedy decisions at temperature 1: ratio 1 before any update
     actor = Actor(spec_policy, actor_cfg(ppo()), task_table=["t"], temperature=0.0)
-    again = spec_policy.evaluate(obs, cold[D.ACTION_SAMPLE], temperature=actor.temperature)
+    again = spec_policy.score_actions(obs, cold[D.ACTION_SAMPLE], temperature=actor.temperature)
     torch.testing.assert_close(again["logprob"], cold[D.LOGPROB_BEHAVIOR])
 
 

@@ -2,10 +2,10 @@
 of the tiny OpenVLA-OFT in bfloat16 collects a batch on the toy task, an FSDP2 actor rank (gloo, one rank, bf16
 compute with float32 master weights) updates on it, and the first optimizer step's max |ratio - 1| is measured.
 
-The rollout copy holds its adapters in the dtype the actor computes them in (FSDP2's param_dtype), so the two
+The inference copy holds its adapters in the dtype the actor computes them in (FSDP2's param_dtype), so the two
 forwards agree up to bfloat16 rounding in differently shaped batches (the rollout decides for 8 envs at a time,
 the actor scores 2 trajectories of 6 decisions); with ``algorithm.recompute_old_logprob`` the actor scores
-the batch itself in the first epoch's micro-batches and the ratio is 1 exactly. Before, the rollout copy ran its
+the batch itself in the first epoch's micro-batches and the ratio is 1 exactly. Before, the inference copy ran its
 adapters in float32 (peft upcasts them) while the actor computed in bfloat16: 6.0e-3 here. Two training steps
 run, and the second is measured: the first starts from LoRA's B = 0, where the adapters add nothing in any dtype."""
 
@@ -43,14 +43,14 @@ def _rank(rank: int, port: int, out: str, overrides: list[str]) -> None:
             cfg = compose([*overrides, f"algorithm.recompute_old_logprob={str(recompute).lower()}"])
             with WorkerGroups.from_config(cfg, remote=False) as groups:
                 spec = groups.env.spec
-                policy = groups.inference.workers[0].backend.policy
+                policy = groups.inference.workers[0].engine.policy
                 dtypes = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad})
                 actor = Actor(build_policy(cfg.model, spec, int(cfg.runner.seed)),
                                   {"algorithm": cfg.algorithm, "actor": cfg.actor}, task_table=spec.task_descriptions)
                 # two steps: the second starts from trained adapters (the first from LoRA's B = 0, which adds nothing)
                 for _ in range(2):
                     version, tensors = actor.publish_weights(full=True)
-                    groups.load_weights(tensors, version)
+                    groups.inference.publish_weights(tensors, version, full=True)
                     prepared, _ = prepare_batch(groups.collect(), cfg.algorithm)
                     metrics = actor.update(prepared)
                 results[str(recompute)] = {"error": float(metrics["actor/first_step_ratio_error"]),

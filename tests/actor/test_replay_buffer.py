@@ -82,7 +82,7 @@ def test_learner_reuses_rollouts_with_importance_weights():
 
 
 def test_held_rollouts_survive_a_checkpoint(tmp_path):
-    """A actor restored from its saved state (weights_only file) trains on the same reused rows."""
+    """An actor restored from its saved state (weights_only file) trains on the same reused rows."""
     cfg = actor_cfg(grpo(), {"replay_buffer.reuse_last_k": 1, "replay_buffer.max_staleness": 1,
                                "global_batch_size": 8, "micro_batch_size": 8})
     actor = Actor(TinyTokenPolicy(), cfg, task_table=TASKS)

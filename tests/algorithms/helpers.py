@@ -6,17 +6,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from embodirl.algorithms.section import Algorithm, algorithm_of
+from embodirl.algorithms.section import AlgorithmSection, algorithm_of
 
 
 @functools.cache
-def default_algorithm() -> Algorithm:
+def default_algorithm() -> AlgorithmSection:
     from embodirl.config import compose
 
     return algorithm_of(compose([]).algorithm)
 
 
-def algorithm(**fields) -> Algorithm:
+def algorithm(**fields) -> AlgorithmSection:
     """The default ``algorithm`` section with ``fields`` replaced (``filter_groups``/``kl_ctrl`` take dicts of the
     nested fields to replace)."""
     base = default_algorithm()

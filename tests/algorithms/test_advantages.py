@@ -9,12 +9,12 @@ import torch
 
 from embodirl import data as D
 from embodirl.algorithms import advantages as A
-from embodirl.algorithms.section import Algorithm
+from embodirl.algorithms.section import AlgorithmSection
 from embodirl.errors import ConfigError
 from tests.algorithms.helpers import algorithm
 
 
-def params(**values) -> Algorithm:
+def params(**values) -> AlgorithmSection:
     """The algorithm section for these tests: undiscounted, lambda 1, ungrouped, unless given."""
     return algorithm(**{"gamma": 1.0, "gae_lambda": 1.0, "group_size": 1, "norm_adv_by_std_in_grpo": True, **values})
 

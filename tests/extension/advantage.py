@@ -8,13 +8,13 @@ import torch
 
 from embodirl.algorithms.advantages import AdvantageInputs, broadcast_rows
 from embodirl.algorithms.estimators import register_advantage
-from embodirl.algorithms.section import Algorithm
+from embodirl.algorithms.section import AlgorithmSection
 
 CALLS = []
 
 
 @register_advantage(__name__, groups=True)
-def group_median(inp: AdvantageInputs, algorithm: Algorithm) -> tuple[torch.Tensor, torch.Tensor]:
+def group_median(inp: AdvantageInputs, algorithm: AlgorithmSection) -> tuple[torch.Tensor, torch.Tensor]:
     reward = inp.reward if inp.reward.dim() == 2 else inp.reward.sum(-1)           # (N, T)
     scores = (reward * inp.valid).sum(-1)                                           # (N,)
     groups = inp.group_id if inp.group_id is not None else torch.zeros_like(scores, dtype=torch.int64)

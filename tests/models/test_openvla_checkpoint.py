@@ -265,7 +265,7 @@ def test_lora_disabled_merges_our_adapter(public, tmp_path):
     merged = build_policy(tiny(path=str(out), lora={**tiny()["lora"], "enabled": False}), SPEC)
     obs = observation()
     tokens = policy.act(obs, SamplingParams())["action_tokens"]
-    torch.testing.assert_close(merged.evaluate(obs, tokens)["logprob"], policy.evaluate(obs, tokens)["logprob"],
+    torch.testing.assert_close(merged.score_actions(obs, tokens)["logprob"], policy.score_actions(obs, tokens)["logprob"],
                                atol=1e-4, rtol=1e-4)
 
 

@@ -1,4 +1,4 @@
-"""The OpenVLA-OFT Policy: act/evaluate consistency, LoRA and the reference policy, env-spec resolution."""
+"""The OpenVLA-OFT Policy: act/score_actions consistency, LoRA and the reference policy, env-spec resolution."""
 
 import pytest
 import torch
@@ -56,7 +56,7 @@ def test_recomputed_logprobs_equal_sampling_logprobs(policy, params):
     assert out[D.ACTION_TOKENS].shape == (3, 56) and out[D.ACTION_TOKENS].dtype == torch.int64
     assert out[D.LOGPROB_BEHAVIOR].shape == (3, 56) and out[D.VALUE].shape == (3,)
     temperature = 1.0 if params.greedy else params.temperature
-    ev = policy.evaluate(obs, out[D.ACTION_TOKENS], temperature=temperature)
+    ev = policy.score_actions(obs, out[D.ACTION_TOKENS], temperature=temperature)
     torch.testing.assert_close(ev["logprob"], out[D.LOGPROB_BEHAVIOR], atol=1e-6, rtol=0)
     torch.testing.assert_close(ev[D.VALUE], out[D.VALUE], atol=1e-6, rtol=0)
     assert ev["entropy"].shape == (3, 56) and bool((ev["entropy"] >= 0).all())
@@ -111,7 +111,7 @@ def test_gradients_reach_only_the_trainable_tensors():
     obs = observation()
     tokens = policy.act(obs, SamplingParams())[D.ACTION_TOKENS]
     perturb_adapters(policy, 0.1)  # LoRA B starts at zero; give A a gradient path
-    ev = policy.evaluate(obs, tokens)
+    ev = policy.score_actions(obs, tokens)
     (ev["logprob"].sum() + ev[D.VALUE].sum()).backward()
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n or ".modules_to_save." in n or ".value_head." in n for n in trainable)
@@ -129,16 +129,16 @@ def test_lora_on_off_and_reference_policy():
         with plain.reference_mode():
             pass
     policy = make(seed=2)
-    reference = plain.evaluate(obs, tokens)["logprob"]
+    reference = plain.score_actions(obs, tokens)["logprob"]
     # adapters start at zero: the fresh policy is the loaded model
-    torch.testing.assert_close(policy.evaluate(obs, tokens)["logprob"], reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(policy.score_actions(obs, tokens)["logprob"], reference, atol=1e-5, rtol=0)
     perturb_adapters(policy)  # LoRA weights and the trainable copies of the value head / proprio projector
-    adapted = policy.evaluate(obs, tokens)
+    adapted = policy.score_actions(obs, tokens)
     assert (adapted["logprob"] - reference).abs().max() > 1e-3
     with policy.reference_mode():
-        in_reference = policy.evaluate(obs, tokens)
+        in_reference = policy.score_actions(obs, tokens)
     torch.testing.assert_close(in_reference["logprob"], reference, atol=1e-5, rtol=0)
-    torch.testing.assert_close(policy.evaluate(obs, tokens)["logprob"], adapted["logprob"])  # back on
+    torch.testing.assert_close(policy.score_actions(obs, tokens)["logprob"], adapted["logprob"])  # back on
 
 
 def test_trainable_state_round_trip_between_workers():
@@ -200,7 +200,7 @@ def test_task_ids_stand_for_instructions():
     obs = observation()
     tokens = policy.act(obs, SamplingParams())[D.ACTION_TOKENS]
     by_id = {k: v for k, v in obs.items() if k != "instruction"} | {D.TASK_ID: torch.tensor([0, 1, 2])}
-    torch.testing.assert_close(policy.evaluate(by_id, tokens)["logprob"], policy.evaluate(obs, tokens)["logprob"])
+    torch.testing.assert_close(policy.score_actions(by_id, tokens)["logprob"], policy.score_actions(obs, tokens)["logprob"])
 
 
 def test_observation_errors():
@@ -214,7 +214,7 @@ def test_observation_errors():
     with pytest.raises(KeyError, match="state"):
         policy.act(obs, SamplingParams())
     with pytest.raises(ValueError, match="outside the action vocabulary"):
-        policy.evaluate(observation(), torch.zeros(3, 56, dtype=torch.int64))
+        policy.score_actions(observation(), torch.zeros(3, 56, dtype=torch.int64))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -224,7 +224,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         policy = make(seed=7, gradient_checkpointing=checkpointing).train()
         perturb_adapters(policy, 0.1)
         tokens = policy.act(obs, SamplingParams(greedy=True))[D.ACTION_TOKENS]
-        ev = policy.evaluate(obs, tokens)
+        ev = policy.score_actions(obs, tokens)
         (ev["logprob"].sum() + ev[D.VALUE].sum()).backward()
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
@@ -242,7 +242,7 @@ def test_bfloat16_model_with_float32_trainable_tensors():
     obs = observation(batch=2)
     out = policy.act(obs, SamplingParams(), return_value=True)
     assert out[D.ACTION_CHUNK].dtype == out[D.VALUE].dtype == torch.float32
-    ev = policy.evaluate(obs, out[D.ACTION_TOKENS])
+    ev = policy.score_actions(obs, out[D.ACTION_TOKENS])
     (ev["logprob"].sum() + ev[D.VALUE].sum()).backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32
                for n, p in policy.named_parameters() if p.requires_grad and "value_head" in n)
@@ -264,13 +264,13 @@ def test_all_linear_in_a_list_adds_the_lm_head():
     # the head's adapter changes the action logits and receives their gradient
     obs = observation()
     tokens = both.act(obs, SamplingParams())[D.ACTION_TOKENS]
-    before = both.evaluate(obs, tokens, return_value=False)["logprob"]
+    before = both.score_actions(obs, tokens, return_value=False)["logprob"]
     lora_B = next(p for n, p in both.named_parameters() if "lm_head.lora_B" in n)
     before.sum().backward()
     assert lora_B.grad is not None and lora_B.grad.abs().sum() > 0
     with torch.no_grad():
         lora_B.add_(0.5 * torch.randn_like(lora_B))
-        after = both.evaluate(obs, tokens, return_value=False)["logprob"]
+        after = both.score_actions(obs, tokens, return_value=False)["logprob"]
     assert (after - before.detach()).abs().max() > 1e-3
 
 

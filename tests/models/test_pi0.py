@@ -151,7 +151,7 @@ def test_evaluate_scores_what_act_sampled(compose_cfg, method, trainable):
     out = policy.act(obs, SamplingParams(), return_value=True)
     for rows in (slice(0, 6), slice(1, 4)):
         part = {k: v[rows] for k, v in obs.items()}
-        ev = policy.evaluate(part, out[D.ACTION_CHAIN][rows])
+        ev = policy.score_actions(part, out[D.ACTION_CHAIN][rows])
         torch.testing.assert_close(ev["logprob"], out[D.LOGPROB_BEHAVIOR][rows], atol=1e-5, rtol=0)
         torch.testing.assert_close(ev[D.VALUE], out[D.VALUE][rows], atol=1e-5, rtol=0)
         assert ev["entropy"].shape == ev["logprob"].shape == (rows.stop - rows.start, 4 * 7)
@@ -165,9 +165,9 @@ def test_evaluate_scores_what_act_sampled(compose_cfg, method, trainable):
         return
     _perturb_adapters(policy, lora_only=True)      # the heads train in place: the reference shares them
     with torch.no_grad():
-        trained = policy.evaluate(obs, out[D.ACTION_CHAIN])["logprob"]
+        trained = policy.score_actions(obs, out[D.ACTION_CHAIN])["logprob"]
         with policy.reference_mode():
-            reference = policy.evaluate(obs, out[D.ACTION_CHAIN])["logprob"]
+            reference = policy.score_actions(obs, out[D.ACTION_CHAIN])["logprob"]
     assert not torch.allclose(trained, reference)
     torch.testing.assert_close(reference, out[D.LOGPROB_BEHAVIOR], atol=1e-5, rtol=0)
 
@@ -237,7 +237,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(compose_cfg, method, tr
         torch.manual_seed(11)
         chain = policy.act(obs, SamplingParams())[D.ACTION_CHAIN]
         policy.zero_grad()
-        out = policy.evaluate(obs, chain)
+        out = policy.score_actions(obs, chain)
         (out["logprob"].sum() + out[D.VALUE].sum()).backward()
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
@@ -280,7 +280,7 @@ def test_the_network_and_flow_keys_shape_what_is_built(compose_cfg):
     assert [m.out_features for m in policy.noise_head.mlp if isinstance(m, torch.nn.Linear)] == [16, 8, 8]
     assert policy.state_mean.shape == (12,) and policy.network.config.max_state_dim == 12
     obs = _obs()
-    entropy = policy.evaluate(obs, policy.act(obs, SamplingParams())[D.ACTION_CHAIN])["entropy"]
+    entropy = policy.score_actions(obs, policy.act(obs, SamplingParams())[D.ACTION_CHAIN])["entropy"]
     # the mean over the steps of log std, per element (joint_logprob: the prior's std 1 is one more term)
     log_std = (entropy - 0.5 - 0.5 * math.log(2 * math.pi)) * (policy.num_steps + 1) / policy.num_steps
     std = torch.exp(log_std)
@@ -392,13 +392,13 @@ def test_flow_noise_logprob_is_the_closed_form_of_rlinfs_chain(compose_cfg, join
     expected = (total / (K + 1 if joint else K))[:, : policy.action_chunk, : policy.action_dim].reshape(3, -1)
     torch.testing.assert_close(out[D.LOGPROB_BEHAVIOR].double(), expected, atol=2e-4, rtol=1e-5)
     # the actor re-scores it the same way
-    torch.testing.assert_close(policy.evaluate(obs, out[D.ACTION_CHAIN])["logprob"], out[D.LOGPROB_BEHAVIOR],
+    torch.testing.assert_close(policy.score_actions(obs, out[D.ACTION_CHAIN])["logprob"], out[D.LOGPROB_BEHAVIOR],
                                atol=1e-5, rtol=0)
 
 
 def test_the_value_is_rlinfs_critic_on_the_experts_output_at_the_scored_step(compose_cfg):
     """RLinf's π0 critic (value_after_vlm False): the value head on the expert's output averaged over all chunk
-    positions, from the pass the log-probability scores (Flow-SDE: the drawn step, so act and evaluate agree); a ReLU
+    positions, from the pass the log-probability scores (Flow-SDE: the drawn step, so act and score_actions agree); a ReLU
     MLP whose last layer starts N(0, 0.02) with a zero bias, the hidden layers Kaiming-normal (fan out)."""
     from embodirl.models.pi0.policy import ValueHead
 
@@ -417,7 +417,7 @@ def test_the_value_is_rlinfs_critic_on_the_experts_output_at_the_scored_step(com
         hidden, _ = _expert_pass(policy, inputs, x, 1.0 - steps.float() / policy.num_steps)
         expected = policy.value_head.mlp(hidden.mean(1))[:, 0]
     torch.testing.assert_close(out[D.VALUE], expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(policy.evaluate(obs, chain)[D.VALUE], out[D.VALUE], atol=1e-5, rtol=0)
+    torch.testing.assert_close(policy.score_actions(obs, chain)[D.VALUE], out[D.VALUE], atol=1e-5, rtol=0)
     head = ValueHead(1024, [512, 256, 128], 1)
     linears = [m for m in head.mlp if isinstance(m, torch.nn.Linear)]
     assert [type(m) for m in head.mlp if not isinstance(m, torch.nn.Linear)] == [torch.nn.ReLU] * 3
@@ -437,7 +437,7 @@ def test_a_detached_value_head_sends_no_gradient_into_the_network(compose_cfg, f
         obs = _obs(batch=3)
         torch.manual_seed(4)
         chain = policy.act(obs, SamplingParams())[D.ACTION_CHAIN]
-        policy.evaluate(obs, chain)[D.VALUE].sum().backward()
+        policy.score_actions(obs, chain)[D.VALUE].sum().backward()
         reached = {n for n, p in policy.network.named_parameters() if p.grad is not None and bool(p.grad.abs().sum())}
         assert all(p.grad is not None and bool(p.grad.abs().sum()) for p in policy.value_head.parameters())
         if detach:
@@ -511,7 +511,7 @@ def test_merged_and_compiled_copies_sample_and_score_as_the_plain_policy(compose
     for key, tol in ((D.ACTION_CHUNK, 1e-5), (D.ACTION_CHAIN, 1e-5), (D.VALUE, 1e-5), (D.LOGPROB_BEHAVIOR, 1e-4)):
         torch.testing.assert_close(copied[key], plain[key], atol=tol, rtol=0, msg=key)
     if copy == "merged":
-        ev = [p.evaluate(obs, plain[D.ACTION_CHAIN])["logprob"].detach() for p in (policy, other)]
+        ev = [p.score_actions(obs, plain[D.ACTION_CHAIN])["logprob"].detach() for p in (policy, other)]
         torch.testing.assert_close(ev[1], ev[0], atol=1e-4, rtol=0)
     else:
         assert counters["frames"]["ok"] > 2 and counters["frames"]["total"] == counters["frames"]["ok"]

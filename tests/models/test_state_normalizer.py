@@ -1,6 +1,6 @@
 """The state policy's observation normaliser through the real collector and actor (toy simulator):
 after an update it holds the statistics of every valid state the update trained on, merged with earlier
-ones; it is part of what the actor publishes, so a rollout copy that loads the publication acts exactly
+ones; it is part of what the actor publishes, so a inference copy that loads the publication acts exactly
 as the actor's policy; the states of an update are scored with the statistics they were collected with."""
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class OraclePolicy(Policy):
         return {D.ACTION_CHUNK: chunk, D.ACTION_SAMPLE: chunk.reshape(B, -1),
                 D.LOGPROB_BEHAVIOR: torch.zeros(B, self.action_chunk * self.action_dim)}
 
-    def evaluate(self, obs, actions, **kwargs):  # pragma: no cover - not used by rollouts
+    def score_actions(self, obs, actions, **kwargs):  # pragma: no cover - not used by rollouts
         raise NotImplementedError
 
 
@@ -209,11 +209,11 @@ class _KillingInference(PolicyInference):
         super().__init__(*args, **kwargs)
         self.env, self.victim, self.at, self.calls = env, victim, at, 0
 
-    def submit(self, obs, *, return_value=False):
+    def request(self, obs, *, return_value=False):
         if self.calls == self.at:
             os.kill(self.env.pids[self.victim], signal.SIGKILL)
         self.calls += 1
-        return super().submit(obs, return_value=return_value)
+        return super().request(obs, return_value=return_value)
 
 
 def test_simulator_killed_mid_episode_is_collected_again(toy_cfg):

@@ -130,7 +130,7 @@ class _Oracle(torch.nn.Module):
         chunk = torch.from_numpy(toy.oracle_actions(numpy_obs, H, self.policy.action_dim, self.step_size))
         N = chunk.shape[0]
         sample = chunk.reshape(N, -1)
-        ev = self.policy.evaluate({"state": obs["state"]}, sample, return_value=True, return_entropy=False)
+        ev = self.policy.score_actions({"state": obs["state"]}, sample, return_value=True, return_entropy=False)
         out = {D.ACTION_CHUNK: chunk, D.ACTION_SAMPLE: sample, D.LOGPROB_BEHAVIOR: ev["logprob"].float()}
         if return_value:
             out[D.VALUE] = ev[D.VALUE].float()

@@ -42,7 +42,7 @@ def test_crashed_episode_is_run_again_and_counted(tmp_path):
     torch.manual_seed(0)
     with Runner(cfg)._workers(train=False) as groups:
         clean = run_sweep(groups, cfg, out_dir=tmp_path / "clean", seed=3)
-        groups.inference.workers[0].backend.policy = CrashFirstEnv(groups.policy)
+        groups.inference.workers[0].engine.policy = CrashFirstEnv(groups.policy)
         info = run_sweep(groups, cfg, out_dir=tmp_path / "crash", seed=3)
     assert info["overall"]["n_rerun_after_crash"] == 1 and clean["overall"]["n_rerun_after_crash"] == 0
     # the re-run episode is the one the sweep would have run

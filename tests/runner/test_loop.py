@@ -27,7 +27,7 @@ def test_train_writes_outputs_and_eval_only(tmp_path):
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records if "train/success_rate" in r] == [1, 2]
     assert any("eval/success_rate" in r for r in records)
-    for key in ("time/collect", "time/update", "time/sync_weights", "actor/pg_loss", "critic/value_loss", "env/steps_per_s"):
+    for key in ("time/collect", "time/update", "time/publish_weights", "actor/pg_loss", "critic/value_loss", "env/steps_per_s"):
         assert key in records[0], key
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
     info = json.loads((out / "eval" / "step_2" / "eval_info.json").read_text())

@@ -32,7 +32,7 @@ SMALL = ["model=openvla_oft_tiny", "algorithm=grpo", "algorithm.group_size=2", "
          "runner.logger.tensorboard=false", "runner.eval_num_videos=1"]
 TRAIN = ["runner.max_steps=2", "runner.save_interval=2", "runner.val_check_interval=2",
          "runner.train_video_interval=2"]
-TIME_KEYS = ("time/collect", "time/env", "time/inference", "time/channel_wait", "time/update", "time/sync_weights",
+TIME_KEYS = ("time/collect", "time/env", "time/inference", "time/channel_wait", "time/update", "time/publish_weights",
              "time/step")
 
 

@@ -22,32 +22,32 @@ def test_stream_carries_final_value_requests(ray_local, compose_cfg):
                       "env.train.max_episode_steps=6", "env.train.step_size=0.001")
     env_kwargs = dict(num_stages=STAGES, envs_per_stage=ENVS, num_decisions=DECISIONS, return_value=True,
                       use_shm=True, queue_size=1)
-    rollout_kwargs = dict(backend=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout), init_seed=0)
+    inference_kwargs = dict(engine=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout), init_seed=0)
 
     local_env = EnvWorker(env_config(cfg.env.train), **env_kwargs)
-    local_rollout = InferenceWorker(model_config(cfg.model), local_env.spec(), **rollout_kwargs)
-    local_env.connect_local(local_rollout, mode=EVAL)
+    local_inference = InferenceWorker(model_config(cfg.model), local_env.spec(), **inference_kwargs)
+    local_env.connect_local(local_inference, mode=EVAL)
     want = local_env.collect(seed=5)
     local_env.close()
-    local_rollout.close()
+    local_inference.close()
 
     variables = process_env.forwarded()
     env = ray_local.remote(EnvWorker).options(num_cpus=0).remote(env_config(cfg.env.train), process_vars=variables,
                                                                  **env_kwargs)
-    rollout = None
+    inference = None
     try:
         spec = ray_local.get(env.spec.remote())
-        rollout = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
-            model_config(cfg.model), spec, process_vars=variables, **rollout_kwargs)
-        ray_local.get(env.connect_remote.remote(rollout, same_node=True, mode=EVAL))
+        inference = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
+            model_config(cfg.model), spec, process_vars=variables, **inference_kwargs)
+        ray_local.get(env.connect_remote.remote(inference, same_node=True, mode=EVAL))
         got = unpack_trajectory(ray_local.get(env.collect.remote(seed=5, packed=True)))
         assert ray_local.get(env.transport_info.remote())["shm"]
     finally:
         ray_local.get(env.close.remote())
         ray_local.kill(env)
-        if rollout is not None:
-            ray_local.get(rollout.close.remote())
-            ray_local.kill(rollout)
+        if inference is not None:
+            ray_local.get(inference.close.remote())
+            ray_local.kill(inference)
     truncated = want[D.TRUNCATED] & want[D.VALID]
     assert truncated[:, :-1].any() and truncated[:, -1].any()      # inside rows and at their end
     torch.testing.assert_close(got[D.TRUNCATED], want[D.TRUNCATED])

@@ -57,7 +57,7 @@ def test_in_process_groups_collect_evaluate_and_record_video(compose_cfg, tmp_pa
         assert written == sorted(str(p) for p in (tmp_path / "step_3").glob("*.mp4"))
 
 
-def test_evaluation_only_groups_load_weights_and_count_executed_steps(compose_cfg):
+def test_evaluation_only_groups_publish_weights_and_count_executed_steps(compose_cfg):
     # 10 low-level steps in chunks of 4: the third chunk executes only 2 of its actions
     cfg = _cfg(compose_cfg, "env.eval.num_envs=2", "env.eval.max_episode_steps=10")
     seen = []
@@ -76,9 +76,9 @@ def test_evaluation_only_groups_load_weights_and_count_executed_steps(compose_cf
         before = groups.evaluate(starts, seed=3)
         assert before.batch_size == torch.Size([2, 3])
         assert (before[D.EXECUTED] & before[D.VALID][..., None]).sum(dim=(1, 2)).tolist() == [10, 10]
-        policy = groups.inference.workers[0].backend.policy
+        policy = groups.inference.workers[0].engine.policy
         weights = {k: v + 1.0 for k, v in policy.trainable_state_dict().items()}
-        assert groups.load_weights(weights, version=5) == 5
+        assert groups.inference.publish_weights(weights, version=5, full=True) == 5
         after = groups.evaluate(starts, seed=3)
         assert (after[D.WEIGHT_VERSION] == 5).all()
         assert not torch.allclose(after[D.ACTION_CHUNK], before[D.ACTION_CHUNK])

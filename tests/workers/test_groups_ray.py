@@ -52,7 +52,7 @@ def test_collect_through_actors_over_shared_memory(ray_local, compose_cfg):
         assert all(r in _run_entries() for r in rings)
         # weight sync: the next rollout's decisions carry the published version
         state = groups.inference.workers.call(0, InferenceWorker.trainable_state_dict)
-        assert groups.publish({k: v * 0.5 for k, v in state.items()}) == 1
+        assert groups.inference.publish_weights({k: v * 0.5 for k, v in state.items()}) == 1
         assert groups.inference.weight_versions() == [1]
         assert (groups.collect()[D.WEIGHT_VERSION] == 1).all()
     assert not [r for r in rings if r in _run_entries()]
@@ -108,8 +108,8 @@ def test_inference_worker_killed_mid_rollout_restarts_with_published_weights(ray
     cfg = _toy(compose_cfg, "env_workers.num_workers=2", "env.train.max_episode_steps=1000")
     with WorkerGroups.from_config(cfg, remote=True) as groups:
         state = groups.inference.workers.call(0, InferenceWorker.trainable_state_dict)
-        groups.publish({k: v + 0.01 for k, v in state.items()})
-        groups.publish({k: v + 0.02 for k, v in state.items()})
+        groups.inference.publish_weights({k: v + 0.01 for k, v in state.items()})
+        groups.inference.publish_weights({k: v + 0.02 for k, v in state.items()})
         victim = groups.inference.infos[0]["pid"]
         killed: list = []
         # the inference worker's response rings appear once it serves the env workers' streams
@@ -160,19 +160,19 @@ def test_a_worker_set_answers_on_ray_as_in_this_process_and_names_a_dead_worker(
         for rank in range(2):
             workers.start(rank, rank)
         with pytest.raises(TypeError, match="pass Counter.<method>"):
-            workers.submit(0, "add", 1)
+            workers.call_async(0, "add", 1)
         assert workers.call_all(Counter.add, 1) == [1, 101]
         assert workers.call_each(Counter.add, [10, 20]) == [11, 121]
         with pytest.raises(ValueError, match="worker 1: boom"):
-            workers.get(workers.submit(1, Counter.fail, "boom"))
-        assert workers.gather([workers.submit(r, Counter.add, 0) for r in (1, 0)], ranks=[1, 0]) == [121, 11]
-        pid = workers.get(workers.submit(1, Counter.pid))
+            workers.get(workers.call_async(1, Counter.fail, "boom"))
+        assert workers.gather([workers.call_async(r, Counter.add, 0) for r in (1, 0)], ranks=[1, 0]) == [121, 11]
+        pid = workers.get(workers.call_async(1, Counter.pid))
         ray_local.kill(workers[1], no_restart=True)
         # ray.kill only asks for the kill: a call sent before it lands is still answered (seen on a loaded CI
         # machine), so the calls below go out once the worker's process is gone
         psutil.Process(pid).wait(timeout=60)
         with pytest.raises(WorkerDied) as died:
-            workers.gather([workers.submit(r, Counter.add, 0) for r in range(2)])
+            workers.gather([workers.call_async(r, Counter.add, 0) for r in range(2)])
         assert died.value.rank == 1
     finally:
         workers.close(wait_s=5)

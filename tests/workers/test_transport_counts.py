@@ -23,15 +23,15 @@ def test_last_stats_count_the_batches_of_each_collection_by_path(ray_local, comp
     env = ray_local.remote(EnvWorker).options(num_cpus=0).remote(
         env_config(cfg.env.train), num_stages=STAGES, envs_per_stage=ENVS, num_decisions=DECISIONS,
         use_shm=use_shm, process_vars=variables)
-    rollout = None
+    inference = None
     try:
         spec = ray_local.get(env.spec.remote())
-        rollout = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
-            model_config(cfg.model), spec, backend=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout),
+        inference = ray_local.remote(InferenceWorker).options(num_cpus=0).remote(
+            model_config(cfg.model), spec, engine=cfg.rollout.backend, sampling=sampling_from_config(cfg.rollout),
             process_vars=variables, seed=0)
-        env_node, rollout_node = (ray_local.get(a.info.remote())["node_id"] for a in (env, rollout))
-        assert env_node == rollout_node
-        ray_local.get(env.connect_remote.remote(rollout, same_node=True))
+        env_node, inference_node = (ray_local.get(a.info.remote())["node_id"] for a in (env, inference))
+        assert env_node == inference_node
+        ray_local.get(env.connect_remote.remote(inference, same_node=True))
 
         sent = []
         for _ in range(2):
@@ -46,10 +46,10 @@ def test_last_stats_count_the_batches_of_each_collection_by_path(ray_local, comp
         # the client's counters run over its life; the stats hold each collection's own share
         info = ray_local.get(env.transport_info.remote())
         assert info["shm_batches" if use_shm else "ray_batches"] == sum(sent)
-        assert ray_local.get(rollout.counts.remote())["decisions"] == sum(sent)
+        assert ray_local.get(inference.counts.remote())["decisions"] == sum(sent)
     finally:
         ray_local.get(env.close.remote())   # unlinks the env worker's ring
         ray_local.kill(env)
-        if rollout is not None:
-            ray_local.get(rollout.close.remote())
-            ray_local.kill(rollout)
+        if inference is not None:
+            ray_local.get(inference.close.remote())
+            ray_local.kill(inference)

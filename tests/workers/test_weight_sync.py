@@ -25,14 +25,14 @@ def test_publisher_sends_only_changed_tensors_with_increasing_versions():
     start = _tensors()
     pub = WeightPublisher(start)
     changed = dict(start, **{"lora.A": start["lora.A"] + 1.0})
-    update = pub.publish(changed)
+    update = pub.publish_weights(changed)
     assert (update.base_version, update.version) == (0, 1)
     assert set(update.tensors) == {"lora.A"}
-    assert pub.publish(changed).tensors == {}                      # nothing changed since v1
+    assert pub.publish_weights(changed).tensors == {}                      # nothing changed since v1
     assert pub.version == 2
     with pytest.raises(WeightVersionError):
-        pub.publish(changed, version=2)
-    full = pub.full_update()
+        pub.publish_weights(changed, version=2)
+    full = pub.publish_weights(full=True)
     assert full.full and full.version == 2 and set(full.tensors) == set(start)
     torch.testing.assert_close(full.tensors["lora.A"], start["lora.A"] + 1.0)
 
@@ -40,23 +40,23 @@ def test_publisher_sends_only_changed_tensors_with_increasing_versions():
 def test_publisher_keeps_its_own_copy():
     tensors = _tensors()
     pub = WeightPublisher()
-    pub.publish(tensors)
+    pub.publish_weights(tensors)
     tensors["lora.A"].add_(5.0)                                     # the actor keeps training in place
-    assert set(pub.publish(tensors).tensors) == {"lora.A"}
+    assert set(pub.publish_weights(tensors).tensors) == {"lora.A"}
 
 
 def test_receiver_applies_in_order_and_rejects_gaps():
     loaded = {}
     rx = WeightReceiver(loaded.update)
     pub = WeightPublisher(_tensors())
-    first = pub.publish(_tensors(1))
-    second = pub.publish(_tensors(2))
+    first = pub.publish_weights(_tensors(1))
+    second = pub.publish_weights(_tensors(2))
     with pytest.raises(WeightVersionError, match="full update"):
         rx.apply(second)                                            # v1 -> v2 on top of v0
     assert rx.apply(first) and rx.apply(second) and rx.version == 2
     assert not rx.apply(first)                                      # older: ignored
     late = WeightReceiver(loaded.update)
-    assert late.apply(pub.full_update()) and late.version == 2      # a new worker catches up at once
+    assert late.apply(pub.publish_weights(full=True)) and late.version == 2      # a new worker catches up at once
 
 
 @pytest.fixture
@@ -74,12 +74,12 @@ def test_inference_worker_tags_decisions_and_restarts_from_published_weights(wor
     assert worker.infer(obs).weight_version == 0
     pub = WeightPublisher(worker.trainable_state_dict())
     trained = {k: v + 0.1 * torch.randn_like(v) for k, v in worker.trainable_state_dict().items()}
-    update = pub.publish(trained)
-    assert worker.update_weights(update) == 1
+    update = pub.publish_weights(trained)
+    assert worker.receive_weights(update) == (1, "inline")
     out = worker.infer(obs, return_value=True)
     assert out.weight_version == 1
     # a worker restarted from the publisher's full update acts exactly like the live one
-    restarted = InferenceWorker(cfg.model, spec, sampling=sampling, weights=pub.full_update())
+    restarted = InferenceWorker(cfg.model, spec, sampling=sampling, weights=pub.publish_weights(full=True))
     again = restarted.infer(obs, return_value=True)
     assert again.weight_version == 1
     for key in (D.ACTION_CHUNK, D.ACTION_SAMPLE, D.VALUE):
@@ -95,14 +95,14 @@ def test_only_changed_tensors_travel_after_an_update(worker_setup):
     pub = WeightPublisher(policy.trainable_state_dict())
     with torch.no_grad():
         policy.critic[-1].bias.add_(1.0)            # an update that only moved the value head's bias
-    update = pub.publish(policy.trainable_state_dict())
+    update = pub.publish_weights(policy.trainable_state_dict())
     assert list(update.tensors) == ["critic.4.bias"]
     assert update.nbytes == policy.critic[-1].bias.numel() * 4
 
 
 def test_reset_starts_over_at_a_given_version_and_deltas_build_on_it():
     pub = WeightPublisher(_tensors(0))
-    pub.publish(_tensors(1))                                        # v1 (e.g. a run's first update)
+    pub.publish_weights(_tensors(1))                                        # v1 (e.g. a run's first update)
     restored = _tensors(2)
     full = pub.reset(restored, version=7)                           # a run resumed at actor version 7
     assert full.full and full.version == 7 and set(full.tensors) == set(restored)
@@ -111,10 +111,10 @@ def test_reset_starts_over_at_a_given_version_and_deltas_build_on_it():
     assert rx.apply(full) and rx.version == 7
     torch.testing.assert_close(loaded["lora.A"], restored["lora.A"])
     at_start = WeightReceiver(loaded.update, version=0)
-    assert pub.reset(restored, version=0).full and at_start.apply(pub.full_update())   # version 0: still applies
+    assert pub.reset(restored, version=0).full and at_start.apply(pub.publish_weights(full=True))   # version 0: still applies
     changed = dict(restored, **{"lora.B": restored["lora.B"] * 2.0})
     pub.reset(restored, version=7)
-    delta = pub.publish(changed, version=8)
+    delta = pub.publish_weights(changed, version=8)
     assert (delta.base_version, delta.version, set(delta.tensors)) == (7, 8, {"lora.B"})
     assert rx.apply(delta) and rx.version == 8
 
@@ -141,7 +141,7 @@ def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(
     first, second = trained(1), trained(2)
     outputs = {}
     for merge, worker in workers.items():
-        worker.update_weights(WeightUpdate(version=1, base_version=None, tensors=first, full=True))
+        worker.receive_weights(WeightUpdate(version=1, base_version=None, tensors=first, full=True))
         outputs[merge] = worker.infer(obs, mode="eval").fields
     # greedy decoding is an argmax over the vocabulary: merged and unmerged logits differ by float rounding
     # (~2e-6 here), so a token whose top two logits are closer than that may flip on another CPU's kernels;
@@ -149,11 +149,11 @@ def test_merged_lora_acts_as_the_adapter_and_remerges_from_the_original_weights(
     same = np.asarray(outputs[True][D.ACTION_TOKENS]) == np.asarray(outputs[False][D.ACTION_TOKENS])
     assert same.mean() >= 0.97, f"{int((~same).sum())} of {same.size} greedy tokens differ"
     np.testing.assert_allclose(outputs[True][D.LOGPROB_BEHAVIOR], outputs[False][D.LOGPROB_BEHAVIOR], atol=1e-4)
-    merged, plain = workers[True].backend.policy, dict(workers[False].backend.policy.named_parameters())
+    merged, plain = workers[True].engine.policy, dict(workers[False].engine.policy.named_parameters())
     weights = {n: p.detach().clone() for n, p in merged.named_parameters() if n.endswith("base_layer.weight")}
     assert weights and not any(torch.equal(w, plain[n]) for n, w in weights.items())   # folded in: they differ
     for version, tensors in ((2, second), (3, first)):
-        workers[True].update_weights(WeightUpdate(version=version, base_version=None, tensors=tensors, full=True))
+        workers[True].receive_weights(WeightUpdate(version=version, base_version=None, tensors=tensors, full=True))
     for name, param in merged.named_parameters():
         if name in weights:
             assert torch.equal(param, weights[name]), name
@@ -173,9 +173,9 @@ def test_a_compiled_copy_acts_as_the_plain_one_across_weight_updates(compose_cfg
     workers = {compiled: InferenceWorker(cfg.model, env.spec, init_seed=1, merge_lora=True, compile_blocks=compiled,
                                          sampling={"train": SamplingParams(), "eval": SamplingParams(greedy=True)})
                for compiled in (False, True)}
-    blocks = list(workers[True].backend.policy.core.language_model.model.layers)
+    blocks = list(workers[True].engine.policy.core.language_model.model.layers)
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)
-    assert all(b._compiled_call_impl is None for b in workers[False].backend.policy.core.language_model.model.layers)
+    assert all(b._compiled_call_impl is None for b in workers[False].engine.policy.core.language_model.model.layers)
     g = torch.Generator().manual_seed(3)
     logprobs = []
     for version in (1, 2):
@@ -183,7 +183,7 @@ def test_a_compiled_copy_acts_as_the_plain_one_across_weight_updates(compose_cfg
                    for k, v in workers[False].trainable_state_dict().items()}
         outputs = {}
         for compiled, worker in workers.items():
-            worker.update_weights(WeightUpdate(version=version, base_version=None, tensors=tensors, full=True))
+            worker.receive_weights(WeightUpdate(version=version, base_version=None, tensors=tensors, full=True))
             outputs[compiled] = worker.infer(obs, mode="eval").fields
         # the compiled graphs fuse the elementwise work and round differently (float32, ~1e-6): greedy tokens
         # whose top two logits are that close may flip; stale weights would change nearly every token

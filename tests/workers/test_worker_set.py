@@ -51,19 +51,19 @@ def test_a_call_names_the_worker_class_function_not_a_string():
     assert workers.call(1, Counter.add, 5) == 105
     for wrong in ("add", Other.add, Counter(0).add, print):
         with pytest.raises(TypeError, match="pass Counter.<method>"):
-            workers.submit(0, wrong, 1)
+            workers.call_async(0, wrong, 1)
     assert workers.call(1, Counter.add, 1) == 106         # nothing ran for the refused calls
 
 
 def test_an_error_is_raised_where_the_result_is_read_and_order_follows_ranks():
     workers = _local()
-    pending = workers.submit(2, Counter.fail, "boom")      # in this process the call has run, its error is kept
+    pending = workers.call_async(2, Counter.fail, "boom")      # in this process the call has run, its error is kept
     with pytest.raises(ValueError, match="worker 2: boom"):
         workers.get(pending)
     assert workers.call_all(Counter.add, 1) == [1, 101, 201]
     assert workers.call_each(Counter.add, [10, 20, 30]) == [11, 121, 231]
-    assert workers.gather([workers.submit(r, Counter.add, 0) for r in (2, 0)]) == [231, 11]
-    pending = {workers.submit(r, Counter.add, 0): r for r in range(3)}
+    assert workers.gather([workers.call_async(r, Counter.add, 0) for r in (2, 0)]) == [231, 11]
+    pending = {workers.call_async(r, Counter.add, 0): r for r in range(3)}
     assert pending[workers.wait_first(pending)] == 0       # here: in submission order
     assert workers.share(pending) is pending
 

@@ -47,7 +47,7 @@ from embodirl.paths import deps_dir
 
 #: family -> the suffix of its suites' names in LIBERO-PRO
 FAMILIES = {"language": "lan", "object": "object", "position": "swap", "task": "task"}
-#: the unperturbed suite, as an entry of a LIBERO env group's ``perturbations``
+#: the unperturbed suite, as an entry of a LIBERO env split's ``perturbations``
 ORIGINAL = "none"
 BASE_SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
 

@@ -150,7 +150,7 @@ class LiberoSimEnv(SimEnv):
     recently used closed first: a scene holds about 0.6-1 GB with its renderer).
 
     Args:
-        cfg: a LIBERO env group, the typed :class:`LiberoEnvConfig` (or a mapping of it, converted once).
+        cfg: a LIBERO env split, the typed :class:`LiberoEnvConfig` (or a mapping of it, converted once).
         seed: seeds the choice of task / init state when :meth:`reset` is not told them.
     """
 
@@ -407,7 +407,7 @@ class LiberoAdapter:
 
     @staticmethod
     def check_config(cfg) -> LiberoEnvConfig:
-        """The env group as the typed :class:`LiberoEnvConfig` (a mapping is converted once: types, ranges and
+        """The env split as the typed :class:`LiberoEnvConfig` (a mapping is converted once: types, ranges and
         choices), with the cheap checks that need LIBERO's tables run before any worker starts; one-sentence
         ConfigError / AssetsMissing."""
         env = instance(LiberoEnvConfig, cfg, "env")

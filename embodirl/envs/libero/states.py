@@ -292,7 +292,7 @@ def identity(info: SuiteInfo, task_id: int, assets: Path) -> str:
 
 
 def cache_file(env, info: SuiteInfo, task_id: int) -> Path:
-    """Where the held-out set of ``task_id`` for ``env`` (a typed LIBERO env group) is cached."""
+    """Where the held-out set of ``task_id`` for ``env`` (a typed LIBERO env split) is cached."""
     assets = libero_paths.resolve_assets_dir(env.assets_path)
     key = identity(info, task_id, assets)
     return (cache_dir() / "libero_states" / info.name /
@@ -324,7 +324,7 @@ def heldout_set(env, info: SuiteInfo, task_id: int) -> StateSet:
 
 
 # --------------------------------------------------------------------------------------------------
-# an env group's training states
+# an env split's training states
 # --------------------------------------------------------------------------------------------------
 def is_file_source(source: str) -> bool:
     return source not in (HELDOUT, OFFICIAL)
@@ -416,7 +416,7 @@ def training_states(train_env, eval_env) -> TrainingStates:
 
 
 class StartStates:
-    """The states a LIBERO env group's init state ids name (module docstring, **Ids**): official state ``k`` for id
+    """The states a LIBERO env split's init state ids name (module docstring, **Ids**): official state ``k`` for id
     ``k < TRAIN_INIT_STATE_BASE``, training state ``j`` for id ``TRAIN_INIT_STATE_BASE + j`` (a held-out set is read
     from the cache, or sampled and cached, on first use)."""
 

@@ -1,4 +1,4 @@
-"""The static facts of a LIBERO env group's tasks (descriptions, BDDL files, init states in the package's order; a
+"""The static facts of a LIBERO env split's tasks (descriptions, BDDL files, init states in the package's order; a
 suite's, or a suite's LIBERO-PRO perturbations', :mod:`.pro`) and the task / init-state schedule an env config names;
 no simulator is built here."""
 
@@ -25,7 +25,7 @@ SUITE_NUM_TASKS = {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10,
 
 @dataclass(frozen=True)
 class SuiteInfo:
-    """The task table of one LIBERO env group: a suite's tasks in the package's order (task order 0, as OFT uses),
+    """The task table of one LIBERO env split: a suite's tasks in the package's order (task order 0, as OFT uses),
     or, with ``perturbations``, the base suite's tasks once per entry (:mod:`.pro`), entry-major: task id
     ``g = i * n + t`` is task ``t`` of the ``i``-th entry's suite (``n`` tasks per suite)."""
 
@@ -86,7 +86,7 @@ def _suite_info(suite: str, perturbations: tuple[str, ...] | None, assets: str) 
 
 
 def suite_info(env) -> SuiteInfo:
-    """The task table an env group (the typed ``LiberoEnvConfig``, :mod:`.simulator`) names (assets resolved as
+    """The task table an env split (the typed ``LiberoEnvConfig``, :mod:`.simulator`) names (assets resolved as
     :mod:`libero_paths` says)."""
     assets = libero_paths.resolve_assets_dir(env.assets_path)
     perturbations = tuple(env.perturbations) if env.perturbations is not None else None
@@ -105,7 +105,7 @@ def placed_types(bddl: Path) -> set[str]:
 
 
 def task_pool(env) -> list[int]:
-    """Task ids the env group uses: ``task_ids`` (null = the whole suite), in every entry of ``perturbations``."""
+    """Task ids the env split uses: ``task_ids`` (null = the whole suite), in every entry of ``perturbations``."""
     n = SUITE_NUM_TASKS[env.suite]
     local = list(env.task_ids) if env.task_ids is not None else list(range(n))
     entries = len(env.perturbations) if env.perturbations is not None else 1

@@ -1,4 +1,4 @@
-"""``adapter: maniskill``: checks a ManiSkill env group and builds its simulators, one process per scene
+"""``adapter: maniskill``: checks a ManiSkill env split and builds its simulators, one process per scene
 (:mod:`embodirl.envs.maniskill.simulator`) or one batched GPU scene (:mod:`embodirl.envs.maniskill.gpu`).
 
 Kept apart from both, which it chooses between, so that neither imports the other's chooser.

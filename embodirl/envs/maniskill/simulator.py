@@ -100,7 +100,7 @@ class ManiSkillEnvConfig(CommonEnvConfig):
 
 
 def settings_of(cfg) -> ManiSkillEnvConfig:
-    """A ManiSkill env group (a DictConfig or the plain dict a simulator process receives) as the typed object the
+    """A ManiSkill env split (a DictConfig or the plain dict a simulator process receives) as the typed object the
     simulators run on, checked for form (not against ManiSkill's registry: :func:`check_config`)."""
     settings = instance(ManiSkillEnvConfig, cfg, "env")
     size = settings.image_size

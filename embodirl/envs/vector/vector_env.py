@@ -176,7 +176,7 @@ class ProcessVectorEnv(ChunkVectorEnv):
     @classmethod
     def from_config(cls, env_fns: Sequence[Callable[[], SimEnv]], env: CommonEnvConfig, *, env_offset: int = 0,
                     **kwargs) -> ProcessVectorEnv:
-        """Build from an env group's shared keys (the typed config: ``auto_reset``, ``ignore_terminations``,
+        """Build from an env split's shared keys (the typed config: ``auto_reset``, ``ignore_terminations``,
         ``reward_coef``, ``use_rel_reward``, ``reward_type``, ``step_timeout_s``, ``video.enabled``/``video.env_ids``).
         ``video.env_ids`` are global env indices; this batch holds envs ``env_offset ..
         env_offset + len(env_fns) - 1`` and records those among them. ``kwargs`` (``processes``,

@@ -12,7 +12,7 @@ Registered as policy ``openvla_oft`` (``model.name``). Files, along the dataflow
 * ``names.py``      - public (Prismatic/timm) parameter names <-> our modules, tensor by tensor;
 * ``weights.py`` / ``adapters.py`` / ``hf_checkpoint.py`` - weight files, LoRA adapters, and the whole
   public checkpoint directory, read and written;
-* ``policy.py``     - the :class:`~embodirl.models.base.Policy` (``act`` / ``evaluate`` / reference mode).
+* ``policy.py``     - the :class:`~embodirl.models.base.Policy` (``act`` / ``score_actions`` / reference mode).
 """
 
 from __future__ import annotations

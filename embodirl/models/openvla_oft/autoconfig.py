@@ -208,7 +208,7 @@ def _check_unnorm_key(run, model: OpenVLAOFTConfig, contents: CheckpointContents
         return
     explicit = model.unnorm_key
     keys = [explicit] if explicit else [
-        key for group in (run.env.train, run.env.eval) if (key := group.statistics_key)]
+        key for split in (run.env.train, run.env.eval) if (key := split.statistics_key)]
     available = set(contents.statistics_keys)
     for key in dict.fromkeys(keys):
         if key in available or key + NO_NOOPS_SUFFIX in available:

@@ -1,6 +1,6 @@
 """OpenVLA-OFT as an embodirl :class:`~embodirl.models.base.Policy`: observations in, action chunks out.
 
-``act`` (inference worker, no autograd) and ``evaluate`` (actor, autograd) share one parallel-decoding
+``act`` (inference worker, no autograd) and ``score_actions`` (actor, autograd) share one parallel-decoding
 pass (:mod:`.modeling`): the whole ``[H, A]`` chunk's ``L = H * A`` token distributions come from one
 forward, so recomputing log-probs for given tokens is exactly the sampling-time computation. Action
 slots carry no token content, hence the tokens being scored do not enter the forward at all.
@@ -9,7 +9,7 @@ Observation dict: ``images`` uint8 ``[B, V_env, 3, h, w]`` (the first ``num_imag
 are used: agentview, then wrist), ``state`` float32 ``[B, S]`` (raw proprio, normalised here with the
 checkpoint's statistics), and either ``instruction`` (list of B strings) or ``task_id`` int64 ``[B]``
 indexing the env's task table (``env_spec.task_descriptions``) - a trajectory batch carries only the
-latter, so the actor's ``evaluate`` works from it.
+latter, so the actor's ``score_actions`` works from it.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class OpenVLAOFTPolicy(Policy):
             result[D.VALUE] = self.core.values(out.prompt_hidden)                    # (B,) or (B, H)
         return result
 
-    def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
+    def score_actions(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
                  return_value: bool = True, return_entropy: bool = True) -> dict[str, torch.Tensor]:
         tokens = torch.as_tensor(actions)
         B, L = len(tokens), self.cfg.tokens_per_decision
@@ -216,7 +216,7 @@ class OpenVLAOFTPolicy(Policy):
 
         ``actions``: normalised action chunks float ``[B, H, A]`` in [-1, 1]; they are discretised into the
         ``L = H * A`` action tokens the RL path samples and scores (the same parallel-decoding forward as
-        :meth:`act` / :meth:`evaluate`). As ``vla-scripts/finetune.py`` of moojink/openvla-oft trains it: the
+        :meth:`act` / :meth:`score_actions`). As ``vla-scripts/finetune.py`` of moojink/openvla-oft trains it: the
         causal-LM cross-entropy over the *whole* vocabulary at the L read positions, plus ``</s>`` read at the
         last action slot when ``stop_token`` (OFT's ``predict_stop_token``), and the token accuracy / L1 of
         the decoded greedy actions over the action positions (OFT's ``compute_token_accuracy`` /

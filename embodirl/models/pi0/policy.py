@@ -16,11 +16,11 @@ is what RL needs, as RLinf's ``rlinf/models/embodiment/openpi/openpi_action_mode
   ``sample_actions`` and RLinf's evaluation, not its mean: zero is no sample the network was trained from (a draw
   has norm ~sqrt(chunk_size * max_action_dim)), and from it an RL-trained chain scored 0.005 where the same
   weights score 0.28 from draws (README, "π0").
-* ``evaluate`` re-runs the prefix and the steps the log-probability covers, with autograd: the drawn step for
+* ``score_actions`` re-runs the prefix and the steps the log-probability covers, with autograd: the drawn step for
   Flow-SDE, every step for Flow-Noise.
 * a value head (``model.value_head``): by default RLinf's π0 critic, a ReLU MLP on the action expert's output averaged
   over the chunk positions, detached, at the steps the log-probability covers (the drawn one for Flow-SDE, the mean
-  over all for Flow-Noise), so that ``act`` and ``evaluate`` agree on it; or on the VLM's mean prefix feature
+  over all for Flow-Noise), so that ``act`` and ``score_actions`` agree on it; or on the VLM's mean prefix feature
   (``features: vlm_prefix``, RLinf's π0.5 mode). For Flow-Noise a noise head on the expert's features. Both train in
   place.
 * what trains (``model.train_expert``, ``model.lora``): RLinf's π0 recipe trains the action expert in full (its Gemma
@@ -423,7 +423,7 @@ class Pi0Policy(Policy):
         value = None
         if self.method == flow.FLOW_SDE:
             # one stochastic step per decision, drawn uniformly (greedy: none; step 0's kernel scores the ODE step);
-            # an expert-feature value is that step's, as evaluate() recomputes it
+            # an expert-feature value is that step's, as score_actions() recomputes it
             drawn = torch.randint(K, (B,)) if not greedy else torch.zeros(B, dtype=torch.int64)
             x_before = x_after = logprob = None
             for k in range(K):
@@ -491,7 +491,7 @@ class Pi0Policy(Policy):
             starts.append(torch.randn(shape[1:], generator=torch.Generator().manual_seed(seed)))
         return torch.stack(starts).to(self.device)
 
-    def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
+    def score_actions(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0,
                  return_value: bool = True, return_entropy: bool = True) -> dict[str, torch.Tensor]:
         chain = torch.as_tensor(actions).to(self.device, torch.float32)
         B = chain.shape[0]

@@ -55,7 +55,7 @@ class LinearPolicy(Policy):
         chunk = sample.clamp(-1.0, 1.0).view(-1, self.action_chunk, self.action_dim)               # (B, H, A)
         return {D.ACTION_CHUNK: chunk, D.ACTION_SAMPLE: sample, D.LOGPROB_BEHAVIOR: self._log_prob(sample, mean, log_std)}
 
-    def evaluate(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0, return_value: bool = True,
+    def score_actions(self, obs: dict, actions: torch.Tensor, *, temperature: float = 1.0, return_value: bool = True,
                  return_entropy: bool = True) -> dict[str, torch.Tensor]:
         mean, log_std = self._dist(obs, temperature)
         out = {"logprob": self._log_prob(actions.to(mean), mean, log_std)}

@@ -20,8 +20,8 @@ from embodirl.envs.base import EnvSpec
 from embodirl.models.base import SamplingParams
 from embodirl.models.registry import make_policy
 from embodirl.rollout.inference import act
-from embodirl.workers.backends import register_backend
-from embodirl.workers.backends.base import RolloutBackend
+from embodirl.workers.engines import register_engine
+from embodirl.workers.engines.base import InferenceEngine
 from embodirl.workers.parking import HostParking
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,8 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-@register_backend("huggingface")
-class HuggingFaceBackend(RolloutBackend):
+@register_engine("huggingface")
+class HuggingFaceEngine(InferenceEngine):
     """See module docstring. ``policy`` may be given directly (tests, in-process runs); otherwise it is
     built from ``model_cfg``."""
 
@@ -61,7 +61,7 @@ class HuggingFaceBackend(RolloutBackend):
         return act(self.policy, obs, self.env_spec.task_descriptions, sampling,
                    return_value=return_value and self.value_type is not None)
 
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+    def receive_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         self.policy.load_trainable_state_dict(dict(state))
         if self.merge_lora:
             self.policy.merge_adapters_()

@@ -1,9 +1,9 @@
-"""The rollout backend interface: what an inference worker needs from an inference engine.
+"""The inference engine interface: what an inference worker needs from the engine that runs its policy.
 
-A backend owns one inference copy of the policy and answers batched decisions. The inference worker
+An engine owns one inference copy of the policy and answers batched decisions. The inference worker
 (transport, weight versions, offload scheduling) and the env workers never see which engine runs:
 ``rollout.backend: huggingface`` is the plain PyTorch/transformers model (this package); a vLLM
-backend (GPU only) joins by registering another class that implements the same five methods and
+engine (GPU only) joins by registering another class that implements the same five methods and
 keeps the output contract below.
 
 ``generate`` returns numpy arrays with leading dim B: ``action_chunk`` float32 ``[B, H, A]``, the
@@ -25,7 +25,7 @@ from embodirl.models.base import SamplingParams
 from embodirl.models.registry import model_config
 
 
-class RolloutBackend(abc.ABC):
+class InferenceEngine(abc.ABC):
     """One inference engine holding the policy (see module docstring)."""
 
     #: "chunk_level" / "action_level" / None (no value head): lets callers know whether values exist
@@ -41,7 +41,7 @@ class RolloutBackend(abc.ABC):
         """One batched decision (see module docstring for the returned arrays)."""
 
     @abc.abstractmethod
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+    def receive_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load (a subset of) the trainable tensors, by name, as the actor published them."""
 
     @abc.abstractmethod
