@@ -16,7 +16,7 @@ world_size`` rows of its shard per optimizer step, in ``ceil(that / micro_batch_
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from embodirl.algorithms.section import AlgorithmSection
 from embodirl.errors import ConfigError
@@ -41,6 +41,10 @@ class ActorSettings:
             if node is None:
                 raise ConfigError(name, "is missing from the configuration (see config/config.yaml)")
             sections[name] = to_object(schema, node, name)
+        if sections["algorithm"].recompute_old_logprob == "auto":
+            # sections handed over alone, not decided by schema.resolve_fast_inference: no merged or compiled
+            # inference copy was placed for them, so the rollout's log-probs are the actor's own numerics
+            sections["algorithm"] = replace(sections["algorithm"], recompute_old_logprob=False)
         out = cls(**sections)
         out.check()
         return out

@@ -70,7 +70,7 @@ class AlgorithmSection:
     filter_groups: FilterGroups = section(FilterGroups)
     update_epochs: int = num(1)
     early_stop_kl: float | None = num(0, lo_open=True, null=True)
-    recompute_old_logprob: bool = required()
+    recompute_old_logprob: Any = one_of(("auto", True, False))   # auto: with merged or compiled inference copies
     behaviour_is_cap: float | None = num(1, null=True)     # verl's rollout_is_threshold (token level)
 
     # --- views the code reads (derived from the fields above, never stored) --------------------------------

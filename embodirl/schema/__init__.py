@@ -149,20 +149,54 @@ def to_object(schema: type, node: Any, prefix: str = ""):
     return instance(schema, typed(schema, node, prefix), prefix)
 
 
+def run_config_unresolved(cfg: Any) -> Config:
+    """:func:`run_config` with the ``auto`` values of :func:`resolve_fast_inference` left as they are."""
+    from embodirl.envs.registry import env_config
+    from embodirl.models.registry import model_config
+
+    sections = {name: instance(schema, getattr(cfg, name), name) for name, schema in SECTIONS.items()}
+    env = EnvSplits(train=env_config(cfg.env.train, "env.train"), eval=env_config(cfg.env.eval, "env.eval"))
+    return Config(**sections, env=env, model=model_config(cfg.model))
+
+
 def run_config(cfg: Any) -> Config:
     """A composed and validated config as the typed object the code runs on: every section its schema dataclass,
     ``env.train``/``env.eval`` their adapters' config classes and ``model`` its policy's (:class:`EnvSplits`,
     :func:`embodirl.envs.registry.env_config`, :func:`embodirl.models.registry.model_config`). Converted once, where a
     command takes the config; a :class:`Config` passes through. Sections another command adds (``sft``, ``data``)
     are that command's to convert."""
-    from embodirl.envs.registry import env_config
-    from embodirl.models.registry import model_config
-
     if isinstance(cfg, Config):
         return cfg
-    sections = {name: instance(schema, getattr(cfg, name), name) for name, schema in SECTIONS.items()}
-    env = EnvSplits(train=env_config(cfg.env.train, "env.train"), eval=env_config(cfg.env.eval, "env.eval"))
-    return Config(**sections, env=env, model=model_config(cfg.model))
+    return resolve_fast_inference(run_config_unresolved(cfg))
+
+
+def resolve_fast_inference(run: Config, accelerator: str | None = None) -> Config:
+    """``rollout.merge_lora``, ``rollout.compile`` and ``algorithm.recompute_old_logprob`` set to ``auto`` (the
+    defaults), decided: merging and compiling the inference workers' copies where they run on GPUs (``accelerator``:
+    ``gpu`` or ``cpu``, default detected from ``cluster``) through Ray and the policy family can (an adapter to merge,
+    blocks to compile); and the actor re-scoring the actions, with the truncated importance weights of
+    ``algorithm.behaviour_is_cap``, whenever either is on (their numerics differ from the actor's). An explicit value
+    stays as given."""
+    import dataclasses
+
+    from embodirl.models.registry import policy_family
+    from embodirl.placement import detect_devices, use_ray
+
+    rollout, algorithm = run.rollout, run.algorithm
+    if "auto" not in (rollout.merge_lora, rollout.compile, algorithm.recompute_old_logprob):
+        return run
+    if accelerator is None:
+        accelerator = detect_devices(run.cluster.num_nodes, run.cluster.num_gpus_per_node)[1]
+    fast = accelerator == "gpu" and use_ray(run)
+    family = policy_family(run.model.name)
+    lora = getattr(run.model, "lora", None)
+    merge = (fast and family.merge and lora is not None and bool(lora.enabled)
+             if rollout.merge_lora == "auto" else bool(rollout.merge_lora))
+    compiled = fast and family.compile if rollout.compile == "auto" else bool(rollout.compile)
+    recompute = (merge or compiled if algorithm.recompute_old_logprob == "auto"
+                 else bool(algorithm.recompute_old_logprob))
+    return dataclasses.replace(run, rollout=dataclasses.replace(rollout, merge_lora=merge, compile=compiled),
+                               algorithm=dataclasses.replace(algorithm, recompute_old_logprob=recompute))
 
 
 @dataclass
@@ -207,8 +241,9 @@ def check(cfg: DictConfig, *, num_devices: int | None = None, accelerator: str |
     from embodirl.placement import data_parallel_size, placement_from_config, use_ray
 
     check_types(cfg)
-    run = run_config(cfg)
-    placement = placement_from_config(run.cluster, num_devices, accelerator)
+    unresolved = cfg if isinstance(cfg, Config) else run_config_unresolved(cfg)
+    placement = placement_from_config(unresolved.cluster, num_devices, accelerator)
+    run = resolve_fast_inference(unresolved, placement.accelerator)   # the devices placed on decide the autos
     ctx = Context(placement=placement, dp=data_parallel_size(run, placement), use_ray=use_ray(run), config=run)
     for schema in SECTIONS.values():
         rules = getattr(schema, "rules", None)

@@ -127,8 +127,8 @@ class RolloutSection:
     top_k: int | None = num(1, null=True)
     top_p: float | None = num(0, 1, lo_open=True, null=True)
     enable_offload: bool = required()
-    merge_lora: bool = required()
-    compile: bool = required()
+    merge_lora: Any = one_of(AUTO_OR_BOOL)      # auto: on GPUs through Ray (schema.resolve_fast_inference)
+    compile: Any = one_of(AUTO_OR_BOOL)
     channel: ChannelSection = section(ChannelSection)
 
     @staticmethod
