@@ -173,9 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_group_overrides(overrides)
         if not multirun:
-            typed = validate(compose(overrides))
+            plan: list[str] = []
+            typed = validate(compose(overrides), plan=plan)
             if not any(a.startswith("-") for a in rest):    # a run (not --cfg/--info): rendering and memory
                 preflight(typed)                               # are checked before any worker starts
+                if command == "train":                         # where each component runs, first
+                    print("\n".join(plan), flush=True)
         else:                                                  # every sweep job's types and rules, before the first
             for job in sweep_jobs(overrides):
                 validate(compose(job), check_envs=False)

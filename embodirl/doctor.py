@@ -481,6 +481,13 @@ def main(overrides: list[str]) -> int:
     cfg = compose(overrides)
     rows = all_checks(cfg)
     print(format_table(rows))
+    try:                                   # the plan of a config that passes the config row
+        from embodirl import schema
+        from embodirl.run_plan import plan_lines
+
+        print("\n" + "\n".join(plan_lines(schema.check(cfg))))
+    except ConfigError:
+        pass
     failed = [r.name for r in rows if not r.ok]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} checks pass" + (f"; failing: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -167,7 +167,42 @@ def run_config(cfg: Any) -> Config:
     are that command's to convert."""
     if isinstance(cfg, Config):
         return cfg
-    return resolve_fast_inference(run_config_unresolved(cfg))
+    return resolve_fast_inference(resolve_worker_counts(run_config_unresolved(cfg)))
+
+
+def resolve_worker_counts(run: Config, placement=None) -> Config:
+    """``rollout.num_workers`` and ``env_workers.num_workers`` set to ``auto`` (the defaults), decided from the devices
+    (``placement``: the parsed ``cluster.component_placement``, default detected): on GPUs, for the policy families
+    registered to run through Ray (the VLAs), one inference worker per
+    device of the ``rollout`` component and one env worker per device of the ``env`` component (fewer where
+    ``env.train.num_envs`` does not split into whole groups over them); on CPU slots or with ``cluster.use_ray=false``,
+    one of each (the in-process default job and every CPU run as they were). An explicit count stays as given."""
+    import dataclasses
+
+    from embodirl.placement import placement_from_config
+
+    if "auto" not in (run.rollout.num_workers, run.env_workers.num_workers):
+        return run
+    placement = placement or placement_from_config(run.cluster)
+    from embodirl.models.registry import policy_family
+
+    # GPUs, for the families that run through Ray workers (the VLAs; the state MLP's default job stays in one
+    # process), unless cluster.use_ray=false keeps everything in one process
+    gpu = (placement.accelerator == "gpu" and run.cluster.use_ray is not False
+           and policy_family(run.model.name).ray)
+    inference = run.rollout.num_workers
+    if inference == "auto":
+        inference = len(placement.devices["rollout"]) if gpu else 1
+    envs = run.env_workers.num_workers
+    if envs == "auto":
+        envs = 1
+        if gpu:     # the most env workers, up to one per device, that hold whole groups in every pipeline stage
+            per_stage = int(run.env.train.num_envs) // max(int(run.rollout.pipeline_stage_num), 1)
+            group = max(int(run.algorithm.group_size), 1)
+            envs = max([k for k in range(1, len(placement.devices["env"]) + 1)
+                        if per_stage % k == 0 and (per_stage // k) % group == 0] or [1])
+    return dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, num_workers=int(inference)),
+                               env_workers=dataclasses.replace(run.env_workers, num_workers=int(envs)))
 
 
 def resolve_fast_inference(run: Config, accelerator: str | None = None) -> Config:
@@ -243,7 +278,8 @@ def check(cfg: DictConfig, *, num_devices: int | None = None, accelerator: str |
     check_types(cfg)
     unresolved = cfg if isinstance(cfg, Config) else run_config_unresolved(cfg)
     placement = placement_from_config(unresolved.cluster, num_devices, accelerator)
-    run = resolve_fast_inference(unresolved, placement.accelerator)   # the devices placed on decide the autos
+    # the devices placed on decide the autos: worker counts first (Ray or not follows from them), then fast inference
+    run = resolve_fast_inference(resolve_worker_counts(unresolved, placement), placement.accelerator)
     ctx = Context(placement=placement, dp=data_parallel_size(run, placement), use_ray=use_ray(run), config=run)
     for schema in SECTIONS.values():
         rules = getattr(schema, "rules", None)

@@ -119,7 +119,7 @@ class ChannelSection:
 @dataclass
 class RolloutSection:
     backend: str = one_of(_inference_engines)
-    num_workers: int = num(1)
+    num_workers: Any = num(1, auto=True, integer=True)    # auto: one per device of the rollout component on GPUs
     pipeline_stage_num: int = num(1)
     rollout_epoch: int = num(1)
     max_decisions: int | None = num(1, null=True)
@@ -178,7 +178,7 @@ class RolloutSection:
 
 @dataclass
 class EnvWorkersSection:
-    num_workers: int = num(1)
+    num_workers: Any = num(1, auto=True, integer=True)    # auto: one per device of the env component on GPUs
     enable_offload: bool = required()
 
 
