@@ -36,14 +36,21 @@ from embodirl.workers.weight_transfer import WeightOutbox
 log = logging.getLogger(__name__)
 
 
-def build_policy(model_cfg: Mapping, env_spec, seed: int):
+def build_policy(model_cfg: Mapping, env_spec, seed: int, device: torch.device | str | None = None):
     """The policy from ``model`` with a seeded initialisation: every process that builds it (actor ranks,
-    inference workers) gets identical weights, so a random frozen base needs no transfer."""
-    from embodirl.models.registry import make_policy
+    inference workers) gets identical weights, so a random frozen base needs no transfer. ``device``: the worker's
+    own device, where the weights are created (and a checkpoint loaded) directly, never on the host first; a
+    ``model.device`` the config sets wins."""
+    import dataclasses
 
+    from embodirl.models.registry import make_policy, model_config
+
+    model = model_config(model_cfg)
+    if device is not None and model.device is None:
+        model = dataclasses.replace(model, device=str(device))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return make_policy(model_cfg, env_spec)
+        return make_policy(model, env_spec)
 
 
 class ActorWorker:
@@ -98,7 +105,7 @@ class ActorWorker:
         cfg = self.cfg
         policy = self._policy
         if policy is None:
-            policy = build_policy(cfg.model, self.spec, cfg.runner.seed)
+            policy = build_policy(cfg.model, self.spec, cfg.runner.seed, device=device)
         self.actor = Actor(policy, cfg,     # the actor reads the typed algorithm and actor sections
                            task_table=self.spec.task_descriptions,
                            temperature=_temperature(cfg.rollout), device=device)

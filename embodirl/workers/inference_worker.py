@@ -86,8 +86,10 @@ class InferenceWorker:
         if policy is None and init_seed is not None:
             # the actor ranks build the same seeded initialisation: a random frozen base needs no transfer
             from embodirl.workers.actor_worker import build_policy
+            from embodirl.workers.engines.huggingface import default_device
 
-            policy = build_policy(model_cfg, env_spec, init_seed)
+            # built where this worker runs it (its GPU), not on the host first
+            policy = build_policy(model_cfg, env_spec, init_seed, device=device or default_device())
         if trainable_dtype is not None and policy is not None:
             from embodirl.dtypes import parse_dtype
 
