@@ -173,12 +173,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_group_overrides(overrides)
         if not multirun:
-            plan: list[str] = []
-            typed = validate(compose(overrides), plan=plan)
+            context: list = []
+            typed = validate(compose(overrides), context=context)
             if not any(a.startswith("-") for a in rest):    # a run (not --cfg/--info): rendering and memory
                 preflight(typed)                               # are checked before any worker starts
                 if command == "train":                         # where each component runs, first
-                    print("\n".join(plan), flush=True)
+                    from embodirl.run_plan import plan_lines
+
+                    ctx = context[0]
+                    print("\n".join(plan_lines(ctx, with_memory=ctx.placement.accelerator == "gpu")), flush=True)
         else:                                                  # every sweep job's types and rules, before the first
             for job in sweep_jobs(overrides):
                 validate(compose(job), check_envs=False)

@@ -112,14 +112,14 @@ def _composition_error(exc: Exception) -> ConfigError:
 
 
 def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | None = None,
-             accelerator: str | None = None, plan: list[str] | None = None) -> schema.Config:
+             accelerator: str | None = None, context: list | None = None) -> schema.Config:
     """Check types, ranges, choices and every cross-field rule (:func:`embodirl.schema.check`); raise
     :class:`ConfigError` on the first violation. Returns the typed config (:func:`embodirl.schema.run_config`), the
     object the run goes on with.
 
     ``check_envs`` also runs the simulator adapters' and policy's own checks (task ids, assets, model
-    path), which may import the simulator packages. ``plan``: a list that receives the run's plan
-    (:func:`embodirl.run_plan.plan_lines`: components on devices, batch per worker; the memory of the busiest GPU).
+    path), which may import the simulator packages. ``context``: a list that receives the check's
+    :class:`embodirl.schema.Context` (the devices and the placement the run's plan is drawn from).
     """
     ctx = schema.check(cfg, num_devices=num_devices, accelerator=accelerator)
     run = ctx.config   # the typed config
@@ -147,9 +147,7 @@ def validate(cfg: DictConfig, *, check_envs: bool = True, num_devices: int | Non
         check = getattr(builder, "check_config", None)
         if check is not None:
             check(run.model)
-    if plan is not None:
-        from embodirl.run_plan import plan_lines
-
-        plan.extend(plan_lines(ctx, with_memory=ctx.placement.accelerator == "gpu"))
+    if context is not None:
+        context.append(ctx)
     return run
 

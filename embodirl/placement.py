@@ -130,8 +130,11 @@ def use_ray(cfg) -> bool:
     choice = cfg.cluster.use_ray
     if choice != "auto":
         return bool(choice)
-    return (POLICIES.get(cfg.model.name).ray or cfg.env_workers.num_workers > 1
-            or cfg.rollout.num_workers > 1 or cfg.cluster.num_nodes > 1
+    def several(count) -> bool:     # "auto" (not yet decided): one unless the family runs through Ray anyway
+        return count != "auto" and int(count) > 1
+
+    return (POLICIES.get(cfg.model.name).ray or several(cfg.env_workers.num_workers)
+            or several(cfg.rollout.num_workers) or cfg.cluster.num_nodes > 1
             or cfg.actor.cpu_world_size > 1 or bool(cfg.cluster.ray_address))
 
 

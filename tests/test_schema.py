@@ -249,7 +249,7 @@ LAYERS = [
     {"schema"},                   # the typed config: what the layers above read; choice lists from the leaves below
     {"rollout"}, {"actor"}, {"workers"}, {"runner"},
     {"config", "overrides"},      # composition and validation (runs the runner's own rules); commands' own sections
-    {"memory_plan", "dry_run"}, {"doctor"}, {"demos", "sft", "compare"}, {"cli"},
+    {"memory_plan", "dry_run"}, {"run_plan"}, {"doctor"}, {"demos", "sft", "compare"}, {"cli"},
 ]
 
 
