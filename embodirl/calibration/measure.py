@@ -118,8 +118,9 @@ def _tile(obs: dict, rows: int) -> dict:
     return {k: np.ascontiguousarray(v[index]) for k, v in obs.items()}
 
 
-def _env_times(env, H: int, cores: int) -> tuple[float, float, float, int]:
-    """(physics ms per step, per-decision ms beyond physics, reset ms) of one simulator on its own core, and V."""
+def _env_times(env, H: int, cores: int, new_starts) -> tuple[float, float, float, int]:
+    """(physics ms per step, per-decision ms beyond physics, reset ms) of one simulator on its own core, and V.
+    ``new_starts()``: the reset arguments of one rollout, planned as the runner plans them (a new init state each)."""
     b = env.num_envs
     A = env.spec.action_dim
     own_core = min(b, cores) / b          # the batch's wall time -> one simulator's time with a core to itself
@@ -132,7 +133,7 @@ def _env_times(env, H: int, cores: int) -> tuple[float, float, float, int]:
             env.step(actions)
         return step
 
-    reset_s = _timed(lambda: env.reset(seed=0), 2)
+    reset_s = _timed(lambda: env.reset(seed=0, **new_starts()), 2)
     long_len = max(H, 2)
     t_long = _timed(chunk(long_len), CHUNKS)
     t_one = _timed(chunk(1), CHUNKS)
@@ -148,6 +149,7 @@ def calibrate(cfg) -> Calibration:
     from embodirl.models.registry import make_policy
     from embodirl.rollout.collector import RolloutCollector
     from embodirl.rollout.inference import PolicyInference
+    from embodirl.rollout.starts import plan_starts
     from embodirl.schema.envs import action_conversion
     from embodirl.workers.inference_worker import sampling_from_config
     from embodirl.workers.layout import layout_from_config
@@ -159,7 +161,12 @@ def calibrate(cfg) -> Calibration:
     b, H = calibration_envs(cfg), cfg.model.action_chunk
     env = make_env(cfg.env.train, num_envs=b, seed=cfg.runner.seed)
     try:
-        physics_ms, decision_ms, reset_ms, V = _env_times(env, H, cores)
+        starts_rng = np.random.default_rng(cfg.runner.seed)
+
+        def new_starts() -> dict:
+            return plan_starts(cfg.env.train, env.spec, b, cfg.algorithm.group_size, starts_rng).reset_kwargs()
+
+        physics_ms, decision_ms, reset_ms, V = _env_times(env, H, cores, new_starts)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.runner.seed)
             policy = make_policy(cfg.model, env.spec)
@@ -181,7 +188,8 @@ def calibrate(cfg) -> Calibration:
                                      auto_reset=bool(cfg.env.train.auto_reset), return_value=return_value,
                                      group_size=cfg.algorithm.group_size, seed=cfg.runner.seed,
                                      conversion=action_conversion(cfg, "env.train"))
-        batch = collector.collect(seed=cfg.runner.seed)
+        batch = collector.collect(plan_starts(cfg.env.train, env.spec, b, cfg.algorithm.group_size, starts_rng),
+                                  seed=cfg.runner.seed)
     finally:
         env.close()
     # the rollout's chunks (the policy's actions, the collector's path) set the chunk's cost; the probes above split

@@ -20,8 +20,9 @@ The model, for one step of the runner's ``collect -> advantages -> update -> syn
               in-process CPU run acts with the actor's own module: nothing moves
     step    = collect + update + sync
 
-``gpus`` (``--gpus N``) scales what a device computes (act and update rates, N data-parallel ranks) and the
-simulators' cores (each device comes with this machine's cores); the sync does not shrink. The bound is the slowest
+``gpus`` (``--gpus N``): N devices, each with this machine's cores for simulators, at least one inference worker
+on each (R becomes max(R, N)) acting at the calibrated rate, and N data-parallel actor ranks (the update rate times N);
+the sync does not shrink. The bound is the slowest
 part alone (env stepping, inference, update or sync): a step can be no shorter, and ``step / bound`` says how far
 the pipeline is from hiding everything else behind it.
 """
@@ -121,8 +122,8 @@ def predict(cal: Calibration, recipe: Recipe, *, gpus: int = 1, accelerator: boo
     cores = cal.cores * n
     share = B * K / min(B * K, cores)                     # simulators per core while every worker steps a stage
     t_env = cal.chunk_ms / 1e3 * share                    # one stage's chunk, s
-    t_act = B / (cal.act_per_s * n) + B * cal.overhead_ms / 1e3   # one stage's decision and its recording, s
-    queue = max(1.0, K / R)                               # env workers one inference worker serves
+    t_act = B / cal.act_per_s + B * cal.overhead_ms / 1e3   # one stage's decision and its recording, s
+    queue = max(1.0, K / max(R, n))                       # env workers one inference worker (one a device) serves
     if S == 1 and queue == 1.0:
         round_s = t_env + t_act
     elif not accelerator and K * B >= cores:
