@@ -188,15 +188,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _bench(args: list[str]) -> None:
-    """``embodirl doctor --bench [--gpus N] [overrides]``: a bad config is one sentence and status 2."""
-    from embodirl.calibration import cli as bench_cli
+    """``embodirl doctor --bench [--gpus N] [overrides]``: this config's parts timed here and its step predicted
+    (:mod:`embodirl.calibration`); a bad config is one sentence and status 2, and nothing is written."""
+    from embodirl import runtime
+    from embodirl.calibration.report import bench, bench_args, format_table
+    from embodirl.config import check_group_overrides, compose, validate
     from embodirl.errors import AssetsMissing, ConfigError
 
     try:
-        code = bench_cli.main(args)
+        overrides, gpus = bench_args(args)
+        check_group_overrides(overrides)
+        cfg = validate(compose(overrides))
     except (ConfigError, AssetsMissing) as exc:
         _fail(str(exc))
-    sys.exit(code)
+    runtime.set_torch_threads(cfg.runner.torch_threads)
+    print(format_table(bench(cfg, gpus=gpus)))
+    sys.exit(0)
 
 
 def _compare(args: list[str]) -> None:

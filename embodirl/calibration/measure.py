@@ -151,7 +151,7 @@ def calibrate(cfg) -> Calibration:
     from embodirl.rollout.inference import PolicyInference
     from embodirl.rollout.starts import plan_starts
     from embodirl.schema.envs import action_conversion
-    from embodirl.workers.inference_worker import sampling_from_config
+    from embodirl.workers.inference_worker import TRAIN, sampling_from_config
     from embodirl.workers.layout import layout_from_config
 
     t_start = time.perf_counter()
@@ -170,7 +170,7 @@ def calibrate(cfg) -> Calibration:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.runner.seed)
             policy = make_policy(cfg.model, env.spec)
-        sampling = sampling_from_config(cfg.rollout, cfg.runner.eval_greedy)["train"]
+        sampling = sampling_from_config(cfg.rollout, cfg.runner.eval_greedy)[TRAIN]
         inference = PolicyInference(policy, env.spec.task_descriptions, sampling)
         return_value = cfg.algorithm.uses_critic
         # act at the batch an inference worker sees: one pipeline stage's observations

@@ -1,4 +1,5 @@
-"""The prediction as a table (``embodirl doctor --bench``) and as ``prediction.json`` in a run folder.
+"""The prediction as a table (``embodirl doctor --bench [--gpus N] [overrides]``) and as ``prediction.json`` in a run
+folder.
 
 ``prediction.json``::
 
@@ -21,12 +22,31 @@ from pathlib import Path
 
 from embodirl.calibration.measure import Calibration, calibrate
 from embodirl.calibration.predict import Recipe, predict
+from embodirl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 FILE = "prediction.json"
 #: metrics.jsonl key of each predicted part
 MEASURED_KEYS = {"collect_s": "time/collect", "update_s": "time/update", "sync_s": "time/sync_weights",
                  "step_s": "time/step"}
+
+
+def bench_args(args: list[str]) -> tuple[list[str], int]:
+    """(overrides, gpus) from the words after ``embodirl doctor``: ``--bench``, ``--gpus N`` and Hydra overrides."""
+    overrides, gpus, rest = [], 1, iter(args)
+    for arg in rest:
+        if arg == "--bench":
+            continue
+        if arg == "--gpus" or arg.startswith("--gpus="):
+            value = arg.split("=", 1)[1] if "=" in arg else next(rest, "")
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError("", f"--gpus takes a number of devices (1 or more), got {value!r}")
+            gpus = int(value)
+        elif arg.startswith("-"):
+            raise ConfigError("", f"embodirl doctor --bench takes Hydra overrides and --gpus N; {arg} is not one")
+        else:
+            overrides.append(arg)
+    return overrides, gpus
 
 
 def bench(cfg, *, gpus: int = 1) -> dict:
