@@ -144,6 +144,7 @@ def _env_times(env, H: int, cores: int, new_starts) -> tuple[float, float, float
 
 def calibrate(cfg) -> Calibration:
     """Time the parts of ``cfg`` (a typed or composed run config) on this machine (see module docstring)."""
+    from embodirl import data as D
     from embodirl.actor.actor import Actor, prepare_batch
     from embodirl.envs.registry import make_env
     from embodirl.models.registry import make_policy
@@ -183,7 +184,7 @@ def calibrate(cfg) -> Calibration:
             inference.submit(batch_obs, return_value=return_value).result()
             calls += 1
         act_per_s = calls * layout.envs_per_stage / (time.perf_counter() - t0)
-        # a real rollout of the b simulators, then one update epoch over it (twice: the second is timed)
+        # a real rollout of the b simulators: its chunks and, below, the batch the update is timed on
         collector = RolloutCollector([env], inference, num_decisions=min(ROLLOUT_DECISIONS, layout.num_decisions),
                                      auto_reset=bool(cfg.env.train.auto_reset), return_value=return_value,
                                      group_size=cfg.algorithm.group_size, seed=cfg.runner.seed,
@@ -208,11 +209,9 @@ def calibrate(cfg) -> Calibration:
         actor=dataclasses.replace(cfg.actor, global_batch_size=b, micro_batch_size=min(b, cfg.actor.micro_batch_size)))
     actor = Actor(policy, small, task_table=env.spec.task_descriptions,
                   temperature=1.0 if cfg.rollout.temperature is None else cfg.rollout.temperature)
-    from embodirl import data as D
-
     valid = float(batch.get(D.VALID).sum())
     update_s = []
-    for _ in range(2):
+    for _ in range(2):             # the first pays one-off costs (optimizer state, first backward); the faster counts
         policy.train()
         t0 = time.perf_counter()
         prepared, _ = prepare_batch(batch, cfg.algorithm)
