@@ -20,6 +20,7 @@ USAGE = """usage: embodirl {train,eval,doctor,demos,sft,compare} [hydra override
   embodirl train --cfg job env=libero_10           print the composed config
   embodirl train -m actor.optim.lr=1e-4,3e-4       a sweep (one output dir per job)
   embodirl doctor env=libero_10 model=openvla_oft  check the set-up for a config (exit 0: all pass)
+  embodirl doctor --bench [--gpus N] [overrides]   time the parts here, predict the step and the run's wall-clock
   embodirl demos env=maniskill_pushcube_rgb num_episodes=50   expert demos as a LeRobot dataset (config/demos.yaml)
   embodirl sft env=maniskill_pushcube_rgb model=openvla_oft_tiny data.path=outputs/demos/maniskill_pushcube_rgb_50
                                                    action-token SFT on those demos (config/sft.yaml)
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
 
         named = {override_key(a) for a in overrides} & {"runner.output_dir", "runner.experiment_name"}
         rest = [*rest[:at], "runner.only_eval=true", *([] if named else [EVAL_OUTPUT_DIR]), *rest[at:]]
+    if command == "doctor" and "--bench" in rest:    # measure the parts here, predict the run (embodirl.calibration)
+        _bench(rest)
     overrides, multirun = _split(rest)
 
     from embodirl.config import check_group_overrides, compose, sweep_jobs, validate
@@ -188,6 +191,25 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, AssetsMissing, PreflightFailed) as exc:
         _fail(str(exc))
     _hydra_main(rest)
+
+
+def _bench(args: list[str]) -> None:
+    """``embodirl doctor --bench [--gpus N] [overrides]``: this config's parts timed here and its step predicted
+    (:mod:`embodirl.calibration`); a bad config is one sentence and status 2, and nothing is written."""
+    from embodirl import runtime
+    from embodirl.calibration.report import bench, bench_args, format_table
+    from embodirl.config import check_group_overrides, compose, validate
+    from embodirl.errors import AssetsMissing, ConfigError
+
+    try:
+        overrides, gpus = bench_args(args)
+        check_group_overrides(overrides)
+        cfg = validate(compose(overrides))
+    except (ConfigError, AssetsMissing) as exc:
+        _fail(str(exc))
+    runtime.set_torch_threads(cfg.runner.torch_threads)
+    print(format_table(bench(cfg, gpus=gpus)))
+    sys.exit(0)
 
 
 def _compare(args: list[str]) -> None:

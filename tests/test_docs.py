@@ -221,9 +221,23 @@ print(json.dumps(results))
 """
 
 
+def _without_bench(args: list[str]) -> list[str]:
+    """``doctor --bench [--gpus N]`` composes the config ``doctor`` does: the bench's own flags dropped."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--gpus":
+            skip = True
+        elif arg != "--bench" and not arg.startswith("--gpus="):
+            out.append(arg)
+    return out
+
+
 def _jobs(text: str, cwd: Path) -> list[list[str]]:
     """The argvs a documented command runs as here: ``--cfg job`` added, stand-ins applied, a sweep's jobs apart."""
     command, args = _args(text)
+    args = _without_bench(args)
     flags = [a for a in args if a.startswith("-")]
     assert set(flags) <= {"--cfg", "-m"}, f"`{text}`: flags the test does not know: {flags}"
     overrides = _stand_ins([a for a in args if not a.startswith("-") and a != "job"], cwd)

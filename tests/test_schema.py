@@ -247,7 +247,9 @@ LAYERS = [
      "config_fields", "atomic_folder"},
     {"envs"}, {"data"}, {"algorithms", "channel"}, {"models"},
     {"schema"},                   # the typed config: what the layers above read; choice lists from the leaves below
-    {"rollout"}, {"actor"}, {"workers"}, {"runner"},
+    {"rollout"}, {"actor"}, {"workers"},
+    {"calibration"},              # doctor --bench's measurements and prediction; the runner writes them into a run
+    {"runner"},
     {"config", "overrides"},      # composition and validation (runs the runner's own rules); commands' own sections
     {"memory_plan", "dry_run"}, {"run_plan"}, {"doctor"}, {"demos", "sft", "compare"}, {"cli"},
 ]

@@ -45,6 +45,7 @@ from embodirl import checkpoint_layout as layout
 from embodirl import data as D
 from embodirl import runtime
 from embodirl.actor.actor import prepare_batch
+from embodirl.calibration import report as prediction
 from embodirl.envs.video import step_folder
 from embodirl.errors import ConfigError, NonFiniteUpdate, RunFailed
 from embodirl.models.registry import make_policy
@@ -248,8 +249,11 @@ class Runner:
         with FolderLock(self.out):
             self._start_source = training_start(self.cfg, self.out)
             self._write_config()
+            if self.cfg.runner.predict_step_time:      # this config's parts timed here, the step predicted
+                prediction.write_prediction(self.cfg, self.out)
             try:
                 self._train_attempts()
+                prediction.record_measured(self.out)   # the run's phase times beside any prediction
             except (ConfigError, RunFailed, KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:             # torch's CheckpointException is a BaseException

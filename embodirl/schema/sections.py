@@ -85,6 +85,7 @@ class RunnerSection:
     worker_deadline: WorkerDeadlineSection = section(WorkerDeadlineSection)
     logger: LoggerSection = section(LoggerSection)
     progress_bar: bool = required()
+    predict_step_time: bool = required()
     torch_threads: Any = num(1, auto=True, integer=True)
     train_video_interval: int = num(0)
     eval_num_videos: int = num(0)

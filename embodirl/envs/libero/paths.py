@@ -92,7 +92,7 @@ def write_config(assets: Path | None = None) -> Path:
     target = folder / "config.yaml"
     text = yaml.safe_dump(content, sort_keys=True)
     if not target.exists() or target.read_text() != text:
-        tmp = target.with_suffix(".tmp")
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")   # processes writing at once each replace whole files
         tmp.write_text(text)
         tmp.replace(target)
     os.environ["LIBERO_CONFIG_PATH"] = str(folder)
