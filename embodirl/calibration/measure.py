@@ -178,10 +178,10 @@ def calibrate(cfg) -> Calibration:
         obs, _ = env.reset(seed=cfg.runner.seed)
         batch_obs = _tile(obs, layout.envs_per_stage)
         policy.eval()
-        inference.submit(batch_obs, return_value=return_value).result()     # untimed: first-call costs
+        inference.request(batch_obs, return_value=return_value).result()     # untimed: first-call costs
         calls, t0 = 0, time.perf_counter()
         while calls < ACT_CALLS or time.perf_counter() - t0 < ACT_SECONDS:
-            inference.submit(batch_obs, return_value=return_value).result()
+            inference.request(batch_obs, return_value=return_value).result()
             calls += 1
         act_per_s = calls * layout.envs_per_stage / (time.perf_counter() - t0)
         # a real rollout of the b simulators: its chunks and, below, the batch the update is timed on
@@ -220,7 +220,7 @@ def calibrate(cfg) -> Calibration:
     passes = valid * (epochs + (1 if cfg.algorithm.recompute_old_logprob else 0))   # a scoring forward counts as one
     t0 = time.perf_counter()
     version, tensors = actor.publish_weights(full=True)
-    inference.load_weights(tensors, version)
+    inference.receive_weights(tensors, version)
     sync_s = time.perf_counter() - t0
     trainable_mb = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     device = str(next(policy.parameters()).device)

@@ -7,7 +7,7 @@ folder.
 
 A run with ``runner.predict_step_time: true`` calibrates before its first step and writes the first three; every
 training run writes ``measured`` at its end: the medians of ``time/collect``, ``time/update``,
-``time/sync_weights`` and ``time/step`` from ``metrics.jsonl`` over its steps after the first (the first pays one-off
+``time/publish_weights`` and ``time/step`` from ``metrics.jsonl`` over its steps after the first (the first pays one-off
 costs: a policy's first calls, compilation, simulators' first scenes; a run of one step keeps it), and ``ratio``,
 predicted over measured, when there is a prediction.
 """
@@ -27,7 +27,7 @@ from embodirl.errors import ConfigError
 log = logging.getLogger(__name__)
 FILE = "prediction.json"
 #: metrics.jsonl key of each predicted part
-MEASURED_KEYS = {"collect_s": "time/collect", "update_s": "time/update", "sync_s": "time/sync_weights",
+MEASURED_KEYS = {"collect_s": "time/collect", "update_s": "time/update", "sync_s": "time/publish_weights",
                  "step_s": "time/step"}
 
 

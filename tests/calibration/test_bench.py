@@ -88,7 +88,7 @@ def test_devices_and_bound():
 
 
 def test_measured_medians_skip_the_first_step(tmp_path):
-    rows = [{"step": i, "time/collect": c, "time/update": 1.0, "time/sync_weights": 0.0, "time/step": c + 1.0}
+    rows = [{"step": i, "time/collect": c, "time/update": 1.0, "time/publish_weights": 0.0, "time/step": c + 1.0}
             for i, c in enumerate([9.0, 2.0, 3.0, 4.0], start=1)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     m = measured_times(tmp_path / "metrics.jsonl")
