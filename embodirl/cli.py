@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(EXIT_RUN_FAILED)
         sys.exit(code)
     if command == "doctor":
-        from embodirl import doctor
+        from embodirl.tools import doctor
 
         try:
             check_group_overrides(overrides)
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as exc:
             _fail(str(exc))
         sys.exit(code)
-    from embodirl.doctor import PreflightFailed, preflight
+    from embodirl.tools.doctor import PreflightFailed, preflight
 
     try:
         check_group_overrides(overrides)
@@ -188,8 +188,8 @@ def _compare(args: list[str]) -> None:
     """``embodirl compare A B [overrides]`` (:mod:`embodirl.compare`): bad input is one sentence and status 2 before
     any worker starts."""
     from embodirl.compare import cli as compare_cli
-    from embodirl.doctor import PreflightFailed
     from embodirl.errors import AssetsMissing, ConfigError, RunFailed
+    from embodirl.tools.doctor import PreflightFailed
     from embodirl.workers.deadlines import WorkerHung
 
     try:

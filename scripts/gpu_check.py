@@ -6,7 +6,7 @@
 Steps, in order; the first that fails ends the check (exit status 1) with its error in the report:
 
 1. ``environment``: torch, transformers, peft, the device and its memory;
-2. ``dry_run``: the preset on the meta device (:mod:`embodirl.dry_run`): FLOPs per decision of ``act`` and of
+2. ``dry_run``: the preset on the meta device (:mod:`embodirl.tools.dry_run`): FLOPs per decision of ``act`` and of
    an update, and the actor's bytes (the compute bound below comes from it);
 3. ``train``: the real CLI, the in-process path (``cluster.use_ray=false model.device=<device>``) with the preset
    on ``env=toy_reach`` and GRPO, 3 training steps with an evaluation and a checkpoint at the third;
@@ -163,7 +163,7 @@ def bf16_peak(name: str) -> float | None:
 
 def dry_run_step(preset: str) -> dict:
     from embodirl.config import compose
-    from embodirl.dry_run import dry_run, format_report
+    from embodirl.tools.dry_run import dry_run, format_report
 
     report = dry_run(compose(["env=libero_10", f"model={preset}"]))
     print(format_report(report), flush=True)
@@ -195,7 +195,7 @@ def pi0_step(report: Report, mode: dict) -> dict:
                        "--param-dtype", dtype, *mode["pi0_actor"], "--json", str(actor_out)], timeout_s=900)[-1500:],
           flush=True)
     from embodirl.config import compose
-    from embodirl.dry_run import dry_run
+    from embodirl.tools.dry_run import dry_run
 
     dry = dry_run(compose(["env=libero_10", f"model={mode['pi0']}"]))
     return {"policy": json.loads(policy_out.read_text()), "actor": json.loads(actor_out.read_text()),

@@ -248,7 +248,8 @@ LAYERS = [
     {"schema"},                   # the typed config: what the layers above read; choice lists from the leaves below
     {"rollout"}, {"actor"}, {"workers"}, {"runner"},
     {"config", "overrides"},      # composition and validation (runs the runner's own rules); commands' own sections
-    {"memory_plan", "dry_run"}, {"doctor"}, {"demos", "sft", "compare"}, {"cli"},
+    {"tools"},                    # doctor, its memory estimate and the meta-device dry run
+    {"demos", "sft", "compare"}, {"cli"},
 ]
 
 
