@@ -30,7 +30,8 @@ from embodirl.atomic_folder import remove_stale
 from embodirl.models.openvla_oft.hf_checkpoint import TOKENS_TRAINED
 from embodirl.models.registry import SFT_TOKENS, policy_family
 from embodirl.runner import checkpoint as ckpt
-from embodirl.runner.loop import load_actor_state, seed_everything
+from embodirl.runner.checkpoint import load_actor_state
+from embodirl.runner.loop import seed_everything
 from embodirl.runner.metrics_logger import MetricsLogger
 from embodirl.sft.data import BatchMaker, batch_indices, dataset_statistics
 from embodirl.sft.section import SftSections
