@@ -24,7 +24,6 @@ A checkpoint (the part folders are what :class:`~embodirl.runner.loop.Runner` wr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -46,13 +45,9 @@ DISABLE = "disable"
 MODEL_CONFIG = "config.json"
 
 
-def save_train_state(folder: Path, actor_state: Mapping) -> None:
-    """The actor's state without its trained tensors (those go to the policy folder)."""
-    torch.save({k: v for k, v in actor_state.items() if k != "trainable"}, folder / TRAIN_STATE)
-
-
 def load_train_state(folder: Path) -> dict:
-    """:func:`save_train_state`'s file (checkpoints written before the actor state was sharded)."""
+    """The actor's state without its trained tensors, as checkpoints written before the actor state was sharded
+    hold it (``TRAIN_STATE``)."""
     return torch.load(folder / TRAIN_STATE, weights_only=True)
 
 

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(EXIT_RUN_FAILED)
         sys.exit(code)
     if command == "doctor":
-        from embodirl import doctor
+        from embodirl.tools import doctor
 
         try:
             check_group_overrides(overrides)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as exc:
             _fail(str(exc))
         sys.exit(code)
-    from embodirl.doctor import PreflightFailed, preflight
+    from embodirl.tools.doctor import PreflightFailed, preflight
 
     try:
         check_group_overrides(overrides)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             if not any(a.startswith("-") for a in rest):    # a run (not --cfg/--info): rendering and memory
                 preflight(typed)                               # are checked before any worker starts
                 if command == "train":                         # where each component runs, first
-                    from embodirl.run_plan import plan_lines
+                    from embodirl.tools.run_plan import plan_lines
 
                     ctx = context[0]
                     print("\n".join(plan_lines(ctx, with_memory=ctx.placement.accelerator == "gpu")), flush=True)
@@ -216,8 +216,8 @@ def _compare(args: list[str]) -> None:
     """``embodirl compare A B [overrides]`` (:mod:`embodirl.compare`): bad input is one sentence and status 2 before
     any worker starts."""
     from embodirl.compare import cli as compare_cli
-    from embodirl.doctor import PreflightFailed
     from embodirl.errors import AssetsMissing, ConfigError, RunFailed
+    from embodirl.tools.doctor import PreflightFailed
     from embodirl.workers.deadlines import WorkerHung
 
     try:

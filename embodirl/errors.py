@@ -38,3 +38,9 @@ class AlreadyTrained(RuntimeError):
     """A training run's folder already holds a checkpoint at ``runner.max_steps``: there is nothing to train. The
     message is one sentence saying how to continue; the CLI prints it and exits with status 3, not 0, so that a script
     does not take a run that trained nothing for one that trained."""
+
+
+def last_line(exc: BaseException) -> str:
+    """The message of an exception, also when Ray wrapped it (its last non-empty line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__).rstrip(".")

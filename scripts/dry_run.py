@@ -1,4 +1,4 @@
-"""The full-size dry run on PyTorch's meta device (embodirl/dry_run.py) for any config, and doctor's estimate beside it.
+"""The full-size dry run on PyTorch's meta device (embodirl/tools/dry_run.py) for any config, and doctor's estimate beside it.
 
     .venv/bin/python scripts/dry_run.py env=libero_10 model=openvla_oft [--json out.json]
 
@@ -15,8 +15,8 @@ import json
 import sys
 
 from embodirl.config import compose
-from embodirl.dry_run import dry_run, format_report
-from embodirl.memory_plan import memory_plan, model_size
+from embodirl.tools.dry_run import dry_run, format_report
+from embodirl.tools.memory_plan import memory_plan, model_size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,16 +183,20 @@ def generate() -> str:
     out += ["## env.train and env.eval", "",
             "An env option (`env=<option>`, a file under `config/env/`) fills both env splits; `env@env.eval=<option>` "
             "evaluates on another one. Each split's keys are those of the option's simulator adapter.", ""]
-    env_options = {"libero": ("libero_10", "_libero_base.yaml"), "maniskill": ("maniskill_pushcube", "_maniskill_base.yaml"),
-                   "toy": ("toy_reach", "toy_reach.yaml")}
+    env_options = {"libero": ("libero_10", ["_base.yaml", "_libero_base.yaml"]),
+                   "maniskill": ("maniskill_pushcube", ["_base.yaml", "_maniskill_base.yaml"]),
+                   "toy": ("toy_reach", ["_base.yaml", "toy_reach.yaml"])}
     for adapter in ADAPTERS.available():
         schema = ADAPTERS.config_class(adapter)
-        option, source = env_options.get(adapter, (None, None))
+        option, sources = env_options.get(adapter, (None, []))
         if schema is None or option is None:
             continue
+        comments = {}
+        for source in sources:      # the common keys' comments, then the adapter's own (which win)
+            comments.update({k: v for k, v in yaml_comments(CONFIG / "env" / source).items() if v})
         node = plain(compose([f"env={option}"]))["env"]["train"]
         out += [f"### adapter: {adapter} (defaults of `env={option}`)", "",
-                *table(rows(schema, node, "env.train", yaml_comments(CONFIG / "env" / source), "")), ""]
+                *table(rows(schema, node, "env.train", comments, "")), ""]
 
     out += ["## model", "", "A model option (`model=<option>`, a file under `config/model/`) selects a policy family; "
             "each family has its own keys.", ""]

@@ -6,18 +6,18 @@
 Steps, in order; the first that fails ends the check (exit status 1) with its error in the report:
 
 1. ``environment``: torch, transformers, peft, the device and its memory;
-2. ``dry_run``: the preset on the meta device (:mod:`embodirl.dry_run`): FLOPs per decision of ``act`` and of
+2. ``dry_run``: the preset on the meta device (:mod:`embodirl.tools.dry_run`): FLOPs per decision of ``act`` and of
    an update, and the actor's bytes (the compute bound below comes from it);
 3. ``train``: the real CLI, the in-process path (``cluster.use_ray=false model.device=<device>``) with the preset
    on ``env=toy_reach`` and GRPO, 3 training steps with an evaluation and a checkpoint at the third;
 4. ``eval``: ``embodirl eval`` from that checkpoint;
-5. ``policy``: ``scripts/bench_policy.py`` - parallel vs autoregressive decoding and ``policy.act`` decisions/s
+5. ``policy``: ``scripts/bench/bench_policy.py`` - parallel vs autoregressive decoding and ``policy.act`` decisions/s
    at several batch sizes;
-6. ``actor``: ``scripts/bench_actor.py --preset full`` - one FSDP2 actor rank in this process: one update,
+6. ``actor``: ``scripts/bench/bench_actor.py --preset full`` - one FSDP2 actor rank in this process: one update,
    publication, offload and onload, peak memory;
 7. ``pi0``: the second VLA family at full size (``pi0``: 3.6 B parameters, bf16; ``pi0_tiny`` on the CPU):
-   ``scripts/bench_pi0.py`` - ``act`` decisions/s and FLOPs per decision at several batch sizes - and
-   ``scripts/bench_actor.py --preset full --model pi0`` - one FSDP2 update with gradient checkpointing, peak memory.
+   ``scripts/bench/bench_pi0.py`` - ``act`` decisions/s and FLOPs per decision at several batch sizes - and
+   ``scripts/bench/bench_actor.py --preset full --model pi0`` - one FSDP2 update with gradient checkpointing, peak memory.
 
 The report (``<out>/gpu_check.json``, rewritten after every step) also holds ``targets``: the numbers the GPU
 issue sets goals for, each beside its goal. Logs of each step go to ``<out>/gpu_check.log``. At most 8 files are
@@ -171,7 +171,7 @@ def dry_run_step(preset: str, checkpointing: bool) -> dict:
     """The FLOPs and bytes of the preset with the gradient checkpointing of the update it describes (model FLOPs
     never count the recomputation; hardware FLOPs do when it is on)."""
     from embodirl.config import compose
-    from embodirl.dry_run import dry_run, format_report
+    from embodirl.tools.dry_run import dry_run, format_report
 
     report = dry_run(compose(["env=libero_10", f"model={preset}",
                               f"actor.fsdp.gradient_checkpointing={str(checkpointing).lower()}"]))
@@ -181,7 +181,7 @@ def dry_run_step(preset: str, checkpointing: bool) -> dict:
 
 def policy_step(report: Report, mode: dict) -> dict:
     out = report.out / "policy.json"
-    args = ["scripts/bench_policy.py", "--preset", mode["preset"], "--device", mode["device"],
+    args = ["scripts/bench/bench_policy.py", "--preset", mode["preset"], "--device", mode["device"],
             "--dtype", mode["dtype"], *mode["policy"], "--json", str(out)]
     print(run(report, args, timeout_s=900)[-1500:], flush=True)
     return json.loads(out.read_text())
@@ -189,7 +189,7 @@ def policy_step(report: Report, mode: dict) -> dict:
 
 def actor_step(report: Report, mode: dict) -> dict:
     out = report.out / "actor.json"
-    args = ["scripts/bench_actor.py", "--preset", "full", "--device", mode["device"], "--model", mode["preset"],
+    args = ["scripts/bench/bench_actor.py", "--preset", "full", "--device", mode["device"], "--model", mode["preset"],
             "--param-dtype", mode["dtype"], *mode["actor"], "--json", str(out)]
     print(run(report, args, timeout_s=900)[-2500:], flush=True)
     return json.loads(out.read_text())
@@ -198,13 +198,13 @@ def actor_step(report: Report, mode: dict) -> dict:
 def pi0_step(report: Report, mode: dict) -> dict:
     policy_out, actor_out = report.out / "pi0_policy.json", report.out / "pi0_actor.json"
     dtype = mode["dtype"] if mode["device"] == "cuda" else "float32"
-    run(report, ["scripts/bench_pi0.py", "--preset", mode["pi0"], "--device", mode["device"], "--dtype", dtype,
+    run(report, ["scripts/bench/bench_pi0.py", "--preset", mode["pi0"], "--device", mode["device"], "--dtype", dtype,
                  *mode["pi0_policy"], "--json", str(policy_out)], timeout_s=900)
-    print(run(report, ["scripts/bench_actor.py", "--preset", "full", "--device", mode["device"], "--model", mode["pi0"],
+    print(run(report, ["scripts/bench/bench_actor.py", "--preset", "full", "--device", mode["device"], "--model", mode["pi0"],
                        "--param-dtype", dtype, *mode["pi0_actor"], "--json", str(actor_out)], timeout_s=900)[-1500:],
           flush=True)
     from embodirl.config import compose
-    from embodirl.dry_run import dry_run
+    from embodirl.tools.dry_run import dry_run
 
     checkpointing = checkpointing_of(mode["pi0_actor"])
     dry = dry_run(compose(["env=libero_10", f"model={mode['pi0']}",

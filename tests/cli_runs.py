@@ -43,7 +43,7 @@ EXE = [sys.executable, "-m", "embodirl.cli"]
 #: what the zygote imports before its first fork: the config stack (it pulls torch), the commands' modules, the
 #: policies (transformers, peft) and what the simulators' own forkserver preloads (the Vulkan set-up, ManiSkill's
 #: task registry, which validation reads); measured per run: 1.4 CPU-s saved for a refusal, ~3 for a toy run
-PRELOAD = ("embodirl.config", "embodirl.doctor", "embodirl.runner.loop", "embodirl.sft.cli", "embodirl.demos.generate",
+PRELOAD = ("embodirl.config", "embodirl.tools.doctor", "embodirl.runner.loop", "embodirl.sft.cli", "embodirl.demos.generate",
            "tensordict", "hydra.main", "embodirl.models.openvla_oft.policy", "embodirl.models.pi0.policy", "peft",
            "embodirl.envs.maniskill.preload")
 #: variables a run may set differently from the zygote without a real process (nothing reads them at import)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from embodirl import doctor
+from embodirl.tools import doctor
 from tests import cli_runs
 from tests.models.test_openvla_checkpoint import direct_model, oft_action_head_file, write_public_checkpoint
 

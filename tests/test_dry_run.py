@@ -1,4 +1,4 @@
-"""The full-size dry run on the meta device (embodirl/dry_run.py): OpenVLA-OFT at 7.7 B parameters acts,
+"""The full-size dry run on the meta device (embodirl/tools/dry_run.py): OpenVLA-OFT at 7.7 B parameters acts,
 scores its actions, takes an actor update and publishes its adapter without memory or a GPU, so a tensor left on the CPU
 inside the policy, its normalisers, tokenizer, processor or loss fails here (it crashed the first action on an
 H200 at d1d7c5b: the normalisers stayed on the CPU - this test fails there). The same run counts FLOPs and bytes,
@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from embodirl.dry_run import MetaDryRun, dry_run, format_report
-from embodirl.memory_plan import memory_plan, model_size
+from embodirl.tools.dry_run import MetaDryRun, dry_run, format_report
+from embodirl.tools.memory_plan import memory_plan, model_size
 
 GIB = 1024**3
 
@@ -48,9 +48,9 @@ def test_a_normaliser_left_on_the_cpu_fails_the_dry_run(compose_cfg):
     cfg = compose_cfg("env=libero_10", "model=openvla_oft_tiny")
     report = dry_run(cfg)
     assert report.act_flops_per_decision > 0 and report.published_tensors > 0
-    from embodirl.dry_run import _observation, dry_run_spec
     from embodirl.models.base import SamplingParams
     from embodirl.models.registry import make_policy, model_config
+    from embodirl.tools.dry_run import _observation, dry_run_spec
 
     model = dataclasses.replace(model_config(cfg.model), device="meta")
     spec = dry_run_spec(cfg)

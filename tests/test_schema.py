@@ -251,7 +251,8 @@ LAYERS = [
     {"calibration"},              # doctor --bench's measurements and prediction; the runner writes them into a run
     {"runner"},
     {"config", "overrides"},      # composition and validation (runs the runner's own rules); commands' own sections
-    {"memory_plan", "dry_run"}, {"run_plan"}, {"doctor"}, {"demos", "sft", "compare"}, {"cli"},
+    {"tools"},                    # doctor, its memory estimate and the meta-device dry run
+    {"demos", "sft", "compare"}, {"cli"},
 ]
 
 

@@ -130,10 +130,6 @@ class ShmChannel:
         self._closed = False
         self.reclaim()
 
-    @classmethod
-    def for_batch(cls, example: Mapping[str, np.ndarray], num_slots: int, tag: str = "obs") -> ShmChannel:
-        return cls(example, num_slots, tag)
-
     @property
     def num_slots(self) -> int:
         return self.info.num_slots
@@ -209,20 +205,29 @@ class ShmChannel:
 
     # --- free list -------------------------------------------------------------------------------
     def _acquire(self, timeout: float | None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                data = os.read(self._fifo, _SLOT_ID.size)
-            except BlockingIOError:
-                data = b""
-            if data:
-                (slot,) = _SLOT_ID.unpack(data)
-                return slot
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                raise ChannelFull(f"no free slot in channel {self.info.segment} after {timeout:.3g}s: "
-                                  f"all {self.num_slots} slots are held by the consumer")
-            wait_readable([self._fifo], wait)
+        data = _read_record(self._fifo, _SLOT_ID.size, timeout)
+        if data is None:
+            raise ChannelFull(f"no free slot in channel {self.info.segment} after {timeout:.3g}s: "
+                              f"all {self.num_slots} slots are held by the consumer")
+        (slot,) = _SLOT_ID.unpack(data)
+        return slot
+
+
+def _read_record(fd: int, size: int, timeout: float | None) -> bytes | None:
+    """One ``size``-byte record from the non-blocking FIFO ``fd`` (a free slot's id, a ready batch's entry), waiting
+    at most ``timeout`` seconds (None: for ever) for one to arrive; None on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            data = os.read(fd, size)
+        except BlockingIOError:
+            data = b""
+        if data:
+            return data
+        wait = None if deadline is None else deadline - time.monotonic()
+        if wait is not None and wait <= 0:
+            return None
+        wait_readable([fd], wait)
 
 
 def _drain(fd: int) -> None:
@@ -288,20 +293,11 @@ class ShmReader:
     def recv(self, info: ChannelInfo, timeout: float | None = None) -> tuple[ShmRef, int] | None:
         """The next batch :meth:`ShmChannel.send` queued on ``info``'s ring and its metadata, waiting at
         most ``timeout`` seconds (None: forever); None on timeout."""
-        mapped = self._map(info)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                data = os.read(mapped.ready, _READY.size)
-            except BlockingIOError:
-                data = b""
-            if data:
-                slot, meta, seq = _READY.unpack(data)
-                return ShmRef(info, slot, seq), meta
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                return None
-            wait_readable([mapped.ready], wait)
+        data = _read_record(self._map(info).ready, _READY.size, timeout)
+        if data is None:
+            return None
+        slot, meta, seq = _READY.unpack(data)
+        return ShmRef(info, slot, seq), meta
 
     def ready_fd(self, info: ChannelInfo) -> int:
         """A file descriptor that is readable while ``info``'s ring has queued batches (for select)."""

@@ -208,7 +208,7 @@ def side_node(cfg: DictConfig, label: str, path: Path, kind: str, source: Path |
 def prepare(args: Sequence[str]) -> CompareJob:
     """The comparison ``embodirl compare <args>`` describes, every check done (see module docstring)."""
     from embodirl.config import validate
-    from embodirl.doctor import preflight
+    from embodirl.tools.doctor import preflight
 
     cfg, settings = compose(args)
     if cfg.runner.resume_dir not in (None, "", "auto"):

@@ -114,8 +114,3 @@ class BoundsNormalizer(torch.nn.Module):
         scaled = 2.0 * (x - self.low) / (self.high - self.low + BOUNDS_EPS) - 1.0  # (..., D)
         out = torch.where(self.mask, scaled, x)
         return out.clamp(-1.0, 1.0) if self.clip else out
-
-    def to_statistics(self, kind: str = "bounds_q99") -> dict:
-        """The inverse of :meth:`from_statistics` (only the keys it reads)."""
-        low_key, high_key = BOUNDS_KEYS[kind]
-        return {low_key: self.low.tolist(), high_key: self.high.tolist(), "mask": self.mask.tolist()}

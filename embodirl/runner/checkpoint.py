@@ -39,10 +39,11 @@ from embodirl.checkpoint_layout import (
     LEGACY_RNG,
     LEGACY_WORKER_RNG,
     MODEL_CONFIG,
+    POLICY,
     RNG,
     WORKER_RNG,
 )
-from embodirl.errors import ConfigError
+from embodirl.errors import ConfigError, last_line
 from embodirl.runner import manifest
 from embodirl.runner.metrics_logger import flatten
 from embodirl.runtime import rng_state, rng_state_from_json, rng_state_to_json, set_rng_state
@@ -251,6 +252,26 @@ def written_with(source: Path, cfg) -> str:
         except Exception:
             return ""
     return f" (the checkpoint was written with {what}; use that run's model options, see {written})"
+
+
+def load_policy_weights(policy, source: Path, cfg) -> None:
+    """Load checkpoint ``source``'s trained weights (its ``policy/`` folder, nothing else) into ``policy``; a
+    checkpoint of another model is one sentence naming the keys of ``cfg`` that differ (``embodirl eval``)."""
+    try:
+        policy.load_trainable(source / POLICY)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError("runner.resume_dir", f"{str(exc).rstrip('.')}{written_with(source, cfg)}") from None
+
+
+def load_actor_state(actors, source: Path, cfg) -> None:
+    """Restore every actor rank from checkpoint ``source`` (trained weights, optimizer, schedule, replay buffer,
+    counters); a checkpoint of another model or adapter layout is one sentence naming the keys of ``cfg`` that
+    differ from the run that wrote it (``embodirl train`` and ``embodirl sft`` resume through here)."""
+    try:
+        actors.load(source.resolve())
+    except Exception as exc:
+        raise ConfigError("runner.resume_dir",
+                          f"cannot resume from {source}: {last_line(exc)}{written_with(source, cfg)}") from None
 
 
 def show_value(value) -> str:

@@ -1,5 +1,5 @@
-"""What a training step's collection adds around the workers' rollouts: ReMax's greedy baseline and
-re-sampled group filtering.
+"""What a training step's collection adds around the workers' rollouts: ReMax's greedy baseline,
+re-sampled group filtering, and the step's collection metrics (:func:`collection_metrics`).
 
 * :func:`remax_baseline` - ReMax (Li et al. 2024) as verl runs it (``verl/trainer/ppo/ray_trainer.py``,
   the ``AdvantageEstimator.REMAX`` branch of ``fit``, commit b178a3cd): next to the sampled rollout,
@@ -28,6 +28,7 @@ from embodirl import data as D
 from embodirl.algorithms.advantages import REWARD_BASELINE
 from embodirl.algorithms.filtering import group_keep_mask
 from embodirl.algorithms.section import AlgorithmSection
+from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import EpisodeStarts
 
 
@@ -99,3 +100,46 @@ class InformativeGroups:
         out.set(D.GROUP_ID, (torch.arange(N) // self.G)[:, None].expand(N, T).contiguous())
         return out
 
+
+def rollout_metrics(batch, H: int, collect_s: float) -> dict[str, float]:
+    """Success rate, return and length of the episodes in a rollout batch ``[N, T]``, and the oldest
+    weight version that acted in it."""
+    valid = batch.get(D.VALID)
+    done = (batch.get(D.TERMINATED) | batch.get(D.TRUNCATED)) & valid
+    reward = batch.get(D.REWARD)
+    reward = reward.sum(-1) if reward.dim() == 3 else reward                     # (N, T)
+    success = batch.get(D.SUCCESS) if D.SUCCESS in batch.keys() else torch.zeros_like(valid)
+    # An episode is a finished one (done) or the unfinished tail of a row.
+    unfinished_tail = valid[:, -1] & ~done[:, -1]
+    episodes = float(done.sum() + unfinished_tail.sum())
+    succeeded = float((success & done).sum() + (success[:, -1] & unfinished_tail).sum())
+    decisions = float(valid.sum())
+    metrics = {
+        "train/success_rate": succeeded / max(episodes, 1.0),
+        "train/return": float((reward * valid).sum()) / max(episodes, 1.0),
+        "train/episode_length": decisions * H / max(episodes, 1.0),
+        "train/episodes": episodes,
+        "env/steps_per_s": decisions * H / max(collect_s, 1e-9),
+    }
+    if D.WEIGHT_VERSION in batch.keys():
+        # the oldest weights that acted: the version the last sync published when rollouts are on-policy
+        metrics["rollout/weight_version"] = float(batch.get(D.WEIGHT_VERSION)[valid].min())
+    return metrics
+
+
+def collection_metrics(batch, stats: RolloutStats, H: int, collect_s: float) -> tuple[dict[str, float], dict[str, float]]:
+    """A step's collection timings (``time/*``: collection without ReMax's greedy rollouts, which count
+    apart, and its env / inference / channel-wait split) and metrics (:func:`rollout_metrics`, episodes
+    collected again, observation batches per transport, re-sampled group filtering's rollouts)."""
+    timings = {"time/collect": collect_s}
+    if stats.baseline_s:
+        timings["time/baseline_rollout"] = stats.baseline_s   # ReMax's greedy rollouts
+    timings.update({"time/env": stats.env_s, "time/inference": stats.infer_s, "time/channel_wait": stats.wait_s})
+    metrics = rollout_metrics(batch, H, collect_s)
+    metrics["train/dropped_episodes"] = float(stats.recollected_rows)
+    metrics["transport/shm_batches"] = float(stats.shm_batches)
+    metrics["transport/object_store_batches"] = float(stats.object_store_batches)
+    if stats.rollouts_drawn:
+        metrics["train/rollouts_drawn"] = float(stats.rollouts_drawn)
+        metrics["train/rollouts_kept"] = float(stats.rollouts_kept)
+    return timings, metrics

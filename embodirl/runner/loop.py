@@ -7,7 +7,8 @@ inference thread) or as Ray workers with the shared-memory observation channel (
 same classes either way, and the actor's :class:`~embodirl.workers.actor_group.ActorGroup`: one rank in this
 process (whose module the inference worker acts with), or N FSDP2 ranks as Ray workers.
 
-One step::
+One step (the phases of :class:`~embodirl.runner.training.TrainingRun`, with the collapse guard, the moving average
+and parking the actor as hooks around them: :mod:`~embodirl.runner.hooks`)::
 
     batch    = groups.collect(starts, seed=s)   # rollout.rollout_epoch times: env.train.num_envs slots -> [N, T]
     batch    = actors.with_ref_logprob(batch)   # only with a KL term (reference forward on the ranks)
@@ -44,10 +45,9 @@ from omegaconf import OmegaConf
 from embodirl import checkpoint_layout as layout
 from embodirl import data as D
 from embodirl import runtime
-from embodirl.actor.actor import prepare_batch
 from embodirl.calibration import report as prediction
 from embodirl.envs.video import step_folder
-from embodirl.errors import ConfigError, NonFiniteUpdate, RunFailed
+from embodirl.errors import ConfigError, RunFailed
 from embodirl.models.registry import make_policy
 from embodirl.placement import use_ray
 from embodirl.progress import Ticker
@@ -55,14 +55,15 @@ from embodirl.rollout.collector import RolloutStats
 from embodirl.rollout.starts import plan_starts
 from embodirl.runner import checkpoint as ckpt
 from embodirl.runner import heldout
+from embodirl.runner.checkpoint import load_policy_weights
 from embodirl.runner.collection import InformativeGroups, remax_baseline
 from embodirl.runner.eval_report import plot_learning_curve, plot_success, print_table, write_eval_info
 from embodirl.runner.evaluation import eval_env_cfg, run_sweep
-from embodirl.runner.guard import ROLLBACK, STOP, CollapseGuard
+from embodirl.runner.guard import CollapseGuard
 from embodirl.runner.metrics_logger import MetricsLogger, read_metrics
-from embodirl.runner.preemption import Preempted, PreemptionWatch
+from embodirl.runner.preemption import Preempted
 from embodirl.runner.run_folder import FolderLock, check_eval_folder, no_room, training_start
-from embodirl.runner.run_state import restore as restore_run_state
+from embodirl.runner.training import TrainingRun
 from embodirl.runner.weights import complete_record, describe, weights_record
 from embodirl.schema import Config, EnvSplits, run_config
 from embodirl.workers.groups import WorkerGroups
@@ -80,50 +81,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def rollout_metrics(batch, H: int, collect_s: float) -> dict[str, float]:
-    """Success rate, return and length of the episodes in a rollout batch ``[N, T]``, and the oldest
-    weight version that acted in it."""
-    valid = batch.get(D.VALID)
-    done = (batch.get(D.TERMINATED) | batch.get(D.TRUNCATED)) & valid
-    reward = batch.get(D.REWARD)
-    reward = reward.sum(-1) if reward.dim() == 3 else reward                     # (N, T)
-    success = batch.get(D.SUCCESS) if D.SUCCESS in batch.keys() else torch.zeros_like(valid)
-    # An episode is a finished one (done) or the unfinished tail of a row.
-    unfinished_tail = valid[:, -1] & ~done[:, -1]
-    episodes = float(done.sum() + unfinished_tail.sum())
-    succeeded = float((success & done).sum() + (success[:, -1] & unfinished_tail).sum())
-    decisions = float(valid.sum())
-    metrics = {
-        "train/success_rate": succeeded / max(episodes, 1.0),
-        "train/return": float((reward * valid).sum()) / max(episodes, 1.0),
-        "train/episode_length": decisions * H / max(episodes, 1.0),
-        "train/episodes": episodes,
-        "env/steps_per_s": decisions * H / max(collect_s, 1e-9),
-    }
-    if D.WEIGHT_VERSION in batch.keys():
-        # the oldest weights that acted: the version the last sync published when rollouts are on-policy
-        metrics["rollout/weight_version"] = float(batch.get(D.WEIGHT_VERSION)[valid].min())
-    return metrics
-
-
-def collection_metrics(batch, stats: RolloutStats, H: int, collect_s: float) -> tuple[dict[str, float], dict[str, float]]:
-    """A step's collection timings (``time/*``: collection without ReMax's greedy rollouts, which count
-    apart, and its env / inference / channel-wait split) and metrics (:func:`rollout_metrics`, episodes
-    collected again, observation batches per transport, re-sampled group filtering's rollouts)."""
-    timings = {"time/collect": collect_s}
-    if stats.baseline_s:
-        timings["time/baseline_rollout"] = stats.baseline_s   # ReMax's greedy rollouts
-    timings.update({"time/env": stats.env_s, "time/inference": stats.infer_s, "time/channel_wait": stats.wait_s})
-    metrics = rollout_metrics(batch, H, collect_s)
-    metrics["train/dropped_episodes"] = float(stats.recollected_rows)
-    metrics["transport/shm_batches"] = float(stats.shm_batches)
-    metrics["transport/object_store_batches"] = float(stats.object_store_batches)
-    if stats.rollouts_drawn:
-        metrics["train/rollouts_drawn"] = float(stats.rollouts_drawn)
-        metrics["train/rollouts_kept"] = float(stats.rollouts_kept)
-    return timings, metrics
 
 
 class Runner:
@@ -303,151 +260,8 @@ class Runner:
                 self._restart_source = latest if latest is not None else self._resume_source()
 
     def _train(self, groups: WorkerGroups) -> None:
-        cfg, r = self.cfg, self.cfg.runner
-        self.guard = CollapseGuard(r.guard)
-        actors = groups.make_actors()
-        starts_rng = np.random.default_rng(self.seed)
-        start_step, env_steps = 0, 0.0
-        kl_coef = self.algorithm.kl_controller().value
-        source = self._resume_source()
-        if source is not None:
-            start_step = ckpt.checkpoint_step(source)
-            load_actor_state(actors, source, cfg)
-            restored = restore_run_state(source, starts_rng, self.guard, kl_coef, groups)
-            env_steps, self._elapsed_offset, kl_coef = restored.env_steps, restored.elapsed_min, restored.kl_coef
-            log.info("resumed from %s (step %d)", source, start_step)
-        # the acting policy starts from the actor's weights and version (restored ones after a resume)
-        groups.publish_weights(full=True)
-        self._write_placement(groups, actors)
-        logger = self._logger(resume_step=start_step)     # a fresh start drops records of an earlier attempt
-        logger.log_hparams(dataclasses.asdict(cfg))
-        H = cfg.model.action_chunk
-        kl_active = self.algorithm.kl_active
-        offload = cfg.actor.enable_offload
-        ema = cfg.actor.ema_decay > 0
-        max_steps = r.max_steps
-        progress = None
-        if r.progress_bar:
-            from tqdm import tqdm
-
-            progress = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", leave=False)
-        state = {"env_steps": env_steps, "kl_coef": kl_coef, "saved": (start_step, source)}
-        stack = contextlib.ExitStack()
-        preemption = PreemptionWatch()     # SIGTERM / SIGUSR1: finish the step, checkpoint, stop
-
-        def save(step: int) -> Path:
-            path = self._save(step, actors, starts_rng, state["env_steps"], groups=groups, kl_coef=state["kl_coef"])
-            state["saved"] = (step, path)
-            return path
-
-        def stop_if_preempted(step: int) -> None:
-            """After training step ``step`` (or before the first, at ``start_step``): on a preemption signal, write its
-            checkpoint unless it exists, and raise :class:`Preempted` (the handlers are installed in the ``try`` below,
-            an ExitStack so that the loop keeps its indentation)."""
-            if not preemption.requested:
-                return
-            saved_step, path = state["saved"]
-            if saved_step != step:
-                path = save(step)
-            if step < max_steps:          # at the last step the run is complete: it ends as any finished run
-                raise preemption.stop(step, path)
-
-        def evaluate(step: int) -> None:
-            if ema:   # actor.ema_decay: the acting policy evaluates the moving average, then gets the weights back
-                actors.swap_ema()
-                groups.publish_weights(full=True)
-            try:
-                success = self._log_eval(logger, groups, step)
-            finally:
-                if ema:
-                    actors.swap_ema()
-                    groups.publish_weights(full=True)
-                if ema and offload:
-                    actors.offload()
-            if not self.guard.enabled:
-                return
-            if self.guard.is_new_best(success):   # the rollback target: this evaluation's weights and actor state
-                self.guard.record_best(step, success, str(save(step)))
-            else:
-                self._guard_check(self.guard.after_eval(step, success), step, actors, groups, logger)
-
-        try:
-            stack.enter_context(preemption.installed())
-            if self.guard.enabled and start_step == 0 and not r.val_before_train:
-                self.guard.state.best_checkpoint, self.guard.state.best_step = str(save(0)), 0   # before any evaluation
-            if r.val_before_train and start_step == 0:
-                evaluate(0)
-            stop_if_preempted(start_step)      # a signal during the start's checkpoint or evaluation
-            for step in range(start_step + 1, max_steps + 1):
-                t0 = time.perf_counter()
-                batch, stats = self._collect(groups, step, starts_rng)
-                timings, metrics = collection_metrics(batch, stats, H, time.perf_counter() - t0 - stats.baseline_s)
-                # advantages (driver side, on the whole batch) + update (every rank on its shard)
-                t1 = time.perf_counter()
-                if kl_active and D.LOGPROB_REF not in batch.keys():
-                    batch = actors.with_ref_logprob(batch)
-                prepared, prepare_metrics = prepare_batch(batch, self.algorithm, kl_coef=kl_coef)
-                timings["time/advantages"] = time.perf_counter() - t1
-                try:
-                    update_metrics = actors.train(prepared)
-                except NonFiniteUpdate as exc:
-                    if not (self.guard.enabled and self.guard.settings.nonfinite):
-                        raise RunFailed(_last_line(exc)) from None
-                    self._guard_check(_last_line(exc), step, actors, groups, logger)
-                    if progress is not None:
-                        progress.update(1)
-                    if r.save_interval and step == max_steps:   # the last step rolled back: its weights are final
-                        save(step)
-                    stop_if_preempted(step)
-                    continue
-                kl_coef = state["kl_coef"] = float(update_metrics.get("actor/kl_coef", kl_coef))
-                timings["time/update"] = time.perf_counter() - t1
-                # publish weights: the tensors this update changed go from rank 0 to the acting policy
-                t2 = time.perf_counter()
-                sync_metrics = groups.publish_weights()
-                if offload:   # collocated: the actor's state waits in host memory while the rollout runs
-                    actors.offload()
-                timings["time/publish_weights"] = time.perf_counter() - t2
-                timings["time/step"] = time.perf_counter() - t0
-                metrics.update({k: float(v) for k, v in prepare_metrics.items()})
-                metrics.update(update_metrics)
-                metrics.update(sync_metrics)
-                metrics.update(timings)
-                env_steps += metrics["train/episode_length"] * metrics["train/episodes"]
-                state["env_steps"] = env_steps
-                metrics["env/total_steps"] = env_steps
-                metrics["time/elapsed_min"] = self._elapsed_min()
-                logger.log(step, metrics)
-                if progress is not None:
-                    progress.update(1)
-                if self.guard.enabled:
-                    self._guard_check(self.guard.after_step(metrics), step, actors, groups, logger)
-                if r.val_check_interval and step % r.val_check_interval == 0 and not preemption.requested:
-                    evaluate(step)
-                if r.save_interval and (step % r.save_interval == 0 or step == max_steps):
-                    save(step)
-                stop_if_preempted(step)
-        finally:
-            stack.close()
-            if progress is not None:
-                progress.close()
-            logger.close()
-
-    def _guard_check(self, reason: str | None, step: int, actors, groups: WorkerGroups, logger: MetricsLogger
-                     ) -> None:
-        """A tripped collapse guard (``reason``): log the event; roll every actor rank back to the best
-        checkpoint, scale the learning rate and publish the restored weights - or stop the run."""
-        if reason is None:
-            return
-        action, sentence = self.guard.decide(step, reason)
-        st = self.guard.state
-        logger.event(step, "guard", sentence, {"guard/rollbacks": st.rollbacks, "guard/lr_scale": st.lr_scale,
-                                               "guard/rolled_back_to": st.best_step if action == ROLLBACK else -1})
-        if action == STOP:
-            raise RunFailed(sentence)
-        load_actor_state(actors, Path(st.best_checkpoint), self.cfg)
-        actors.set_lr_scale(st.lr_scale)
-        groups.publish_weights(full=True)
+        """One attempt's training steps (:class:`~embodirl.runner.training.TrainingRun`: the phases and their hooks)."""
+        TrainingRun(self, groups).run()
 
     def _collect(self, groups: WorkerGroups, step: int, starts_rng: np.random.Generator) -> tuple:
         """``rollout.rollout_epoch`` rollouts -> one batch ``[N, T]`` and their summed timings; the first
@@ -558,32 +372,6 @@ def worker_config(cfg: Config) -> Config:
     if cfg.runner.train_video_interval > 0:
         train = dataclasses.replace(train, video=dataclasses.replace(train.video, enabled=True))
     return dataclasses.replace(cfg, env=EnvSplits(train=train, eval=eval_env_cfg(cfg)))
-
-
-def load_policy_weights(policy, source: Path, cfg) -> None:
-    """Load checkpoint ``source``'s trained weights (its ``policy/`` folder, nothing else) into ``policy``; a
-    checkpoint of another model is one sentence naming the keys of ``cfg`` that differ (``embodirl eval``)."""
-    try:
-        policy.load_trainable(source / layout.POLICY)
-    except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError("runner.resume_dir", f"{str(exc).rstrip('.')}{ckpt.written_with(source, cfg)}") from None
-
-
-def load_actor_state(actors, source: Path, cfg) -> None:
-    """Restore every actor rank from checkpoint ``source`` (trained weights, optimizer, schedule, replay buffer,
-    counters); a checkpoint of another model or adapter layout is one sentence naming the keys of ``cfg`` that
-    differ from the run that wrote it (``embodirl train`` and ``embodirl sft`` resume through here)."""
-    try:
-        actors.load(source.resolve())
-    except Exception as exc:
-        raise ConfigError("runner.resume_dir",
-                          f"cannot resume from {source}: {_last_line(exc)}{ckpt.written_with(source, cfg)}") from None
-
-
-def _last_line(exc: BaseException) -> str:
-    """The message of an exception, also when Ray wrapped it (its last non-empty line)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(exc).__name__).rstrip(".")
 
 
 def run(cfg: Config):

@@ -30,7 +30,8 @@ from embodirl.atomic_folder import remove_stale
 from embodirl.models.openvla_oft.hf_checkpoint import TOKENS_TRAINED
 from embodirl.models.registry import SFT_TOKENS, policy_family
 from embodirl.runner import checkpoint as ckpt
-from embodirl.runner.loop import load_actor_state, seed_everything
+from embodirl.runner.checkpoint import load_actor_state
+from embodirl.runner.loop import seed_everything
 from embodirl.runner.metrics_logger import MetricsLogger
 from embodirl.sft.data import BatchMaker, batch_indices, dataset_statistics
 from embodirl.sft.section import SftSections
@@ -132,15 +133,7 @@ def run(cfg: DictConfig, own: SftSections, dataset, spec, camera_keys: list[str]
                 if saving:
                     last_model = _save(cfg, actors, out, step, marker) / MODEL
                 if evaluating:
-                    model_dir = last_model if saving else out / "eval" / f"step_{step}" / MODEL
-                    if not saving:
-                        actors.export(model_dir, step, marker)
-                    info = _evaluate(cfg, model_dir, out / "eval" / f"step_{step}")
-                    o = info["overall"]
-                    logger.log(step, {"eval/success_rate": o["success_rate"], "eval/return": o["avg_return"],
-                                      "eval/episode_length": o["avg_length"], "eval/episodes": o["n_episodes"]})
-                    print(f"[sft eval step {step}] success {o['success_rate']:.2f} over {o['n_episodes']} episodes",
-                          flush=True)
+                    _evaluate_step(cfg, actors, out, step, marker, logger, model=last_model if saving else None)
         finally:
             if progress is not None:
                 progress.close()
@@ -151,6 +144,21 @@ def run(cfg: DictConfig, own: SftSections, dataset, spec, camera_keys: list[str]
         latest = ckpt.latest_checkpoint(out)
         last_model = latest / MODEL if latest is not None else None
     return last_model
+
+
+def _evaluate_step(cfg: DictConfig, actors, out: Path, step: int, marker: dict, logger: MetricsLogger,
+                   model: Path | None) -> None:
+    """Evaluate step ``step``'s model, the export of its checkpoint (``model``) or, at a step without a checkpoint,
+    one exported into the evaluation's folder; its success goes to the metrics and the console."""
+    folder = out / "eval" / f"step_{step}"
+    if model is None:
+        model = folder / MODEL
+        actors.export(model, step, marker)
+    info = _evaluate(cfg, model, folder)
+    o = info["overall"]
+    logger.log(step, {"eval/success_rate": o["success_rate"], "eval/return": o["avg_return"],
+                      "eval/episode_length": o["avg_length"], "eval/episodes": o["n_episodes"]})
+    print(f"[sft eval step {step}] success {o['success_rate']:.2f} over {o['n_episodes']} episodes", flush=True)
 
 
 def _save(cfg: DictConfig, actors, out: Path, step: int, marker: dict) -> Path:

@@ -15,7 +15,7 @@ Trajectories travel back to the driver once per rollout as the return value of t
 call, packed as a dict of numpy arrays (:func:`pack_trajectory`): Ray stores numpy buffers in its
 object store without pickling them and the driver maps them, about 10x faster than sending the
 ``TensorDict`` itself for a LIBERO-sized batch. Both choices are measured in
-``scripts/bench_workers.py``.
+``scripts/bench/bench_workers.py``.
 """
 
 from __future__ import annotations

@@ -8,14 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from embodirl import data as D
 from embodirl.actor.actor import Actor
 from embodirl.envs.registry import make_env
 from embodirl.models.base import SamplingParams
 from embodirl.models.state_policy import StateMLPPolicy
-from embodirl.paths import config_dir
+from tests.env_options import env_option
 
 from .helpers import actor_cfg, grpo, ppo
 
@@ -23,7 +22,7 @@ N, G, H = 16, 4, 4
 
 
 def toy_env(num_envs: int):
-    cfg = OmegaConf.to_container(OmegaConf.load(config_dir() / "env" / "toy_reach.yaml"))
+    cfg = env_option("toy_reach")
     cfg.update(cameras=[], state_obs=True, action_dim=2, reward_mode="dense", max_episode_steps=24)
     return make_env(cfg, num_envs=num_envs, seed=0)
 

@@ -5,21 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from embodirl.envs import toy
 from embodirl.envs.registry import make_env
 from embodirl.envs.toy import COLOURS, GOAL_HALF_SIZE, ToySimEnv, init_position, oracle_actions
 from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import ConfigError
-from embodirl.paths import config_dir
+from tests.env_options import env_option
 
 EPISODES = 64
 CHUNK = 8
 
 
 def toy_cfg(**overrides) -> dict:
-    cfg = yaml.safe_load((config_dir() / "env" / "toy_reach.yaml").read_text())
+    cfg = env_option("toy_reach")
     cfg.update(overrides)
     return cfg
 

@@ -17,20 +17,19 @@ import time
 import numpy as np
 import psutil
 import pytest
-import yaml
 
 from embodirl.envs.toy import ToySimEnv, init_position, oracle_actions
 from embodirl.envs.vector.recovery import SubEnvCrashed
 from embodirl.envs.vector.vector_env import ProcessVectorEnv
 from embodirl.errors import ConfigError
-from embodirl.paths import config_dir
+from tests.env_options import env_option
 
 H = 4            # chunk length used throughout
 STEP = 0.08
 
 
 def toy_cfg(**overrides) -> dict:
-    cfg = yaml.safe_load((config_dir() / "env" / "toy_reach.yaml").read_text())
+    cfg = env_option("toy_reach")
     cfg.update(state_obs=True, step_size=STEP)
     cfg.update(overrides)
     return cfg
@@ -330,18 +329,19 @@ def test_close_and_garbage_collection_end_the_processes():
 
 
 _CHILD_SCRIPT = textwrap.dedent("""
-    import functools, sys, threading, time, yaml
+    import functools, sys, threading, time
     import numpy as np
+    from omegaconf import OmegaConf
+    from embodirl.config import compose
     from embodirl.envs.toy import ToySimEnv
     from embodirl.envs.vector.vector_env import ProcessVectorEnv
-    from embodirl.paths import config_dir
 
     class Busy(ToySimEnv):
         def step_chunk(self, actions, render_all=False):
             time.sleep(600)
 
     if __name__ == "__main__":
-        cfg = yaml.safe_load((config_dir() / "env" / "toy_reach.yaml").read_text())
+        cfg = OmegaConf.to_container(compose(["env=toy_reach"]).env.train, resolve=True)
         venv = ProcessVectorEnv([functools.partial(Busy, cfg, seed=i) for i in range(2)])
         venv.reset(seed=0)
         if sys.argv[1] == "busy":   # the sub-processes are inside step_chunk when the parent dies

@@ -6,7 +6,6 @@ import functools
 
 import imageio.v2 as imageio
 import numpy as np
-import yaml
 
 from embodirl.envs.base import VideoConfig
 from embodirl.envs.toy import ToySimEnv, oracle_actions
@@ -19,7 +18,7 @@ from embodirl.envs.video import (
     episode_video_name,
     write_video,
 )
-from embodirl.paths import config_dir
+from tests.env_options import env_option
 
 STEP = 0.08
 
@@ -30,7 +29,7 @@ def read(path) -> list[np.ndarray]:
 
 
 def toy_venv(n, *, record, **kwargs) -> ProcessVectorEnv:
-    cfg = yaml.safe_load((config_dir() / "env" / "toy_reach.yaml").read_text())
+    cfg = env_option("toy_reach")
     cfg.update(state_obs=True, step_size=STEP, image_size=[48, 48])
     return ProcessVectorEnv([functools.partial(ToySimEnv, cfg, seed=i) for i in range(n)], processes=False,
                             record_env_ids=record, **kwargs)

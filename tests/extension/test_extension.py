@@ -126,9 +126,9 @@ def test_a_policy_family_added_with_one_package_and_one_yaml(tmp_path, monkeypat
     # the dry run and doctor's memory estimate build it on the meta device like any family (here: in this process,
     # where the family registers for this test only: other tests list the registry's families)
     from embodirl.config import compose
-    from embodirl.dry_run import dry_run
-    from embodirl.memory_plan import UNSET_STATE_DIM, memory_plan, model_size
     from embodirl.registry import POLICIES
+    from embodirl.tools.dry_run import dry_run
+    from embodirl.tools.memory_plan import UNSET_STATE_DIM, memory_plan, model_size
 
     monkeypatch.setattr(POLICIES, "_entries", dict(POLICIES._entries))
     monkeypatch.setattr(POLICIES, "_configs", dict(POLICIES._configs))

@@ -370,7 +370,7 @@ def _eval(folder, work, name) -> dict:
 def test_eval_and_doctor_take_a_lerobot_folder(compose_cfg, tmp_path):
     """The user's path: ``embodirl doctor``'s checkpoint row describes the folder (and names a bad normaliser file);
     ``embodirl eval model.path=<LeRobot folder>`` runs through the CLI."""
-    from embodirl.doctor import check_checkpoint as doctor_row
+    from embodirl.tools.doctor import check_checkpoint as doctor_row
 
     _, _, folder = _cli_folder(compose_cfg, tmp_path)
     row = doctor_row(compose_cfg("model=pi0_tiny", "env=toy_reach", f"model.path={folder}"))

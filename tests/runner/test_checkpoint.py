@@ -22,7 +22,8 @@ from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
 from embodirl.models.registry import make_policy
 from embodirl.runner import checkpoint as ckpt
-from embodirl.runner.loop import Runner, load_actor_state, load_policy_weights
+from embodirl.runner.checkpoint import load_actor_state, load_policy_weights
+from embodirl.runner.loop import Runner
 from embodirl.workers.actor_group import ActorGroup
 from tests import cli_runs
 

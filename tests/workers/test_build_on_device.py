@@ -10,8 +10,8 @@ import resource
 import torch
 
 from embodirl.config import compose
-from embodirl.dry_run import dry_run_spec
 from embodirl.schema import run_config
+from embodirl.tools.dry_run import dry_run_spec
 from embodirl.workers.actor_worker import build_policy
 from embodirl.workers.inference_worker import InferenceWorker
 

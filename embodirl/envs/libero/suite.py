@@ -40,10 +40,6 @@ class SuiteInfo:
         """float64 ``[K, D]`` flattened MuJoCo states (time, qpos, qvel) of task ``task_id``."""
         return np.asarray(self.loaders[task_id]())
 
-    @property
-    def tasks_per_suite(self) -> int:
-        return SUITE_NUM_TASKS[self.name]
-
 
 def _official_tasks(libero, suite: str) -> tuple[list[str], list[Path], list]:
     """Descriptions, BDDL files and init-state loaders of a suite as libero 0.1.1's benchmark lists them (``libero``:

@@ -599,7 +599,7 @@ class Pi0Policy(Policy):
         return any(p.requires_grad for p in self.network.model.vlm.parameters())
 
     def activation_profile(self) -> dict:
-        """What ``embodirl doctor``'s memory estimate (:mod:`embodirl.memory_plan`) needs for the trainable set: the
+        """What ``embodirl doctor``'s memory estimate (:mod:`embodirl.tools.memory_plan`) needs for the trainable set: the
         layers, width and tokens whose activations a training pass keeps, and the bytes per token, layer and hidden
         unit (without checkpointing) and of the recomputed layer (with it). The constants are the full-size dry run's
         (``tests/test_dry_run.py``).

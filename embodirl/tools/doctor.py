@@ -16,7 +16,7 @@ dependencies        installed versions against the lock ``constraints.txt``     
 checkpoint          ``model.path``: files, heads and image count vs the model config, RL-ready     -
                     (the policy family's ``describe_checkpoint``, e.g. OpenVLA-OFT's autoconfig)
 memory              parameters, gradients, optimizer state, activations and rollout copies per     yes
-                    device against the memory found (an estimate: :mod:`embodirl.memory_plan`)
+                    device against the memory found (an estimate: :mod:`embodirl.tools.memory_plan`)
 video               the ffmpeg writer (imageio-ffmpeg) when the run writes videos                  yes
 ray                 the cluster's nodes and devices against ``cluster.component_placement``        -
 ==================  ============================================================================  ======
@@ -39,8 +39,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from embodirl.errors import AssetsMissing, ConfigError
-from embodirl.memory_plan import GIB, available_memory, memory_plan, model_size
 from embodirl.schema import run_config
+from embodirl.tools.memory_plan import GIB, available_memory, memory_plan, model_size
 
 PROBE_TIMEOUT_S = 120
 #: Vulkan device names of CPU (software) renderers
@@ -483,7 +483,7 @@ def main(overrides: list[str]) -> int:
     print(format_table(rows))
     try:                                   # the plan of a config that passes the config row
         from embodirl import schema
-        from embodirl.run_plan import plan_lines
+        from embodirl.tools.run_plan import plan_lines
 
         print("\n" + "\n".join(plan_lines(schema.check(cfg))))
     except ConfigError:

@@ -16,7 +16,7 @@ MASTER_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 #: ("Reducing Activation Recomputation in Large Transformer Models", eq. 1 without the attention-score term, as
 #: flash/memory-efficient SDPA keeps no scores) count 34 for a 16-bit layer; peft's LoRA adapters run in float32
 #: and keep float32 copies of every adapted layer's input, which brings OpenVLA-OFT with LoRA on all linear layers
-#: to 80, as the full-size dry run measures (embodirl/dry_run.py, tests/test_dry_run.py: within 15 %)
+#: to 80, as the full-size dry run measures (embodirl/tools/dry_run.py, tests/test_dry_run.py: within 15 %)
 ACT_BYTES_PER_TOKEN_LAYER = 80
 #: with gradient checkpointing each layer keeps only its input (2 bytes per hidden unit) ...
 CKPT_BYTES_PER_TOKEN_LAYER = 2

@@ -39,12 +39,12 @@ timed asserts):
 
 Usage::
 
-    python scripts/bench_actor.py                          # parts 1 and 2 (~3 min on 2 cores)
-    python scripts/bench_actor.py --part actor --trajectories 16 --repeats 3
-    python scripts/bench_actor.py --part placement --steps 8
-    python scripts/bench_actor.py --preset full            # GPU: the 7B preset, one rank
-    python scripts/bench_actor.py --preset full --device cpu --model openvla_oft_tiny   # that path, on CPU
-    python scripts/bench_actor.py --preset full --compare-compile --trajectories 16 --decisions 8 --micro-batch 8
+    python scripts/bench/bench_actor.py                          # parts 1 and 2 (~3 min on 2 cores)
+    python scripts/bench/bench_actor.py --part actor --trajectories 16 --repeats 3
+    python scripts/bench/bench_actor.py --part placement --steps 8
+    python scripts/bench/bench_actor.py --preset full            # GPU: the 7B preset, one rank
+    python scripts/bench/bench_actor.py --preset full --device cpu --model openvla_oft_tiny   # that path, on CPU
+    python scripts/bench/bench_actor.py --preset full --compare-compile --trajectories 16 --decisions 8 --micro-batch 8
 
 Measured on the 2-core machine, 2026-11-24 (no GPU; shared with other engineers' jobs, load average
 ~16 during the run, so absolute times are noisy; under 3 minutes in all)::
@@ -92,7 +92,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout (scripts/bench/..)
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402

@@ -1,7 +1,7 @@
 """Benchmark the π0 policy (embodirl/models/pi0/): decisions per second of ``policy.act`` and FLOPs per decision.
 
-    .venv/bin/python scripts/bench_pi0.py [--preset pi0_tiny] [--device cpu] [--batches 1 8] [--rounds 5]
-    python scripts/bench_pi0.py --preset pi0 --device cuda --batches 1 8 32 64      # full size on a GPU
+    .venv/bin/python scripts/bench/bench_pi0.py [--preset pi0_tiny] [--device cpu] [--batches 1 8] [--rounds 5]
+    python scripts/bench/bench_pi0.py --preset pi0 --device cuda --batches 1 8 32 64      # full size on a GPU
 
 Random weights in the preset's dtype (bfloat16 for ``pi0``), a LIBERO-like observation (two 256 px cameras, an 8-D
 state, one instruction). For each batch: the median time of a sampled ``act`` (Flow-SDE, or ``--method flow_noise``)
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from embodirl.config import compose
 from embodirl.envs.base import EnvSpec

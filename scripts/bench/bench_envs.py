@@ -20,8 +20,8 @@ Parts (``--parts``, comma-separated; default: all):
                 scene build, physics-only steps/s (cameras off) and steps/s rendering two cameras at decisions, for
                 ``--assets-task`` (default ``libero_spatial:0``, whose black bowl is a 180,960-vertex scan).
 
-    .venv/bin/python scripts/bench_envs.py                       # everything (a few minutes)
-    .venv/bin/python scripts/bench_envs.py --parts render,reset --chunks 40
+    .venv/bin/python scripts/bench/bench_envs.py                       # everything (a few minutes)
+    .venv/bin/python scripts/bench/bench_envs.py --parts render,reset --chunks 40
 """
 
 from __future__ import annotations

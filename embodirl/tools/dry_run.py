@@ -188,7 +188,7 @@ def dry_run_spec(cfg) -> EnvSpec:
     """The env spec the dry run's policy is built for, from the typed config alone (no simulator is started):
     the training env's cameras and image size, the model's action and proprio sizes (each where the env's or the
     policy's config class declares it)."""
-    from embodirl.memory_plan import UNSET_IMAGE_SIZE, sizing_spec
+    from embodirl.tools.memory_plan import UNSET_IMAGE_SIZE, sizing_spec
 
     env, model = cfg.env.train, cfg.model
     size = getattr(env, "image_size", None) or [getattr(model, "image_size", None) or UNSET_IMAGE_SIZE] * 2
@@ -245,10 +245,10 @@ def dry_run(cfg, *, act_batch: int | None = None) -> DryRunReport:
     config (a composed one is converted)."""
     from embodirl.actor.actor import Actor, prepare_batch
     from embodirl.actor.settings import ActorSettings
-    from embodirl.memory_plan import meta_model
     from embodirl.models.registry import make_policy
     from embodirl.rollout.records import decisions_per_episode
     from embodirl.schema import run_config
+    from embodirl.tools.memory_plan import meta_model
     from embodirl.workers.inference_worker import TRAIN, sampling_from_config
 
     cfg = run_config(cfg)

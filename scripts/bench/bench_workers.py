@@ -26,7 +26,7 @@
 3. cleanup   - a training-like run (Ray, env + inference workers, shared-memory rings) killed with SIGKILL
                and with Ctrl-C (SIGINT) mid-rollout: counts the run's entries left in /dev/shm.
 
-Usage: python scripts/bench_workers.py [--part all|channel|pipeline|cleanup] [--quick]
+Usage: python scripts/bench/bench_workers.py [--part all|channel|pipeline|cleanup] [--quick]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout (scripts/bench/..)
 sys.path.insert(0, ROOT)
 
 from embodirl import runtime  # noqa: E402

@@ -7,8 +7,8 @@ summed), per round, their medians and the ratios.
 default) against SAPIEN's own 512 (``EMBODIRL_BRDF_LUT=full``). ``--compare frozen-heap``: the forkserver freezing
 what it preloaded (``embodirl/envs/vector/frozen_heap.py``, the default) against not freezing it.
 
-    .venv/bin/python scripts/bench_sim_start.py --env maniskill_pushcube_rgb --num-envs 4 --rounds 3
-    .venv/bin/python scripts/bench_sim_start.py --compare frozen-heap --env maniskill_pushcube --num-envs 8 \
+    .venv/bin/python scripts/bench/bench_sim_start.py --env maniskill_pushcube_rgb --num-envs 4 --rounds 3
+    .venv/bin/python scripts/bench/bench_sim_start.py --compare frozen-heap --env maniskill_pushcube --num-envs 8 \
         env.train.num_envs=8
 """
 

@@ -1,7 +1,7 @@
 """Time the policy's image pipeline on a batch of camera images: OFT's (JPEG round trip + TF lanczos3 + centre
 crop, what ImageProcessor runs now) next to the earlier torch-only path (antialiased bicubic + centre crop).
 
-    python scripts/bench_image_pipeline.py [--batch 16] [--size 256] [--repeats 30]
+    python scripts/bench/bench_image_pipeline.py [--batch 16] [--size 256] [--repeats 30]
 
 Prints the median milliseconds per batch of each and their ratio; images are 256 px LIBERO-like noise-free
 gradients (the JPEG codec's time depends a little on content).

@@ -6,7 +6,7 @@ step into ``prediction.json``, trains ``n`` steps and adds the measured medians 
 pays one-off costs) at its end. Calibration and run go back to back in one process, so machine load changes them
 alike as far as it can. Prints one row per config: predicted, measured, ratio, the parts and the load.
 
-    .venv/bin/python scripts/bench_predict.py [--steps 4] [--only default,oft_pushcube,oft_libero] [--out DIR]
+    .venv/bin/python scripts/bench/bench_predict.py [--steps 4] [--only default,oft_pushcube,oft_libero] [--out DIR]
 """
 
 from __future__ import annotations

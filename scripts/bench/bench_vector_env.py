@@ -2,8 +2,8 @@
 simulators stepped in-process, and the cost of recording video (rendering every step), measured side
 by side in one run. Prints low-level steps per second and the ratios.
 
-    .venv/bin/python scripts/bench_vector_env.py --env libero_spatial --num-envs 4
-    .venv/bin/python scripts/bench_vector_env.py --env toy_reach --num-envs 16 --chunks 50
+    .venv/bin/python scripts/bench/bench_vector_env.py --env libero_spatial --num-envs 4
+    .venv/bin/python scripts/bench/bench_vector_env.py --env toy_reach --num-envs 16 --chunks 50
 
 Extra Hydra overrides for the env config go after ``--``:
 ``... --env libero_spatial -- env.train.image_size=[128,128]``.

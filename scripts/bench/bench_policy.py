@@ -1,6 +1,6 @@
 """Benchmark the OpenVLA-OFT policy: parallel decoding vs autoregressive decoding, and decisions per second.
 
-    .venv/bin/python scripts/bench_policy.py [--preset openvla_oft_tiny] [--device cpu] [--rounds 20]
+    .venv/bin/python scripts/bench/bench_policy.py [--preset openvla_oft_tiny] [--device cpu] [--rounds 20]
 
 1. Parallel vs autoregressive: the same H*A action tokens decoded (a) in one bidirectional pass over
    ``prefix + empty slots + </s>`` (OpenVLA-OFT) and (b) one token at a time with a KV cache under a
