@@ -5,7 +5,7 @@ It reads the checked config and its devices (:func:`embodirl.schema.check`'s con
 ``cluster.component_placement``, the resolved worker counts, Ray or one process), lays the workers on the devices as
 the worker layer will (:func:`embodirl.workers.placement_groups.plan_placement`: worker ``r`` of a component on its
 ``r``-th device, round robin) and sums the memory estimate of every worker on a device
-(:func:`embodirl.memory_plan.memory_plan`; with parking - ``actor.enable_offload`` / ``rollout.enable_offload`` - the
+(:func:`embodirl.tools.memory_plan.memory_plan`; with parking - ``actor.enable_offload`` / ``rollout.enable_offload`` - the
 collocated phases take turns, so the larger of them counts).
 """
 
@@ -61,7 +61,7 @@ def plan_lines(ctx, *, with_memory: bool = True) -> list[str]:
 
 def memory_line(cfg, placement, on: dict[str, list[int]]) -> str:
     """The estimated peak bytes of the busiest device (GPU; on CPU slots: the host, all workers together)."""
-    from embodirl.memory_plan import memory_plan, model_size
+    from embodirl.tools.memory_plan import memory_plan, model_size
 
     per_worker = memory_plan(cfg, model_size(cfg), placement.accelerator)
     if placement.accelerator == "cpu":
