@@ -24,13 +24,17 @@ import logging
 import os
 import threading
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from embodirl.dtypes import DTYPES
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +172,9 @@ def compile_units(modules: Iterable[nn.Module]) -> int:
     return count
 
 
-def _own_forward(cls: type):
+def _own_forward(cls: type[nn.Module]) -> Callable[..., Any]:
     """``cls.forward`` without transformers' ``forward_with_checkpointing`` wrapper(s)."""
-    forward = cls.forward
+    forward: Any = cls.forward       # a wrapper carries the function it wraps as __wrapped__
     while getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
         forward = forward.__wrapped__
     return forward
@@ -220,7 +224,8 @@ def enable_gradient_checkpointing(modules: Iterable[nn.Module]) -> int:
             return checkpoint(_marking_recomputation(_inner), *args, use_reentrant=False, **kwargs)
 
         module.forward = forward
-        module._embodirl_checkpointed = True
+        # nn.Module.__setattr__ is annotated for tensors and modules only; it stores any other value as a plain attribute
+        module._embodirl_checkpointed = True  # type: ignore[assignment]
         count += 1
     return count
 
@@ -303,6 +308,20 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
     """The un-sharded value of a (possibly FSDP2 DTensor) parameter; collective under FSDP."""
     data = param.detach()
     return data.full_tensor() if hasattr(data, "full_tensor") else data
+
+
+def is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a DTensor (an FSDP2 shard), without importing torch.distributed.tensor."""
+    return hasattr(tensor, "device_mesh")
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the gathered parameters of an FSDP2-wrapped ``module`` (:func:`wrap_policy`), keeping this rank's shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"{type(module).__name__} is not sharded with FSDP2")
+    module.reshard()
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 
 
 def batch_nbytes(batch: TensorDict) -> int:
-    return int(sum(t.numel() * t.element_size() for t in batch.values(include_nested=True, leaves_only=True)))
+    # every leaf is a tensor (non-tensor data is a tensor collection, never a leaf): the check only narrows the type
+    leaves = batch.values(include_nested=True, leaves_only=True)
+    return int(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
 
 
 def row_versions(batch: TensorDict, default: int) -> torch.Tensor:

@@ -23,11 +23,15 @@ import json
 import logging
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
 
 from embodirl.actor import fsdp
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +50,13 @@ def _options(*, strict: bool = True):
     return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, strict=strict)
 
 
-def _tensor_state(actor) -> tuple[dict[str, torch.Tensor], dict]:
+def _tensor_state(actor) -> tuple[dict[str, ValueType], dict[str, Any]]:
     """(tensors keyed ``model.<fqn>`` / ``optim.<key>``, the optimizer's non-tensor entries)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(actor.policy, actor.optimizer, options=_options())
-    tensors = {_MODEL + k: v for k, v in model_sd.items()}
-    settings = {}
+    tensors: dict[str, ValueType] = {_MODEL + k: v for k, v in model_sd.items()}
+    settings: dict[str, Any] = {}
     for key, value in optim_sd.items():
         if isinstance(value, torch.Tensor):
             tensors[_OPTIM + key] = value
@@ -128,7 +132,9 @@ def load_actor(actor, folder: str | Path) -> None:
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder / TENSORS)),
                  planner=DefaultLoadPlanner(allow_partial_load=True))
     model_sd = {k[len(_MODEL):]: v for k, v in tensors.items() if k.startswith(_MODEL)}
-    optim_sd = {k[len(_OPTIM):]: v for k, v in tensors.items() if k.startswith(_OPTIM)}
+    # flattened (flatten_optimizer_state_dict): one level of dotted keys to tensors and group settings, which torch's
+    # annotation of an optimizer state (nested per-parameter dicts) does not describe
+    optim_sd: dict[str, Any] = {k[len(_OPTIM):]: v for k, v in tensors.items() if k.startswith(_OPTIM)}
     if actor.ema is not None and not ema_saved:
         log.info("the checkpoint %s holds no moving average of the weights (actor.ema_decay): it starts at them", folder)
     # the settings of groups whose moments exist; settings are JSON (betas come back as lists)
