@@ -19,6 +19,10 @@ whose approximate KL to the behaviour policy exceeds ``algorithm.early_stop_kl``
 optimizer step over all ranks before any forward pass, so the summed gradient equals the full-batch
 gradient (:mod:`embodirl.algorithms.aggregation`). The actor works with or without
 torch.distributed: with more than one rank the policy is sharded with FSDP2 (:mod:`.fsdp`).
+
+Beside the update: the batch preparation and checks (:mod:`.batch`), the whole-batch metrics (:mod:`.metrics`),
+the optimizer and its non-finite guard (:mod:`.optim`), the moving average of the weights (:mod:`.ema`) and the
+supervised step (:mod:`.sft`).
 """
 
 from __future__ import annotations
@@ -27,23 +31,29 @@ import copy
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
-from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from embodirl import data as D
-from embodirl.actor import fsdp
-from embodirl.actor.optim import build_optimizer, clip_grad_norm, lr_schedule, refresh_lr, trainable_named_parameters
+from embodirl.actor import fsdp, sft
+from embodirl.actor.batch import check_batch, prepare_batch  # prepare_batch: imported from here by the driver side
+from embodirl.actor.ema import MovingAverage, stepped
+from embodirl.actor.metrics import batch_metrics, gap_metrics, measured_kl
+from embodirl.actor.optim import (
+    build_optimizer,
+    check_finite,
+    clip_grad_norm,
+    lr_schedule,
+    refresh_lr,
+    trainable_named_parameters,
+)
 from embodirl.actor.replay_buffer import ReplayBuffer, row_versions
 from embodirl.actor.settings import ActorSettings
 from embodirl.algorithms import behaviour_gap, losses
-from embodirl.algorithms import kl as kl_mod
-from embodirl.algorithms.advantages import compute_advantages
-from embodirl.algorithms.filtering import drop_filtered, group_composition
-from embodirl.algorithms.section import AlgorithmSection, algorithm_of
 from embodirl.dtypes import parse_dtype
-from embodirl.errors import ConfigError, NonFiniteUpdate
+from embodirl.errors import ConfigError
 from embodirl.models.base import Policy, scoring_temperature
 from embodirl.progress import Ticker
 
@@ -53,39 +63,44 @@ log = logging.getLogger(__name__)
 REPLAY_MAX_IMPORTANCE_WEIGHT = 1.0
 
 
-def _take(value, rows: torch.Tensor):
-    """Rows of a batch field: a list (instructions) or an array/tensor."""
-    if isinstance(value, (list, tuple)):
-        return [value[i] for i in rows.tolist()]
-    return torch.as_tensor(value)[rows]
+@dataclass
+class _Rows:
+    """One update's rows on this rank (on the CPU) and what each of its optimizer steps reads with them."""
+    batch: TensorDict
+    old_logprob: torch.Tensor              # (N, T, L): the log-probs the ratio is taken to
+    is_weight: torch.Tensor | None         # (N, T, L') truncated importance weights, when the loss applies them
+    is_cap: float | None                   # ... and the cap they were truncated at
+    L: int                                 # per-decision log-prob entries (tokens, dims)
+    action_dim: int
+    value_dims: int
+    kl_coef: float                         # the KL loss term's coefficient (0: no KL loss)
 
 
-def prepare_batch(batch: TensorDict, algorithm: AlgorithmSection, *, kl_coef: float = 0.0
-                  ) -> tuple[TensorDict, dict[str, torch.Tensor]]:
-    """Driver-side preparation of a whole rollout batch (before it is cut into actor shards):
-    the KL reward penalty (``use_kl_loss: false``; needs ``logprob_ref``), group filtering
-    (``filter_groups.enable``) and advantages/returns (:func:`compute_advantages`). For a group-relative
-    estimator it reports the groups' composition (:func:`group_composition`), before any filtering."""
-    algorithm = algorithm_of(algorithm)
-    metrics: dict[str, torch.Tensor] = {}
-    if kl_coef > 0 and not algorithm.use_kl_loss:
-        if D.LOGPROB_REF not in batch.keys():
-            raise ValueError("the KL reward penalty needs 'logprob_ref': call Actor.compute_ref_logprob first")
-        reward, mean_kl = kl_mod.apply_kl_reward_penalty(
-            batch.get(D.REWARD), batch.get(D.LOGPROB_BEHAVIOR), batch.get(D.LOGPROB_REF), batch.get(D.VALID),
-            coef=kl_coef, kind=algorithm.kl_penalty,
-            executed=batch.get(D.EXECUTED) if D.EXECUTED in batch.keys() else None)
-        batch = batch.copy()
-        batch.set(D.REWARD, reward.float())
-        metrics["kl/reward_penalty_kl"] = mean_kl
-    group_size, kept = algorithm.group_size, algorithm.filter_groups
-    if algorithm.estimator.groups and D.SUCCESS in batch.keys() and group_size > 1:
-        metrics.update(group_composition(batch.get(D.SUCCESS), batch.get(D.VALID), group_size=group_size))
-    if kept.enable:
-        batch, filter_metrics = drop_filtered(batch, group_size=group_size, min_success=kept.min_success,
-                                              max_success=kept.max_success)
-        metrics.update(filter_metrics)
-    return compute_advantages(batch, algorithm), metrics
+@dataclass
+class _Progress:
+    """How far one update got: its optimizer steps' metrics, the steps it skipped (no valid decision on any rank),
+    whether KL early stopping ended it, and what its first optimizer step measured (max |ratio - 1| on this rank,
+    the behaviour/learner log-prob gap statistics of its tokens)."""
+    first_ratio_error: torch.Tensor
+    step_metrics: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    skipped: int = 0
+    stopped: bool = False
+    gap_stats: torch.Tensor | None = None
+
+    @property
+    def first_step(self) -> bool:
+        """Whether the optimizer step under way is the update's first (on-policy rows: its ratio is 1)."""
+        return not self.step_metrics and not self.skipped
+
+    def record_first_step(self, logprob: torch.Tensor, old: torch.Tensor, fields: TensorDict, rows: _Rows) -> None:
+        """Add a micro-batch of the first optimizer step: the learner's ``logprob`` against the ratio's ``old``
+        and against the behaviour log-probs in ``fields`` (on the device)."""
+        executed = fields.get(D.EXECUTED) if D.EXECUTED in fields.keys() else None
+        self.first_ratio_error = torch.maximum(self.first_ratio_error, losses.max_ratio_error(
+            logprob, old, fields.get(D.VALID), action_dim=rows.action_dim, executed=executed))
+        self.gap_stats = behaviour_gap.merge(self.gap_stats, behaviour_gap.statistics(
+            logprob, fields.get(D.LOGPROB_BEHAVIOR),
+            behaviour_gap.token_mask(fields.get(D.VALID), rows.L, action_dim=rows.action_dim, executed=executed)))
 
 
 class Actor:
@@ -160,15 +175,23 @@ class Actor:
         # actor.ema_decay > 0: evaluation acts with an exponential moving average of the trainable tensors (one
         # average per update), a copy of each on the tensor's own device (FSDP2: this rank's shard)
         self.ema_decay = float(act.ema_decay)
-        self.ema: dict[str, torch.Tensor] | None = (
-            {name: p.detach().clone() for name, p in self._trainable} if self.ema_decay > 0 else None)
-        self._ema_fn = get_ema_multi_avg_fn(self.ema_decay) if self.ema is not None else None
-        self.ema_swapped = False
+        self._ema = MovingAverage(self._trainable, self.optimizer, self.ema_decay) if self.ema_decay > 0 else None
 
     # --- public API ----------------------------------------------------------------------------------
     @property
     def kl_coef(self) -> float:
         return self.kl_ctrl.value
+
+    @property
+    def ema(self) -> dict[str, torch.Tensor] | None:
+        """The moving average (``actor.ema_decay > 0``) of each trainable tensor by name, on its device (FSDP2: this
+        rank's shard); None without one."""
+        return None if self._ema is None else self._ema.tensors
+
+    @property
+    def ema_swapped(self) -> bool:
+        """Whether the module holds the moving average now (between the two :meth:`swap_ema` calls)."""
+        return self._ema is not None and self._ema.swapped
 
     def compute_ref_logprob(self, batch: TensorDict) -> TensorDict:
         """``logprob_ref`` of the behaviour actions under the reference policy (adapter disabled)."""
@@ -217,89 +240,37 @@ class Actor:
     def update(self, batch: TensorDict) -> dict[str, torch.Tensor]:
         """Train on this rank's prepared rows for ``update_epochs``; returns detached metrics
         (global over ranks, averaged over optimizer steps). Bumps :attr:`version`."""
-        self._check_batch(batch)
+        check_batch(batch, self.cfg.algorithm, action_field=self.policy.action_field, kl_coef=self.kl_coef)
         batch = batch.cpu()   # rows are selected and observations gathered on the CPU; each micro-batch moves once
         N = batch.batch_size[0]
         sizes = fsdp.all_gather_ints(N, self.device)
         if len(set(sizes)) > 1:
             raise ValueError(f"actor ranks received different numbers of trajectories {sizes}; shard the batch evenly")
         rows_per_step = self.cfg.actor.global_batch_size // self.world_size
-        action_dim = self.policy.action_dim
-        L = batch.get(D.LOGPROB_BEHAVIOR).shape[-1]        # per-decision log-prob entries (tokens, dims)
-        value_dims = batch.get(D.VALUE).dim() if self.cfg.algorithm.uses_critic else 2
-        params = self.cfg.algorithm
         generator = torch.Generator().manual_seed(self.cfg.actor.seed * 1_000_003 + self.version)
         orders = [torch.randperm(N, generator=generator) for _ in range(self.cfg.algorithm.update_epochs)]
-        old_logprob, is_weight, is_cap = self._old_logprob(batch, first_epoch=self._steps(orders[0], rows_per_step))
-        kl_coef = self.kl_coef if params.use_kl_loss else 0.0
-
-        self.policy.train()
-        refresh_lr(self.scheduler)  # the decay follows the training step
-        early_stop_kl = self.cfg.algorithm.early_stop_kl
-        step_metrics: list[dict[str, torch.Tensor]] = []
+        rows = self._rows(batch, first_epoch=self._steps(orders[0], rows_per_step))
+        self._start_update()
+        progress = _Progress(first_ratio_error=torch.zeros((), device=self.device))
         steps_per_epoch = math.ceil(N / rows_per_step)
-        stopped = False
-        skipped = 0
-        first_ratio_error = torch.zeros((), device=self.device)
-        gap_stats = None        # |learner - behaviour| log-prob statistics of the first optimizer step's tokens
-        self._steps_before_update = self.optimizer_steps
         ticker, total_steps = Ticker(), len(orders) * steps_per_epoch
         for epoch, order in enumerate(orders):
-            if stopped:
-                break
-            for rows in self._steps(order, rows_per_step):
+            for step_rows in self._steps(order, rows_per_step):
                 if ticker.due() and self.rank == 0:   # a long update (a 7B model) says where it is
-                    log.info("update: optimizer step %d of %d (epoch %d of %d), %.0f s", len(step_metrics) + skipped + 1,
-                             total_steps, epoch + 1, len(orders), ticker.elapsed)
-                norms = fsdp.all_reduce_(losses.normalisers(
-                    batch.get(D.VALID)[rows], params, L=L, action_dim=action_dim, value_dims=value_dims,
-                    executed=batch.get(D.EXECUTED)[rows] if D.EXECUTED in batch.keys() else None,
-                ).to(self.host))
-                if float(norms[losses.NORMALISER_KEYS.index("token_units")]) == 0:
-                    # no valid decision on any rank (e.g. every group filtered): an applied step would
-                    # still move the weights by Adam's momentum and weight decay. The count is global,
-                    # so every rank skips the same step and the collectives stay matched.
-                    skipped += 1
-                    continue
-                sums: dict[str, torch.Tensor] = {}
-                device_norms = norms.to(self.device)
-                for micro_rows in rows.split(self.cfg.actor.micro_batch_size):
-                    micro = batch[micro_rows]                                       # (n, T) on the CPU
-                    out = self._forward(micro, return_value=self.cfg.algorithm.uses_critic, return_entropy=True)
-                    fields = micro.exclude(D.IMAGES).to(self.device)
-                    old = old_logprob[micro_rows].to(self.device)
-                    loss, micro_metrics = losses.compute_loss(
-                        out, fields, old_logprob=old, algorithm=params, norms=device_norms, action_dim=action_dim,
-                        kl_coef=kl_coef, is_weight=None if is_weight is None else is_weight[micro_rows].to(self.device))
-                    if not step_metrics and not skipped:   # the update's first optimizer step: on-policy, ratio 1
-                        executed = fields.get(D.EXECUTED) if D.EXECUTED in fields.keys() else None
-                        first_ratio_error = torch.maximum(first_ratio_error, losses.max_ratio_error(
-                            out[losses.LOGPROB], old, fields.get(D.VALID), action_dim=action_dim, executed=executed))
-                        gap_stats = behaviour_gap.merge(gap_stats, behaviour_gap.statistics(
-                            out[losses.LOGPROB], fields.get(D.LOGPROB_BEHAVIOR),
-                            behaviour_gap.token_mask(fields.get(D.VALID), L, action_dim=action_dim, executed=executed)))
-                    loss.backward()
-                    for key, value in micro_metrics.items():
-                        sums[key] = sums.get(key, 0.0) + value
-                step_metrics.append(self._optimizer_step(sums))
-                # KL early stopping (the global approx_kl, so every rank stops at the same step)
-                if early_stop_kl is not None and float(step_metrics[-1]["actor/approx_kl"]) > early_stop_kl:
-                    stopped = True
+                    log.info("update: optimizer step %d of %d (epoch %d of %d), %.0f s",
+                             len(progress.step_metrics) + progress.skipped + 1, total_steps, epoch + 1, len(orders),
+                             ticker.elapsed)
+                self._train_step(rows, step_rows, progress)
+                if progress.stopped:
                     break
+            if progress.stopped:
+                break
         self.version += 1
-        self._update_ema()
-        metrics = {key: torch.stack([m[key] for m in step_metrics]).mean() for key in
-                   (step_metrics[0] if step_metrics else ())}
-        epochs_done = (len(step_metrics) + skipped) / steps_per_epoch
-        metrics.update(self._batch_metrics(batch, L, epochs_done))
-        metrics["actor/optimizer_steps"] = torch.tensor(float(len(step_metrics)))
-        metrics["actor/early_stopped"] = torch.tensor(float(stopped))
-        metrics["actor/skipped_empty_steps"] = torch.tensor(float(skipped))
-        # max |ratio - 1| over the first optimizer step's tokens: the rollout's and the actor's forwards disagree by
-        # this much (numerics only, when the rows are on-policy; see algorithm.recompute_old_logprob)
-        metrics["actor/first_step_ratio_error"] = fsdp.all_reduce_(first_ratio_error.to(self.host), "max").cpu()
-        metrics.update(self._gap_metrics(gap_stats, is_weight, is_cap, batch))
-        self.kl_ctrl.update(self._measured_kl(metrics), N * self.world_size)
+        if self._ema is not None:
+            self._ema.update()
+        epochs_done = (len(progress.step_metrics) + progress.skipped) / steps_per_epoch
+        metrics = self._update_metrics(rows, progress, epochs_done)
+        self.kl_ctrl.update(measured_kl(metrics, self.cfg.algorithm), N * self.world_size)
         metrics["actor/kl_coef"] = torch.tensor(self.kl_coef)
         metrics["actor/version"] = torch.tensor(float(self.version))
         return metrics
@@ -307,42 +278,10 @@ class Actor:
     def sft_update(self, batch: Mapping, *, micro_batch_size: int, token_loss: bool = True, stop_token: bool = True,
                    l1_head: bool = False) -> dict[str, torch.Tensor]:
         """One supervised optimizer step (``embodirl sft``) on this rank's samples, through the same optimizer,
-        gradient clipping, LR schedule and FSDP2 wrapping as :meth:`update`. ``batch``: ``images``, ``state``
-        (optional), ``instruction`` (list of strings) and ``actions`` (normalised chunks ``[B, H, A]``); the
-        losses are the policy's ``supervised`` sums over the labels of all ranks (so the summed rank gradients
-        are the whole batch's), ``token_loss`` the action-token cross-entropy, ``l1_head`` OFT's L1 regression
-        loss. Bumps :attr:`version`; metrics are global over ranks."""
-        actions = torch.as_tensor(batch["actions"])
-        B = actions.shape[0]
-        L = actions[0].numel()
-        norms = fsdp.all_reduce_(torch.tensor([B * (L + int(stop_token)), B * L], dtype=torch.float32,
-                                              device=self.host)).to(self.device)
-        self.policy.train()
-        refresh_lr(self.scheduler)
-        self._steps_before_update = self.optimizer_steps
-        sums: dict[str, torch.Tensor] = {}
-        for rows in torch.arange(B).split(int(micro_batch_size)):
-            obs = {key: _take(batch[key], rows) for key in (D.IMAGES, D.STATE, "instruction")
-                   if batch.get(key) is not None}
-            out = self.policy.supervised(obs, actions[rows], stop_token=stop_token, l1_head=l1_head)
-            loss = out["ce_sum"] / norms[0] if token_loss else out["ce_sum"].new_zeros(())
-            if l1_head:
-                loss = loss + out["l1_head_sum"] / norms[1]
-            loss.backward()
-            for key, value in out.items():
-                sums[f"sft/{key}"] = sums.get(f"sft/{key}", 0.0) + value.detach().float()
-        raw = self._optimizer_step(sums)
-        self.version += 1
-        metrics = {k: v for k, v in raw.items() if not k.startswith("sft/")}
-        metrics["sft/loss"] = raw["sft/ce_sum"] / raw["sft/labels"]
-        if "sft/correct" in raw:                   # token policies; π0's loss is the velocity's squared error
-            metrics["sft/token_accuracy"] = raw["sft/correct"] / raw["sft/tokens"]
-        metrics["sft/action_l1"] = raw["sft/l1_sum"] / raw["sft/tokens"]
-        if l1_head:
-            metrics["sft/l1_head_loss"] = raw["sft/l1_head_sum"] / raw["sft/tokens"]
-        metrics["sft/samples"] = raw["sft/tokens"] / L
-        metrics["actor/version"] = torch.tensor(float(self.version))
-        return metrics
+        gradient clipping, LR schedule and FSDP2 wrapping as :meth:`update`: :func:`.sft.sft_update`. Bumps
+        :attr:`version`; metrics are global over ranks."""
+        return sft.sft_update(self, batch, micro_batch_size=micro_batch_size, token_loss=token_loss,
+                              stop_token=stop_token, l1_head=l1_head)
 
     def set_lr_scale(self, scale: float) -> None:
         """Learning rates from now on: every parameter group's configured rate times ``scale`` (the collapse guard's
@@ -364,46 +303,23 @@ class Actor:
     def gather_trainable(self, *, evaluated: bool = False) -> dict[str, torch.Tensor]:
         """Every trainable tensor, un-sharded, on CPU (collective under FSDP; publication unaffected); with
         ``evaluated``, the weights evaluation acts with (the moving average under ``actor.ema_decay``)."""
-        if evaluated and self.ema is not None and not self.ema_swapped:
-            averaged = {name for name, _ in self._averaged()}
-            return {name: fsdp.full_tensor(self.ema[name] if name in averaged else p).to("cpu", copy=True)
-                    for name, p in self._trainable}
+        if evaluated and self._ema is not None and not self._ema.swapped:
+            return self._ema.evaluated()
         return {name: fsdp.full_tensor(p).to("cpu", copy=True) for name, p in self._trainable}
 
     def swap_ema(self) -> bool:
         """Exchange the averaged tensors with their moving average (``actor.ema_decay``): called once before an
         evaluation, so the module acts with the average, and once after it; returns whether the average is now in
         the module (False without an average). The exchanged tensors count as changed for the next publication."""
-        if self.ema is None:
+        if self._ema is None:
             return False
-        with torch.no_grad():
-            for name, p in self._averaged():
-                live, avg = fsdp.local_tensor(p), fsdp.local_tensor(self.ema[name])
-                held = live.clone()
-                live.copy_(avg)
-                avg.copy_(held)
-                self._changed.add(name)
-        self.ema_swapped = not self.ema_swapped
-        return self.ema_swapped
+        self._changed.update(self._ema.swap())
+        return self._ema.swapped
 
-    def _averaged(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors the moving average covers: those the optimizer has stepped (it holds their moments). The
-        others keep their own value in evaluation: statistics no gradient reaches (the state normaliser), an idle
-        value head."""
-        state = self.optimizer.state
-        return [(name, p) for name, p in self._trainable if state.get(p)]
-
-    def _update_ema(self) -> None:
-        """After an update: ``ema = decay * ema + (1 - decay) * weights`` for every averaged tensor (a tensor joins
-        with the weights it had before its first step, which is where its average started)."""
-        if self.ema is None:
-            return
-        if self.ema_swapped:
-            raise RuntimeError("the actor trained while its module held the moving average; call swap_ema() after "
-                               "the evaluation")
-        pairs = [(fsdp.local_tensor(self.ema[n]), fsdp.local_tensor(p)) for n, p in self._averaged()]
-        if pairs:
-            self._ema_fn([a for a, _ in pairs], [w for _, w in pairs], None)
+    def reset_ema(self, values: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Set the moving average (``actor.ema_decay``) to ``values`` (full tensors by name), or to the weights."""
+        if self._ema is not None:
+            self._ema.reset(values)
 
     def state_dict(self) -> dict:
         """Resumable actor state with full (un-sharded) CPU tensors: ``trainable`` (by parameter
@@ -419,8 +335,7 @@ class Actor:
             "trainable": {name: fsdp.full_tensor(p).to("cpu", copy=True) for name, p in self._trainable},
             # deep copies: the returned state must not alias the live optimizer's moment tensors
             "optimizer": copy.deepcopy(get_optimizer_state_dict(self.policy, self.optimizer, options=options)),
-            "ema": None if self.ema is None else {n: fsdp.full_tensor(t).to("cpu", copy=True)
-                                                  for n, t in self.ema.items()},
+            "ema": None if self._ema is None else self._ema.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -432,7 +347,7 @@ class Actor:
         with torch.no_grad():
             for name, value in state["trainable"].items():
                 param = params[name]
-                if hasattr(param, "full_tensor"):  # FSDP2 DTensor: take this rank's shard of the full value
+                if fsdp.is_dtensor(param):  # FSDP2 DTensor: take this rank's shard of the full value
                     from torch.distributed.tensor import distribute_tensor
 
                     value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
@@ -451,36 +366,108 @@ class Actor:
         if self.ema is not None:
             self.reset_ema(state.get("ema"))
 
-    def reset_ema(self, values: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Set the moving average (``actor.ema_decay``) to ``values`` (full tensors by name), or to the weights."""
-        if self.ema is None:
+    # --- internals: the update's steps ---------------------------------------------------------------
+    def _start_update(self) -> None:
+        """Before an update's first optimizer step: training mode, the learning rates of this training step."""
+        self.policy.train()
+        refresh_lr(self.scheduler)  # the decay follows the training step
+        self._steps_before_update = self.optimizer_steps
+
+    def _rows(self, batch: TensorDict, first_epoch: list[torch.Tensor]) -> _Rows:
+        """The update's rows with the log-probs its ratio is taken to (:meth:`_old_logprob`; ``first_epoch``: the
+        first epoch's optimizer steps' rows) and the sizes its loss reads."""
+        params = self.cfg.algorithm
+        L = batch.get(D.LOGPROB_BEHAVIOR).shape[-1]        # per-decision log-prob entries (tokens, dims)
+        value_dims = batch.get(D.VALUE).dim() if params.uses_critic else 2
+        old_logprob, is_weight, is_cap = self._old_logprob(batch, first_epoch=first_epoch)
+        return _Rows(batch, old_logprob, is_weight, is_cap, L=L, action_dim=self.policy.action_dim,
+                     value_dims=value_dims, kl_coef=self.kl_coef if params.use_kl_loss else 0.0)
+
+    def _train_step(self, rows: _Rows, step_rows: torch.Tensor, progress: _Progress) -> None:
+        """One optimizer step on this rank's ``step_rows`` of ``rows``, in micro-batches with gradient accumulation;
+        skipped when no rank has a valid decision in it; stops the update (``progress.stopped``) when its approximate
+        KL exceeds ``algorithm.early_stop_kl``."""
+        params = self.cfg.algorithm
+        batch = rows.batch
+        norms = fsdp.all_reduce_(losses.normalisers(
+            batch.get(D.VALID)[step_rows], params, L=rows.L, action_dim=rows.action_dim, value_dims=rows.value_dims,
+            executed=batch.get(D.EXECUTED)[step_rows] if D.EXECUTED in batch.keys() else None,
+        ).to(self.host))
+        if float(norms[losses.NORMALISER_KEYS.index("token_units")]) == 0:
+            # no valid decision on any rank (e.g. every group filtered): an applied step would
+            # still move the weights by Adam's momentum and weight decay. The count is global,
+            # so every rank skips the same step and the collectives stay matched.
+            progress.skipped += 1
             return
-        self.ema_swapped = False
-        with torch.no_grad():
-            for name, p in self._trainable:
-                target = self.ema[name]
-                if values is None:
-                    fsdp.local_tensor(target).copy_(fsdp.local_tensor(p))
-                elif hasattr(target, "device_mesh"):
-                    from torch.distributed.tensor import distribute_tensor
+        sums: dict[str, torch.Tensor] = {}
+        device_norms = norms.to(self.device)
+        for micro_rows in step_rows.split(self.cfg.actor.micro_batch_size):
+            self._micro_step(rows, micro_rows, device_norms, progress, sums)
+        progress.step_metrics.append(self._optimizer_step(sums))
+        # KL early stopping (the global approx_kl, so every rank stops at the same step)
+        early_stop_kl = params.early_stop_kl
+        if early_stop_kl is not None and float(progress.step_metrics[-1]["actor/approx_kl"]) > early_stop_kl:
+            progress.stopped = True
 
-                    shard = distribute_tensor(values[name].to(p.device, p.dtype), target.device_mesh, target.placements)
-                    fsdp.local_tensor(target).copy_(shard.to_local())
-                else:
-                    target.copy_(values[name].to(target.device, target.dtype))
+    def _micro_step(self, rows: _Rows, micro_rows: torch.Tensor, norms: torch.Tensor, progress: _Progress,
+                    sums: dict[str, torch.Tensor]) -> None:
+        """Forward and backward of one micro-batch (``norms``: the optimizer step's global loss normalisers, on the
+        device); its metric contributions are added to ``sums``."""
+        micro = rows.batch[micro_rows]                                       # (n, T) on the CPU
+        out = self._forward(micro, return_value=self.cfg.algorithm.uses_critic, return_entropy=True)
+        fields = micro.exclude(D.IMAGES).to(self.device)
+        old = rows.old_logprob[micro_rows].to(self.device)
+        loss, micro_metrics = losses.compute_loss(
+            out, fields, old_logprob=old, algorithm=self.cfg.algorithm, norms=norms, action_dim=rows.action_dim,
+            kl_coef=rows.kl_coef,
+            is_weight=None if rows.is_weight is None else rows.is_weight[micro_rows].to(self.device))
+        if progress.first_step:   # the update's first optimizer step: on-policy, ratio 1
+            progress.record_first_step(out[losses.LOGPROB], old, fields, rows)
+        loss.backward()
+        for key, value in micro_metrics.items():
+            sums[key] = sums.get(key, 0.0) + value
 
-    # --- internals -----------------------------------------------------------------------------------
-    def _check_batch(self, batch: TensorDict) -> None:
-        D.validate(batch)
-        need = [D.ADVANTAGE, D.LOGPROB_BEHAVIOR, self.policy.action_field]
-        if self.cfg.algorithm.uses_critic:
-            need += [D.VALUE, D.RETURNS]
-        if self.cfg.algorithm.use_kl_loss and self.kl_coef > 0:
-            need.append(D.LOGPROB_REF)
-        missing = [k for k in need if k not in batch.keys()]
-        if missing:
-            raise ValueError(f"the actor's batch lacks {missing}; prepare it with prepare_batch/compute_ref_logprob")
+    def _update_metrics(self, rows: _Rows, progress: _Progress, epochs_done: float) -> dict[str, torch.Tensor]:
+        """The update's metrics, global over ranks: its optimizer steps' averages, the whole batch's
+        (:func:`~.metrics.batch_metrics`), its progress, and the first optimizer step's measurements."""
+        step_metrics = progress.step_metrics
+        metrics = {key: torch.stack([m[key] for m in step_metrics]).mean() for key in
+                   (step_metrics[0] if step_metrics else ())}
+        metrics.update(batch_metrics(rows.batch, self.cfg.algorithm, L=rows.L, epochs=epochs_done, host=self.host))
+        metrics["actor/optimizer_steps"] = torch.tensor(float(len(step_metrics)))
+        metrics["actor/early_stopped"] = torch.tensor(float(progress.stopped))
+        metrics["actor/skipped_empty_steps"] = torch.tensor(float(progress.skipped))
+        # max |ratio - 1| over the first optimizer step's tokens: the rollout's and the actor's forwards disagree by
+        # this much (numerics only, when the rows are on-policy; see algorithm.recompute_old_logprob)
+        metrics["actor/first_step_ratio_error"] = fsdp.all_reduce_(progress.first_ratio_error.to(self.host), "max").cpu()
+        metrics.update(gap_metrics(progress.gap_stats, rows.is_weight, rows.is_cap, rows.batch, host=self.host))
+        return metrics
 
+    def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Reduce the step's metric sums over the ranks, clip the gradient and step - unless a loss term or the
+        gradient is not finite: then :class:`NonFiniteUpdate` names the term, before the weights change (every rank
+        sees the same reduced values and the same global norm, so all ranks raise together)."""
+        lrs = {f"actor/lr_{g.get('name', 'group')}": torch.tensor(float(g["lr"])) for g in self.optimizer.param_groups}
+        keys = sorted(sums)
+        stacked = fsdp.all_reduce_(torch.stack([torch.as_tensor(sums[k]).float().to(self.host) for k in keys]))
+        metrics = {k: v.detach().cpu() for k, v in zip(keys, stacked.unbind(0))}
+        grad_norm = clip_grad_norm([p for _, p in self._trainable], self.cfg.actor.optim.clip_grad)
+        check_finite(metrics, grad_norm, self.optimizer, self._trainable, step=self.version + 1,
+                     within=self.optimizer_steps - self._steps_before_update + 1)
+        self._changed.update(name for name, p in self._trainable if p.grad is not None)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics["actor/grad_norm"] = grad_norm.detach().float().cpu()
+        metrics.update(lrs)  # the learning rates this step used
+        return metrics
+
+    def _averaged(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The tensors a moving average covers (:func:`.ema.stepped`)."""
+        return stepped(self._trainable, self.optimizer)
+
+    # --- internals: scoring --------------------------------------------------------------------------
     def _obs(self, micro: TensorDict, idx_n: torch.Tensor, idx_t: torch.Tensor) -> dict:
         """Observation dict of the selected decisions ``B`` (see :mod:`embodirl.models.base`)."""
         obs: dict = {}
@@ -518,7 +505,7 @@ class Actor:
 
     def _reshard(self) -> None:
         if self.use_fsdp:
-            self.policy.reshard()
+            fsdp.reshard(self.policy)
 
     @torch.no_grad()
     def _logprob_no_grad(self, batch: TensorDict, micro_batches: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -533,6 +520,7 @@ class Actor:
             if out is None:
                 out = torch.zeros((N, *logprob.shape[1:]), dtype=torch.float32)
             out[rows] = logprob.float().cpu()
+        assert out is not None, "an empty batch has no log-probs"    # the micro-batches cover the N > 0 rows
         return out
 
     @staticmethod
@@ -569,87 +557,3 @@ class Actor:
         weight = losses.importance_weight(prox, behaviour, batch.get(D.VALID), logprob_type=self.cfg.algorithm.logprob_type,
                                           action_dim=self.policy.action_dim, max_weight=REPLAY_MAX_IMPORTANCE_WEIGHT)
         return prox, weight, REPLAY_MAX_IMPORTANCE_WEIGHT
-
-    def _gap_metrics(self, gap_stats: torch.Tensor | None, is_weight: torch.Tensor | None, is_cap: float | None,
-                     batch: TensorDict) -> dict[str, torch.Tensor]:
-        """The behaviour/learner log-prob gap of the first optimizer step (mean, p99, max over all ranks'
-        tokens, :mod:`embodirl.algorithms.behaviour_gap`), and the importance weights' mean and truncated
-        fraction over the valid units when the update applies them."""
-        size = 3 + behaviour_gap.BINS + 2
-        stats = gap_stats.to(self.host) if gap_stats is not None else torch.zeros(size, device=self.host)
-        head = fsdp.all_reduce_(stats[behaviour_gap.MAX].clone(), "max")
-        stats = fsdp.all_reduce_(stats)
-        stats[behaviour_gap.MAX] = head
-        metrics = {f"actor/behaviour_gap_{k}": torch.tensor(v) for k, v in behaviour_gap.summary(stats).items()}
-        if is_weight is not None:
-            valid = batch.get(D.VALID)[:, :, None].expand_as(is_weight).to(is_weight.device)
-            truncated = valid & (is_weight >= is_cap * (1 - 1e-6))
-            sums = torch.stack([torch.where(valid, is_weight, 0.0).sum(), valid.sum().float(),
-                                truncated.sum().float()]).to(self.host)
-            sums = fsdp.all_reduce_(sums)
-            count = sums[1].clamp(min=1)
-            metrics["actor/is_weight_mean"] = (sums[0] / count).cpu()
-            metrics["actor/is_weight_truncated_fraction"] = (sums[2] / count).cpu()
-        return metrics
-
-    def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Reduce the step's metric sums over the ranks, clip the gradient and step - unless a loss term or the
-        gradient is not finite: then :class:`NonFiniteUpdate` names the term, before the weights change (every rank
-        sees the same reduced values and the same global norm, so all ranks raise together)."""
-        lrs = {f"actor/lr_{g.get('name', 'group')}": torch.tensor(float(g["lr"])) for g in self.optimizer.param_groups}
-        keys = sorted(sums)
-        stacked = fsdp.all_reduce_(torch.stack([torch.as_tensor(sums[k]).float().to(self.host) for k in keys]))
-        metrics = {k: v.detach().cpu() for k, v in zip(keys, stacked.unbind(0))}
-        grad_norm = clip_grad_norm([p for _, p in self._trainable], self.cfg.actor.optim.clip_grad)
-        self._check_finite(metrics, grad_norm)
-        self._changed.update(name for name, p in self._trainable if p.grad is not None)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics["actor/grad_norm"] = grad_norm.detach().float().cpu()
-        metrics.update(lrs)  # the learning rates this step used
-        return metrics
-
-    def _check_finite(self, metrics: Mapping[str, torch.Tensor], grad_norm: torch.Tensor) -> None:
-        step, within = self.version + 1, self.optimizer_steps - self._steps_before_update + 1
-        bad = next((k for k in sorted(metrics, key=lambda k: ("loss" not in k, k))
-                    if not bool(torch.isfinite(metrics[k]).all())), None)
-        if bad is None and bool(torch.isfinite(grad_norm)):
-            return
-        self.optimizer.zero_grad(set_to_none=True)
-        if bad is not None:
-            what = f"the loss term {bad} is {float(metrics[bad])}"
-        else:
-            params = [n for n, p in self._trainable if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-            what = (f"the gradient norm is {float(grad_norm)} (non-finite in {len(params)} tensor(s), e.g. "
-                    f"{params[0] if params else '?'})")
-        raise NonFiniteUpdate(f"training step {step}, optimizer step {within} of its update: {what}, so the update "
-                              "stopped before that optimizer step changed the weights; lower actor.optim.lr, or set "
-                              "runner.guard.enabled=true to roll back and go on")
-
-    def _batch_metrics(self, batch: TensorDict, L: int, epochs: float) -> dict[str, torch.Tensor]:
-        """Whole-batch metrics over all ranks: valid decisions, explained variance of the critic,
-        KL(behaviour || reference) when reference log-probs are present."""
-        valid = batch.get(D.VALID)
-        decisions = fsdp.all_reduce_(valid.sum().float().to(self.host)).cpu()
-        # rows with a valid decision (padding rows that even out the ranks' shards have none)
-        rows = fsdp.all_reduce_(valid.any(-1).sum().float().to(self.host)).cpu()
-        metrics = {"actor/decisions": decisions * epochs, "actor/trajectories": rows}
-        if self.cfg.algorithm.uses_critic:
-            sums = fsdp.all_reduce_(losses.explained_variance_sums(
-                batch.get(D.VALUE), batch.get(D.RETURNS), valid).to(self.host)).cpu()
-            metrics["critic/explained_variance"] = losses.explained_variance(sums)
-        if D.LOGPROB_REF in batch.keys():
-            token_kl = kl_mod.kl_divergence(batch.get(D.LOGPROB_BEHAVIOR), batch.get(D.LOGPROB_REF),
-                                            self.cfg.algorithm.kl_penalty) * valid[:, :, None]
-            sums = fsdp.all_reduce_(torch.stack([token_kl.sum(), valid.sum().float() * L]).to(self.host)).cpu()
-            metrics["kl/behaviour_ref_kl"] = sums[0] / sums[1].clamp(min=1)
-        return metrics
-
-    def _measured_kl(self, metrics: Mapping[str, torch.Tensor]) -> float:
-        """The KL the adaptive controller tracks: of the trained policy (loss mode) or of the behaviour
-        policy (reward-penalty mode)."""
-        key = "actor/kl" if self.cfg.algorithm.use_kl_loss else "kl/behaviour_ref_kl"
-        value = metrics.get(key)
-        return 0.0 if value is None or not math.isfinite(float(value)) else float(value)

@@ -9,11 +9,12 @@ lr_decay_steps, min_lr_ratio}``. Warm-up counts optimizer steps; the decay count
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from embodirl.errors import NonFiniteUpdate
 from embodirl.schema.sections import LR_SCHEDULES, OptimSection
 
 #: a parameter belongs to the critic when a component of its dotted name starts with one of these
@@ -42,7 +43,7 @@ def build_optimizer(policy: nn.Module, optim: OptimSection) -> torch.optim.AdamW
         groups.append({"params": policy_params, "lr": optim.lr, "name": "policy"})
     if value_params:
         groups.append({"params": value_params, "lr": optim.value_lr, "name": "value"})
-    betas = tuple(float(b) for b in optim.betas)
+    betas = (float(optim.betas[0]), float(optim.betas[1]))
     return torch.optim.AdamW(groups, betas=betas, eps=optim.eps, weight_decay=optim.weight_decay)
 
 
@@ -75,6 +76,7 @@ def lr_schedule(optimizer: torch.optim.Optimizer, optim: OptimSection, training_
         warm = 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
         if kind == "constant":
             return warm
+        assert optim.lr_decay_steps is not None     # a decaying schedule needs it (schema's actor_rules)
         return warm * decay_factor(kind, training_step() / optim.lr_decay_steps, min_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -97,3 +99,24 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> to
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm.detach()
+
+
+def check_finite(metrics: Mapping[str, torch.Tensor], grad_norm: torch.Tensor, optimizer: torch.optim.Optimizer,
+                 trainable: Sequence[tuple[str, nn.Parameter]], *, step: int, within: int) -> None:
+    """Before an optimizer step: when a loss term in ``metrics`` or the gradient norm is not finite, drop the gradients
+    and raise :class:`NonFiniteUpdate` naming the term (loss terms first), so the weights stay as they are. ``step``
+    is the training step, ``within`` the optimizer step's number within its update."""
+    bad = next((k for k in sorted(metrics, key=lambda k: ("loss" not in k, k))
+                if not bool(torch.isfinite(metrics[k]).all())), None)
+    if bad is None and bool(torch.isfinite(grad_norm)):
+        return
+    optimizer.zero_grad(set_to_none=True)
+    if bad is not None:
+        what = f"the loss term {bad} is {float(metrics[bad])}"
+    else:
+        params = [n for n, p in trainable if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        what = (f"the gradient norm is {float(grad_norm)} (non-finite in {len(params)} tensor(s), e.g. "
+                f"{params[0] if params else '?'})")
+    raise NonFiniteUpdate(f"training step {step}, optimizer step {within} of its update: {what}, so the update "
+                          "stopped before that optimizer step changed the weights; lower actor.optim.lr, or set "
+                          "runner.guard.enabled=true to roll back and go on")
