@@ -104,9 +104,10 @@ class CollapseGuard:
     # --- decisions ---------------------------------------------------------------------------------------------
     def decide(self, step: int, reason: str) -> tuple[str, str]:
         """``(action, sentence)`` for a trip at ``step``: roll back (the state records it) or stop."""
-        s, st = self._rules, self.state
+        st = self.state
         if st.best_checkpoint is None:
             return STOP, f"the collapse guard tripped at step {step} ({reason}) before any checkpoint to roll back to"
+        s = self._rules
         best = "the start, before any evaluation" if st.best_success is None else f"success {st.best_success:.2f}"
         where = f"the best checkpoint is {st.best_checkpoint} ({best} at step {st.best_step})"
         if s.action == STOP:

@@ -37,5 +37,9 @@ def main(overrides: Sequence[str]) -> int:
     from embodirl.sft import loop
 
     model_dir = loop.run(cfg, own, dataset, spec, camera_keys)
+    if model_dir is None:     # resumed from another folder's checkpoint at or past runner.max_steps: nothing trained
+        print(f"embodirl sft: nothing trained: the checkpoint resumed from is at or past runner.max_steps "
+              f"({cfg.runner.max_steps}), and {cfg.runner.output_dir} holds no checkpoint", flush=True)
+        return 0
     print(f"embodirl sft: checkpoint {model_dir} (embodirl train|eval model.path={model_dir})", flush=True)
     return 0
