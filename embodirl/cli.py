@@ -11,6 +11,7 @@ violation prints one sentence naming the key and exits with status 2, leaving th
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 USAGE = """usage: embodirl {train,eval,doctor,demos,sft,compare} [hydra overrides] [--cfg job] [-m]
 
@@ -99,48 +100,29 @@ def _own_command_flags(command: str, rest: list[str], overrides: list[str]) -> N
     print(OmegaConf.to_yaml(cfg, resolve="--resolve" in rest), end="")
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     print(f"embodirl: {message}", file=sys.stderr)
     sys.exit(EXIT_BAD_CONFIG)
 
 
-def main(argv: list[str] | None = None) -> None:
-    if argv is None:   # the real command: the run's minutes count from the process start (imports included)
-        import psutil
+def _eval_args(rest: list[str]) -> list[str]:
+    """``embodirl eval``'s arguments: ``runner.only_eval=true`` (and its own output folder unless the command names
+    one) placed next to the user's overrides, where Hydra's parser takes them as one run (``eval a=1 --cfg job``,
+    ``eval --cfg job a=1``)."""
+    from embodirl.overrides import override_key
 
-        from embodirl import runtime
+    overrides = _split(rest)[0]
+    at = max((i for i, a in enumerate(rest) if overrides and a == overrides[-1]), default=len(rest) - 1) + 1
+    named = {override_key(a) for a in overrides} & {"runner.output_dir", "runner.experiment_name"}
+    return [*rest[:at], "runner.only_eval=true", *([] if named else [EVAL_OUTPUT_DIR]), *rest[at:]]
 
-        runtime.command_started = psutil.Process().create_time()
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return
-    command, rest = args[0], args[1:]
-    if command not in COMMANDS:
-        _fail(f"unknown command '{command}'; use one of: {', '.join(COMMANDS)}")
-    if command == "eval":
-        # next to the user's overrides: Hydra's parser takes them as one run (`eval a=1 --cfg job`, `eval --cfg job a=1`)
-        overrides = _split(rest)[0]
-        at = max((i for i, a in enumerate(rest) if overrides and a == overrides[-1]), default=len(rest) - 1) + 1
-        from embodirl.overrides import override_key
 
-        named = {override_key(a) for a in overrides} & {"runner.output_dir", "runner.experiment_name"}
-        rest = [*rest[:at], "runner.only_eval=true", *([] if named else [EVAL_OUTPUT_DIR]), *rest[at:]]
-    if command == "doctor" and "--bench" in rest:    # measure the parts here, predict the run (embodirl.calibration)
-        _bench(rest)
-    overrides, multirun = _split(rest)
-
-    from embodirl.config import check_group_overrides, compose, sweep_jobs, validate
+def _own_command(command: str, overrides: list[str]) -> None:
+    """``embodirl demos|sft|doctor [overrides]``: the command's own entry point, its exit status the process's; a bad
+    config is one sentence and status 2, a failed run status 1."""
+    from embodirl.config import check_group_overrides
     from embodirl.errors import AssetsMissing, ConfigError
 
-    if command == "compare":
-        _compare(rest)
-    if command in OWN_COMMANDS and any(a.startswith("-") for a in rest):
-        try:
-            _own_command_flags(command, rest, overrides)
-        except (ConfigError, AssetsMissing) as exc:
-            _fail(str(exc))
-        return
     if command == "demos":
         from embodirl.demos import generate
 
@@ -162,15 +144,21 @@ def main(argv: list[str] | None = None) -> None:
             print(f"embodirl: {exc}", file=sys.stderr)
             sys.exit(EXIT_RUN_FAILED)
         sys.exit(code)
-    if command == "doctor":
-        from embodirl.tools import doctor
+    from embodirl.tools import doctor
 
-        try:
-            check_group_overrides(overrides)
-            code = doctor.main(overrides)
-        except ConfigError as exc:
-            _fail(str(exc))
-        sys.exit(code)
+    try:
+        check_group_overrides(overrides)
+        code = doctor.main(overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+    sys.exit(code)
+
+
+def _check_run(command: str, rest: list[str], overrides: list[str], multirun: bool) -> None:
+    """``embodirl train|eval``: the composed config (every sweep job's) checked before Hydra's runner starts, and for a
+    run (not ``--cfg``/``--info``) its rendering and memory too; a violation is one sentence and status 2."""
+    from embodirl.config import check_group_overrides, compose, sweep_jobs, validate
+    from embodirl.errors import AssetsMissing, ConfigError
     from embodirl.tools.doctor import PreflightFailed, preflight
 
     try:
@@ -190,6 +178,41 @@ def main(argv: list[str] | None = None) -> None:
                 validate(compose(job), check_envs=False)
     except (ConfigError, AssetsMissing, PreflightFailed) as exc:
         _fail(str(exc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None:   # the real command: the run's minutes count from the process start (imports included)
+        import psutil
+
+        from embodirl import runtime
+
+        runtime.command_started = psutil.Process().create_time()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        _fail(f"unknown command '{command}'; use one of: {', '.join(COMMANDS)}")
+    if command == "eval":
+        rest = _eval_args(rest)
+    if command == "doctor" and "--bench" in rest:    # measure the parts here, predict the run (embodirl.calibration)
+        _bench(rest)
+    overrides, multirun = _split(rest)
+
+    from embodirl.errors import AssetsMissing, ConfigError
+
+    if command == "compare":
+        _compare(rest)
+    if command in OWN_COMMANDS and any(a.startswith("-") for a in rest):
+        try:
+            _own_command_flags(command, rest, overrides)
+        except (ConfigError, AssetsMissing) as exc:
+            _fail(str(exc))
+        return
+    if command in OWN_COMMANDS:
+        _own_command(command, overrides)
+    _check_run(command, rest, overrides, multirun)
     _hydra_main(rest)
 
 

@@ -81,13 +81,19 @@ def sweep_jobs(overrides: Sequence[str], limit: int = 256) -> list[list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
-               else [o.input_line] for o in parsed]
+    choices: list[list[str]] = []
+    for o in parsed:
+        if o.is_sweep_override():
+            choices.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            assert o.input_line is not None     # the parser keeps every override's own text
+            choices.append([o.input_line])
     return [list(job) for job in itertools.islice(itertools.product(*choices), limit)]
 
 
 def _without_hydra(cfg: DictConfig) -> DictConfig:
     container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)          # a DictConfig's container
     container.pop("hydra", None)
     out = OmegaConf.create(container)
     OmegaConf.set_struct(out, True)
@@ -99,10 +105,10 @@ def _composition_error(exc: Exception) -> ConfigError:
     error under Hydra's), a key that does not exist, or else Hydra's own first sentence."""
     from omegaconf.errors import OmegaConfBaseException
 
-    cause = exc
+    cause: BaseException | None = exc
     while cause is not None and not (isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None)):
         cause = cause.__cause__
-    if cause is not None:
+    if isinstance(cause, OmegaConfBaseException):     # the loop stopped on one (else: None)
         return schema.error(cause)
     text = " ".join(str(exc).split())
     missing = re.match(r"Could not override '([\w.]+)'", text)

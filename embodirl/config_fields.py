@@ -108,8 +108,9 @@ def _is_int(annotation: Any) -> bool:
                                  and int in typing.get_args(annotation))
 
 
-def check_fields(schema: type, node: Mapping, prefix: str) -> None:
-    """Every ranged or choice field of ``schema`` (and of its nested section dataclasses) in ``node``."""
+def check_fields(schema: type, node: object, prefix: str) -> None:
+    """Every ranged or choice field of ``schema`` (and of its nested section dataclasses) in ``node`` (a mapping; anything
+    else has none of them)."""
     hints = typing.get_type_hints(schema)   # real types also where a module postpones its annotations
     for f in dataclasses.fields(schema):
         key = f"{prefix}.{f.name}" if prefix else f.name

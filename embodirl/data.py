@@ -241,7 +241,9 @@ def get_extra(batch: TensorDict, key: str) -> torch.Tensor:
 
 def concat(batches: list[TensorDict]) -> TensorDict:
     """Concatenate trajectory batches along N (they must share T)."""
-    return torch.cat(batches, dim=0)
+    from tensordict import TensorDict
+
+    return TensorDict.cat(batches, dim=0)     # what torch.cat dispatches to (torch's stubs take tensors only)
 
 
 def split(batch: TensorDict, sizes: int | list[int]) -> tuple[TensorDict, ...]:

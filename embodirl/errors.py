@@ -13,7 +13,7 @@ class ConfigError(ValueError):
         return _restore, (type(self), self.key, str(self))
 
 
-def _restore(cls: type, key: str, text: str) -> ConfigError:
+def _restore(cls: type[ConfigError], key: str, text: str) -> ConfigError:
     exc = cls.__new__(cls)
     Exception.__init__(exc, text)
     exc.key = key

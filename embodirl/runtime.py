@@ -24,6 +24,7 @@ import base64
 import ctypes
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from embodirl.paths import deps_dir
@@ -43,7 +44,7 @@ NVIDIA_GPUS_DIR = Path("/proc/driver/nvidia/gpus")
 NVIDIA_EGL_VENDOR = (Path("/usr/share/glvnd/egl_vendor.d/10_nvidia.json"), Path("/etc/glvnd/egl_vendor.d/10_nvidia.json"))
 
 
-def nvidia_gpus(environ: dict | None = None, gpus_dir: Path = NVIDIA_GPUS_DIR) -> list[int]:
+def nvidia_gpus(environ: Mapping[str, str] | None = None, gpus_dir: Path = NVIDIA_GPUS_DIR) -> list[int]:
     """Ids of the NVIDIA GPUs this process may use (without importing torch): the driver's GPUs, narrowed by
     ``CUDA_VISIBLE_DEVICES`` (Ray sets it to a worker's GPUs, and to nothing for a worker without one)."""
     environ = os.environ if environ is None else environ
@@ -64,7 +65,7 @@ def nvidia_gpus(environ: dict | None = None, gpus_dir: Path = NVIDIA_GPUS_DIR) -
     return ids
 
 
-def choose_mujoco_gl(environ: dict | None = None, gpus: list[int] | None = None,
+def choose_mujoco_gl(environ: Mapping[str, str] | None = None, gpus: list[int] | None = None,
                      nvidia_egl: bool | None = None) -> tuple[str, int | None, str]:
     """``(MUJOCO_GL, EGL device or None, why)`` for this process: the user's ``MUJOCO_GL``; else ``egl`` on the first
     NVIDIA GPU it may use when NVIDIA's EGL library is installed; else ``osmesa`` (software rendering)."""

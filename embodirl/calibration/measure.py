@@ -31,11 +31,19 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from embodirl.schema import Config, run_config
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from embodirl.actor.actor import Actor
+    from embodirl.algorithms.section import AlgorithmSection
+    from embodirl.rollout.inference import PolicyInference
 
 log = logging.getLogger(__name__)
 #: simulators the calibration starts at most (the model scales the rest: :mod:`embodirl.calibration.predict`)
@@ -142,10 +150,46 @@ def _env_times(env, H: int, cores: int, new_starts) -> tuple[float, float, float
     return physics * 1e3 * own_core, decision * 1e3 * own_core, reset_s * 1e3 * own_core, len(env.spec.camera_names)
 
 
+def _act_rate(inference: PolicyInference, batch_obs: dict[str, np.ndarray], return_value: bool) -> float:
+    """Decisions per second of ``inference``'s act on ``batch_obs``: repeated calls (at least :data:`ACT_CALLS`, for at
+    least :data:`ACT_SECONDS`) after one untimed."""
+    rows = next(iter(batch_obs.values())).shape[0]
+    inference.request(batch_obs, return_value=return_value).result()     # untimed: first-call costs
+    calls, t0 = 0, time.perf_counter()
+    while calls < ACT_CALLS or time.perf_counter() - t0 < ACT_SECONDS:
+        inference.request(batch_obs, return_value=return_value).result()
+        calls += 1
+    return calls * rows / (time.perf_counter() - t0)
+
+
+def _update_seconds(policy: torch.nn.Module, actor: Actor, batch: TensorDict, algorithm: AlgorithmSection) -> float:
+    """Seconds of one update of ``actor`` on ``batch`` (advantages included): the faster of two, as the first pays
+    one-off costs (optimizer state, first backward)."""
+    from embodirl.actor.actor import prepare_batch
+
+    update_s = []
+    for _ in range(2):
+        policy.train()
+        t0 = time.perf_counter()
+        prepared, _ = prepare_batch(batch, algorithm)
+        actor.train(prepared)
+        update_s.append(time.perf_counter() - t0)
+    return min(update_s)
+
+
+def _sync_times(actor: Actor, inference: PolicyInference) -> tuple[float, float]:
+    """(seconds, MiB) of the actor's publication of its trainable tensors and their load into the acting copy."""
+    t0 = time.perf_counter()
+    version, tensors = actor.publish_weights(full=True)
+    inference.receive_weights(tensors, version)
+    sync_s = time.perf_counter() - t0
+    return sync_s, sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+
+
 def calibrate(cfg) -> Calibration:
     """Time the parts of ``cfg`` (a typed or composed run config) on this machine (see module docstring)."""
     from embodirl import data as D
-    from embodirl.actor.actor import Actor, prepare_batch
+    from embodirl.actor.actor import Actor
     from embodirl.envs.registry import make_env
     from embodirl.models.registry import make_policy
     from embodirl.rollout.collector import RolloutCollector
@@ -178,12 +222,7 @@ def calibrate(cfg) -> Calibration:
         obs, _ = env.reset(seed=cfg.runner.seed)
         batch_obs = _tile(obs, layout.envs_per_stage)
         policy.eval()
-        inference.request(batch_obs, return_value=return_value).result()     # untimed: first-call costs
-        calls, t0 = 0, time.perf_counter()
-        while calls < ACT_CALLS or time.perf_counter() - t0 < ACT_SECONDS:
-            inference.request(batch_obs, return_value=return_value).result()
-            calls += 1
-        act_per_s = calls * layout.envs_per_stage / (time.perf_counter() - t0)
+        act_per_s = _act_rate(inference, batch_obs, return_value)
         # a real rollout of the b simulators: its chunks and, below, the batch the update is timed on
         collector = RolloutCollector([env], inference, num_decisions=min(ROLLOUT_DECISIONS, layout.num_decisions),
                                      auto_reset=bool(cfg.env.train.auto_reset), return_value=return_value,
@@ -210,24 +249,14 @@ def calibrate(cfg) -> Calibration:
     actor = Actor(policy, small, task_table=env.spec.task_descriptions,
                   temperature=1.0 if cfg.rollout.temperature is None else cfg.rollout.temperature)
     valid = float(batch.get(D.VALID).sum())
-    update_s = []
-    for _ in range(2):             # the first pays one-off costs (optimizer state, first backward); the faster counts
-        policy.train()
-        t0 = time.perf_counter()
-        prepared, _ = prepare_batch(batch, cfg.algorithm)
-        actor.train(prepared)
-        update_s.append(time.perf_counter() - t0)
+    update_s = _update_seconds(policy, actor, batch, cfg.algorithm)
     passes = valid * (epochs + (1 if cfg.algorithm.recompute_old_logprob else 0))   # a scoring forward counts as one
-    t0 = time.perf_counter()
-    version, tensors = actor.publish_weights(full=True)
-    inference.receive_weights(tensors, version)
-    sync_s = time.perf_counter() - t0
-    trainable_mb = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+    sync_s, trainable_mb = _sync_times(actor, inference)
     device = str(next(policy.parameters()).device)
     if device.startswith("cuda"):
         device = torch.cuda.get_device_name()
     return Calibration(cores=cores, load=round(load, 2), device=device, envs=b, chunk_len=H, cameras=V,
                        physics_ms=physics_ms, decision_ms=decision_ms, render_ms=decision_ms / V if V else 0.0,
                        reset_ms=reset_ms, overhead_ms=overhead_ms, act_batch=layout.envs_per_stage, act_per_s=act_per_s,
-                       update_per_s=passes / min(update_s), valid_fraction=valid / batch.get(D.VALID).numel(),
+                       update_per_s=passes / update_s, valid_fraction=valid / batch.get(D.VALID).numel(),
                        sync_s=sync_s, trainable_mb=trainable_mb, seconds=time.perf_counter() - t_start)

@@ -140,7 +140,7 @@ def predict(cal: Calibration, recipe: Recipe, *, gpus: int = 1, accelerator: boo
     update_s = decisions * passes / (cal.update_per_s * n)
     sync_s = cal.sync_s if (recipe.acting_copy or accelerator) else 0.0
     parts = {"env": env_s, "inference": inference_s, "update": update_s, "sync": sync_s}
-    bottleneck = max(parts, key=parts.get)
+    bottleneck = max(parts, key=parts.__getitem__)
     return Prediction(env_s=env_s, inference_s=inference_s, collect_s=collect_s, update_s=update_s, sync_s=sync_s,
                       step_s=collect_s + update_s + sync_s, bottleneck=bottleneck, bound_s=parts[bottleneck],
                       gpus=n, max_steps=recipe.max_steps)

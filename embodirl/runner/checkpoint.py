@@ -26,6 +26,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -241,8 +242,7 @@ def written_with(source: Path, cfg) -> str:
         new = OmegaConf.create(OmegaConf.to_yaml(cfg))
         differ = []
         for section in _LAYOUT_SECTIONS:
-            a, b = (flatten(OmegaConf.to_container(OmegaConf.select(c, section) or {}, resolve=True), section + ".")
-                    for c in (old, new))
+            a, b = (_flat_section(c, section) for c in (old, new))
             differ += [f"{key}={show_value(a.get(key))} (this run: {show_value(b.get(key))})"
                        for key in sorted(a.keys() | b.keys()) if key not in _LAYOUT_FREE and a.get(key) != b.get(key)]
         what = ", ".join(differ[:3]) if differ else what
@@ -252,6 +252,15 @@ def written_with(source: Path, cfg) -> str:
         except Exception:
             return ""
     return f" (the checkpoint was written with {what}; use that run's model options, see {written})"
+
+
+def _flat_section(cfg: Any, section: str) -> dict:
+    """``section`` of an OmegaConf config as flat ``{dotted key: value}`` (resolved); one it lacks raises."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(OmegaConf.select(cfg, section) or {}, resolve=True)
+    assert isinstance(container, dict)      # a section is a mapping
+    return flatten(container, section + ".")
 
 
 def load_policy_weights(policy, source: Path, cfg) -> None:
@@ -282,7 +291,9 @@ def show_value(value) -> str:
 def checkpoint_step(path: str | Path) -> int:
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint folder (step_<n> with a {COMPLETE} marker)")
-    return int(_STEP_DIR.match(Path(path).name).group(1))
+    match = _STEP_DIR.match(Path(path).name)
+    assert match is not None                # is_checkpoint matched it
+    return int(match.group(1))
 
 
 def save_rng(folder: Path) -> None:
@@ -328,11 +339,14 @@ def _load_legacy_rng(path: Path):
     states). Read with torch's restricted unpickler (``weights_only=True``), which builds only tensors,
     containers and the allow-listed numpy types of the MT19937 key array, so it runs no code from the
     file. None, with a warning, when that fails: the generators then keep this run's seeding."""
+    import importlib
+
     try:
-        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+        multiarray = importlib.import_module("numpy._core.multiarray")  # numpy >= 2
     except ImportError:
-        from numpy.core.multiarray import _reconstruct
-    numpy_types = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _reconstruct]
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    numpy_types: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+        np.ndarray, np.dtype, type(np.dtype(np.uint32)), multiarray._reconstruct]
     try:
         with torch.serialization.safe_globals(numpy_types):
             return torch.load(path, weights_only=True)

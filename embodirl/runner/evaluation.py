@@ -40,7 +40,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +82,7 @@ def protocol_env_cfg(env: CommonEnvConfig, protocol: str | None, num_envs: int |
     runs it (scenes are seeded from (task, init state), actions are greedy), so the sweep's per-episode
     results are the same at any number of simulators, returns up to float rounding (another batch size may sum
     in another order; ``tests/runner/test_eval_report.py``)."""
-    changes = {}
+    changes: dict[str, Any] = {}
     if protocol == "oft":
         key, value = OFT_SEEDING[env.adapter]
         changes[key] = value
@@ -246,7 +248,7 @@ def _videos_by_slot(paths: list[str], num_videos: int, out_dir: Path) -> dict[in
 
 
 def episode_results(traj, part: list[tuple[int, int, int]], spec, videos: Mapping[int, str],
-                    seed: int | None = None, crashed: set[int] = frozenset()) -> list[EpisodeResult]:
+                    seed: int | None = None, crashed: AbstractSet[int] = frozenset()) -> list[EpisodeResult]:
     """One :class:`EpisodeResult` per scheduled ``(episode_ix, task_id, init_state_id)`` from an evaluation
     trajectory ``[N, T]`` (one episode per row; padding rows beyond ``part`` are dropped). An episode
     succeeded when ``success`` held at one of its valid decisions; its return sums its valid rewards, its

@@ -61,6 +61,12 @@ class CollapseGuard:
     def enabled(self) -> bool:
         return self.settings is not None and self.settings.enabled
 
+    @property
+    def _rules(self) -> GuardSection:
+        """The settings the rules read: the runner consults a guard only once it has them (:attr:`enabled`)."""
+        assert self.settings is not None
+        return self.settings
+
     # --- observations ------------------------------------------------------------------------------------------
     def is_new_best(self, success: float) -> bool:
         return self.state.best_success is None or success > self.state.best_success
@@ -71,7 +77,7 @@ class CollapseGuard:
 
     def after_eval(self, step: int, success: float) -> str | None:
         """The reason the guard trips after this evaluation, or None."""
-        s = self.settings
+        s = self._rules
         if s.success_drop is None or self.state.best_success is None:
             return None
         if success < self.state.best_success - s.success_drop:
@@ -85,7 +91,7 @@ class CollapseGuard:
 
     def after_step(self, metrics: Mapping[str, float]) -> str | None:
         """The reason the guard trips after a training step's metrics, or None."""
-        s = self.settings
+        s = self._rules
         kl, entropy = metrics.get(KL_METRIC), metrics.get(ENTROPY_METRIC)
         if s.max_kl is not None and kl is not None and not float(kl) <= s.max_kl:        # NaN trips it too
             where = "not comparable with" if math.isnan(float(kl)) else "above"
@@ -98,9 +104,10 @@ class CollapseGuard:
     # --- decisions ---------------------------------------------------------------------------------------------
     def decide(self, step: int, reason: str) -> tuple[str, str]:
         """``(action, sentence)`` for a trip at ``step``: roll back (the state records it) or stop."""
-        s, st = self.settings, self.state
+        st = self.state
         if st.best_checkpoint is None:
             return STOP, f"the collapse guard tripped at step {step} ({reason}) before any checkpoint to roll back to"
+        s = self._rules
         best = "the start, before any evaluation" if st.best_success is None else f"success {st.best_success:.2f}"
         where = f"the best checkpoint is {st.best_checkpoint} ({best} at step {st.best_step})"
         if s.action == STOP:
@@ -138,7 +145,7 @@ class CollapseGuard:
 _TYPES = {"float": (int, float), "int": (int,), "str": (str,), "list[dict]": (list,)}
 
 
-def _is_a(value, annotation: str) -> bool:
+def _is_a(value, annotation: object) -> bool:
     """``value`` fits a :class:`GuardState` annotation (``float | None``, ``int``, ...; the module's annotations are
     strings)."""
     names = [a.strip() for a in str(annotation).split("|")]

@@ -192,7 +192,7 @@ class Runner:
         where = {"actor": [{**{k: info.get(k) for k in ("rank", "pid", "node_id", "device", "fsdp")},
                             "slot": slot("actor", i)} for i, info in enumerate(actors.infos)]}
         where["rollout"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
-                             "slot": slot("rollout", i)} for i, info in enumerate(groups.inference.infos)]
+                             "slot": slot("rollout", i)} for i, info in enumerate(groups.serving.infos)]
         if groups.env is not None:
             where["env"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
                              "slot": slot("env", i)} for i, info in enumerate(groups.env.infos)]

@@ -141,8 +141,10 @@ class MetricsLogger:
 
         flat = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(config).items()}
         experiment, start, end = hparams(flat, {"eval/success_rate": float("nan")})
+        writer = self._tb.file_writer
+        assert writer is not None        # SummaryWriter opens its file writer when it is made
         for summary in (experiment, start, end):
-            self._tb.file_writer.add_summary(summary)
+            writer.add_summary(summary)
         import yaml
 
         self._tb.add_text("config", "```\n" + yaml.safe_dump(dict(config), sort_keys=False) + "```")
@@ -186,7 +188,9 @@ class MetricsLogger:
                            duration=int(1000 / fps), loop=0)
             image = Summary.Image(height=frames[0].height, width=frames[0].width, colorspace=3,
                                   encoded_image_string=buffer.getvalue())
-            self._tb.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+            writer = self._tb.file_writer
+            assert writer is not None    # SummaryWriter opens its file writer when it is made
+            writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
             self._tb.flush()
         if self._wandb is not None:
             import wandb as wandb_lib

@@ -135,7 +135,7 @@ def compare_stats(episodes: Sequence[dict], alpha: float) -> dict:
         by_task[e["suite"], e["task_id"]].append(e)
         by_suite[e["suite"]].append(e)
 
-    def pairs(eps: list[dict]) -> list[tuple[bool, bool]]:
+    def pairs(eps: Sequence[dict]) -> list[tuple[bool, bool]]:
         return [(e["a_success"], e["b_success"]) for e in eps]
 
     per_task = [{"suite": suite, "task_id": task_id, "task": eps[0]["task"], **summarize(pairs(eps))}

@@ -125,7 +125,9 @@ def _free(key: str) -> bool:
 def config_values(cfg) -> dict:
     """A config (typed, composed or loaded from YAML) as flat ``{dotted key: value}``, as the YAML it is saved as."""
     node = cfg if OmegaConf.is_config(cfg) else OmegaConf.create(OmegaConf.to_yaml(cfg))
-    return flatten(OmegaConf.to_container(node, resolve=True))
+    container = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(container, dict)      # a config is a mapping of sections
+    return flatten(container)
 
 
 def hyperparameter_differences(saved: Path, cfg) -> list[str]:
@@ -213,13 +215,14 @@ def no_room(exc: BaseException) -> str | None:
     """Why ``exc`` (or what it wraps: a Ray task error, torch's checkpoint exception) is a write that found no room
     (a full disk or quota, a file-size limit), in words; None when it is something else."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in NO_ROOM:
-            return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
-        text = str(exc)
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in NO_ROOM:
+            return f"{cause.strerror}" + (f": {cause.filename}" if cause.filename else "")
+        text = str(cause)
         for phrase in NO_ROOM_TEXT:
             if phrase in text:
                 return phrase
-        exc = exc.__cause__ or exc.__context__
+        cause = cause.__cause__ or cause.__context__
     return None

@@ -77,7 +77,7 @@ def summarize_run(seed: int, run_dir: str | Path, bar: float, hold: float, *, sk
 def distribution(results: list[SeedResult]) -> dict:
     """Over seeds: counts, median and worst first step (``None`` when a seed never reached the bar and so is
     the worst; the median is ``None`` when half or more never reached it), final successes."""
-    steps = sorted(r.first_step if r.reached else math.inf for r in results)
+    steps = sorted(r.first_step if r.first_step is not None else math.inf for r in results)   # None: not reached
     finals = [r.final for r in results if r.final is not None]
     median = statistics.median_low(steps) if steps else math.inf
     return {"seeds": len(results), "reached": sum(r.reached for r in results),

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -46,6 +47,11 @@ from embodirl.runner.hooks import (
 from embodirl.runner.preemption import PreemptionWatch
 from embodirl.runner.run_state import restore as restore_run_state
 
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from embodirl.rollout.collector import RolloutStats
+
 log = logging.getLogger(__name__)
 
 
@@ -55,9 +61,9 @@ class StepRecord:
 
     number: int
     started: float                    # time.perf_counter() at the step's start
-    batch: object = None              # the collected Trajectory batch [N, T]
-    stats: object = None              # its RolloutStats
-    prepared: object = None           # the batch with advantages, as the actor ranks train on it
+    batch: TensorDict | None = None              # the collected Trajectory batch [N, T]
+    stats: RolloutStats | None = None            # its timings
+    prepared: TensorDict | None = None           # the batch with advantages, as the actor ranks train on it
     timings: dict = dataclasses.field(default_factory=dict)          # time/* of the step
     metrics: dict = dataclasses.field(default_factory=dict)          # what the log phase writes
     prepare_metrics: dict = dataclasses.field(default_factory=dict)
@@ -117,7 +123,7 @@ class TrainingRun:
             self.progress = tqdm(total=self.max_steps, initial=self.start_step, desc="train", unit="step", leave=False)
         self.saved = (self.start_step, source)      # the step of the latest checkpoint and its folder
         ema = cfg.actor.ema_decay > 0
-        self.hooks = []                             # outermost first (embodirl/runner/hooks.py)
+        self.hooks: list[GuardHook | ParkingHook | EmaHook] = []    # outermost first (embodirl/runner/hooks.py)
         if runner.guard.enabled:
             self.hooks.append(GuardHook(runner.guard, self))
         if cfg.actor.enable_offload:
@@ -171,14 +177,18 @@ class TrainingRun:
 
     # --- the phases -------------------------------------------------------------------------------------------------
     def _collect(self, record: StepRecord) -> None:
-        record.batch, record.stats = self.runner._collect(self.groups, record.number, self.starts_rng)
-        collect_s = time.perf_counter() - record.started - record.stats.baseline_s   # ReMax's greedy rollouts apart
+        batch: TensorDict
+        stats: RolloutStats
+        batch, stats = self.runner._collect(self.groups, record.number, self.starts_rng)
+        record.batch, record.stats = batch, stats
+        collect_s = time.perf_counter() - record.started - stats.baseline_s   # ReMax's greedy rollouts apart
         H = self.runner.cfg.model.action_chunk
-        record.timings, record.metrics = collection_metrics(record.batch, record.stats, H, collect_s)
+        record.timings, record.metrics = collection_metrics(batch, stats, H, collect_s)
 
     def _prepare(self, record: StepRecord) -> None:
         """Advantages, driver side, on the whole batch."""
         batch = record.batch
+        assert batch is not None                  # the collect phase ran first
         if self.runner.algorithm.kl_active and D.LOGPROB_REF not in batch.keys():
             batch = self.actors.with_ref_logprob(batch)
         record.prepared, record.prepare_metrics = prepare_batch(batch, self.runner.algorithm, kl_coef=self.kl_coef)

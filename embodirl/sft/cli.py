@@ -19,6 +19,7 @@ def main(overrides: Sequence[str]) -> int:
     cfg = sft_compose.compose(overrides)
     own = sft_compose.check(cfg)         # the typed sft and data sections
     run = validate(sft_compose.main_config(cfg))
+    assert own.data.path is not None     # check refused an unset one
     try:
         dataset = LeRobotDataset(own.data.path, action_chunk=sft_compose.trained_chunk(cfg)[0])
     except DatasetError as exc:
@@ -33,8 +34,12 @@ def main(overrides: Sequence[str]) -> int:
     # the demos hold the env's own actions: the policy learns them in the convention it declares, the one its
     # rollouts are converted from (embodirl.envs.conventions)
     dataset.convert_actions(action_conversion(run, "env.train").from_env)
-    from embodirl.sft.loop import run
+    from embodirl.sft import loop
 
-    model_dir = run(cfg, own, dataset, spec, camera_keys)
+    model_dir = loop.run(cfg, own, dataset, spec, camera_keys)
+    if model_dir is None:     # resumed from another folder's checkpoint at or past runner.max_steps: nothing trained
+        print(f"embodirl sft: nothing trained: the checkpoint resumed from is at or past runner.max_steps "
+              f"({cfg.runner.max_steps}), and {cfg.runner.output_dir} holds no checkpoint", flush=True)
+        return 0
     print(f"embodirl sft: checkpoint {model_dir} (embodirl train|eval model.path={model_dir})", flush=True)
     return 0

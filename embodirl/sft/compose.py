@@ -28,6 +28,7 @@ def compose(overrides: Sequence[str]) -> DictConfig:
     rest = [o for o in overrides if o not in own]
     cfg = compose_main(rest)
     defaults = OmegaConf.load(config_dir() / SFT_FILE)
+    assert isinstance(defaults, DictConfig)      # sft.yaml is a mapping of sections
     sections = OmegaConf.create({k: defaults[k] for k in OWN_SECTIONS})
     OmegaConf.set_struct(sections, True)
     apply_section_overrides(sections, own, SFT_FILE)
@@ -42,6 +43,7 @@ def compose(overrides: Sequence[str]) -> DictConfig:
 def main_config(cfg: DictConfig) -> DictConfig:
     """``cfg`` without the SFT sections: what ``embodirl train`` would run (for its validation)."""
     container = OmegaConf.to_container(cfg)
+    assert isinstance(container, dict)           # a DictConfig's container
     for key in OWN_SECTIONS:
         container.pop(key, None)
     out = OmegaConf.create(container)

@@ -71,7 +71,7 @@ def batch_indices(num_samples: int, batch_size: int, step: int, seed: int) -> np
     """Frame indices of training step ``step`` (1-based): positions ``(step-1)*B .. step*B`` of the endless
     sequence of per-epoch permutations."""
     start = (int(step) - 1) * int(batch_size)
-    out = []
+    out: list[int] = []
     position = start
     while len(out) < batch_size:
         epoch, offset = divmod(position, num_samples)
@@ -96,7 +96,7 @@ class BatchMaker:
         self.normalizer = (Standardizer(statistics_entry["action"]) if normalization == MEAN_STD
                            else BoundsNormalizer.from_statistics(statistics_entry["action"], normalization))
 
-    def __call__(self, indices: Sequence[int]) -> dict:
+    def __call__(self, indices: Sequence[int] | np.ndarray) -> dict:
         samples = [self.dataset[int(i)] for i in indices]
         images = np.stack([np.stack([s.images[k].transpose(2, 0, 1) for k in self.camera_keys]) for s in samples])
         actions = torch.as_tensor(np.stack([s.actions for s in samples]), dtype=torch.float32)   # (B, H, A)

@@ -55,6 +55,7 @@ def unnorm_key(cfg: DictConfig, spec) -> str:
 def _evaluate(cfg: DictConfig, model_dir: Path, out_dir: Path) -> dict:
     """The runner's evaluation of the exported model (``embodirl eval model.path=<model_dir>``)."""
     from embodirl.runner.loop import Runner
+    from embodirl.schema import run_config
     from embodirl.sft.compose import main_config
 
     eval_cfg = main_config(cfg)
@@ -68,12 +69,14 @@ def _evaluate(cfg: DictConfig, model_dir: Path, out_dir: Path) -> dict:
         eval_cfg.runner.logger.wandb = False
     # an evaluation of this step by an attempt of this run that was cut short is done again (of the weights now there)
     (out_dir / "eval_info.json").unlink(missing_ok=True)
-    return Runner(eval_cfg).run_eval()
+    return Runner(run_config(eval_cfg)).run_eval()
 
 
-def run(cfg: DictConfig, own: SftSections, dataset, spec, camera_keys: list[str]) -> Path:
+def run(cfg: DictConfig, own: SftSections, dataset, spec, camera_keys: list[str]) -> Path | None:
     """Train (``own``: the typed ``sft`` and ``data`` sections :func:`embodirl.sft.compose.check` returned); returns
-    the last checkpoint's public model folder."""
+    the last checkpoint's public model folder (None: resumed at or past ``runner.max_steps`` from a checkpoint of
+    another folder, so this one has none)."""
+    from embodirl.schema import run_config
     from embodirl.workers.actor_group import ActorGroup
 
     r, s = cfg.runner, own.sft
@@ -88,7 +91,7 @@ def run(cfg: DictConfig, own: SftSections, dataset, spec, camera_keys: list[str]
     make_batch = BatchMaker(dataset, statistics[key], camera_keys, use_state=dataset.state_key is not None
                             and bool(spec.state_dim), normalization=str(cfg.model.normalization))
     options = s.actor_options(policy_family(cfg.model.name).sft == SFT_TOKENS)
-    actors = ActorGroup.local(cfg, spec)
+    actors = ActorGroup.local(run_config(cfg), spec)
     try:
         actors.set_statistics(statistics)
         start_step = 0
@@ -100,10 +103,13 @@ def run(cfg: DictConfig, own: SftSections, dataset, spec, camera_keys: list[str]
         (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         (out / STATISTICS_FILE).write_text(json.dumps(statistics, indent=2))
         lc = r.logger
+        container = OmegaConf.to_container(cfg)
+        assert isinstance(container, dict)      # a DictConfig's container
         logger = MetricsLogger(out, console=lc.console, tensorboard=lc.tensorboard, wandb=lc.wandb,
                                wandb_mode=lc.wandb_mode, project=lc.project, run_name=f"sft_{r.experiment_name}",
-                               config=OmegaConf.to_container(cfg), resume_step=start_step)
+                               config=container, resume_step=start_step)
         max_steps = int(r.max_steps)
+        assert own.data.path is not None        # compose.check refused an unset one
         marker = {TOKENS_TRAINED: s.token_loss,
                   "sft": {"dataset": str(Path(own.data.path).resolve()), "unnorm_key": key,
                           "episodes": int(dataset.num_episodes), "frames": int(len(dataset))}}

@@ -29,6 +29,8 @@ Rendering is probed in a child process, so a driver that crashes or hangs cannot
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import subprocess
 import sys
@@ -218,7 +220,7 @@ def read_lock(path: Path) -> dict[str, str]:
     """``constraints.txt`` as {canonical name: pinned version} (``name==version`` lines, ``#`` comments)."""
     from packaging.utils import canonicalize_name
 
-    pins = {}
+    pins: dict[str, str] = {}
     for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         name, _, pinned = line.partition("==")
@@ -381,7 +383,7 @@ def check_ray(cfg) -> Check:
     import ray
 
     try:
-        ray.init(address=address, ignore_reinit_error=True, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, ignore_reinit_error=True, logging_level=logging.ERROR, log_to_driver=False)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         resources = ray.cluster_resources()
     except Exception as exc:            # the run's own sentence: Ray's root reason (a refused token, no head) + the fix
@@ -439,7 +441,7 @@ def all_checks(cfg: DictConfig) -> list[Check]:
     rows = [_guarded("config", config)]
     rows += fast_checks(cfg)
     env_keys = ["env.train"] if cfg.env.train == cfg.env.eval else ["env.train", "env.eval"]
-    rows += [_guarded(f"assets/{k.split('.')[-1]}", lambda k=k: check_assets(cfg, k)) for k in env_keys]
+    rows += [_guarded(f"assets/{k.split('.')[-1]}", functools.partial(check_assets, cfg, k)) for k in env_keys]
     rows.append(_guarded("heldout", lambda: check_heldout(cfg)))
     rows.append(_guarded("dependencies", check_dependencies))
     rows.append(_guarded("checkpoint", lambda: check_checkpoint(cfg)))

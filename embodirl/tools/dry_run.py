@@ -200,7 +200,6 @@ def dry_run_batch(policy, spec: EnvSpec, trajectories: int, decisions: int) -> T
     """A trajectory batch shaped like a rollout of ``policy`` on ``spec`` (zeros; every decision valid)."""
     N, T = trajectories, decisions
     H, A, L = policy.action_chunk, policy.action_dim, policy.tokens_per_decision
-    h, w = spec.image_size
     fields = {D.TASK_ID: torch.zeros(N, dtype=torch.int64), D.ACTION_CHUNK: torch.zeros(N, T, H, A),
               D.LOGPROB_BEHAVIOR: torch.zeros(N, T, L), D.REWARD: torch.zeros(N, T),
               D.TERMINATED: torch.zeros(N, T, dtype=torch.bool), D.TRUNCATED: torch.zeros(N, T, dtype=torch.bool),
@@ -208,6 +207,8 @@ def dry_run_batch(policy, spec: EnvSpec, trajectories: int, decisions: int) -> T
               D.GROUP_ID: torch.zeros(N, dtype=torch.int64), D.INIT_STATE_ID: torch.zeros(N, dtype=torch.int64),
               D.EXECUTED: torch.ones(N, T, H, dtype=torch.bool)}
     if spec.camera_names:
+        assert spec.image_size is not None      # a spec with cameras says their size
+        h, w = spec.image_size
         fields[D.IMAGES] = torch.zeros(N, T, len(spec.camera_names), 3, h, w, dtype=torch.uint8)
     if spec.state_dim:
         fields[D.STATE] = torch.zeros(N, T, spec.state_dim)
@@ -224,9 +225,10 @@ def dry_run_batch(policy, spec: EnvSpec, trajectories: int, decisions: int) -> T
 
 
 def _observation(spec: EnvSpec, batch: int) -> dict:
-    h, w = spec.image_size
     obs: dict = {D.TASK_ID: torch.zeros(batch, dtype=torch.int64), "instruction": [DRY_RUN_INSTRUCTION] * batch}
     if spec.camera_names:
+        assert spec.image_size is not None      # a spec with cameras says their size
+        h, w = spec.image_size
         obs[D.IMAGES] = torch.zeros(batch, len(spec.camera_names), 3, h, w, dtype=torch.uint8)
     if spec.state_dim:
         obs[D.STATE] = torch.zeros(batch, spec.state_dim)

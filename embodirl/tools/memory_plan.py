@@ -63,7 +63,7 @@ def sizing_spec(model, max_episode_steps: int, instruction: str, *, cameras: lis
 
     return EnvSpec(action_dim=getattr(model, "action_dim", None) or UNSET_ACTION_DIM,
                    max_episode_steps=max_episode_steps, task_descriptions=[instruction], camera_names=list(cameras),
-                   image_size=tuple(int(s) for s in image_size),
+                   image_size=(int(image_size[0]), int(image_size[1])),
                    state_dim=getattr(model, "proprio_dim", None) or UNSET_STATE_DIM, name=name)
 
 

@@ -19,9 +19,10 @@ GIB = 1024**3
 def _ids(devices) -> str:
     """``(0, 1, 2, 3, 5)`` as ``0-3,5``."""
     devices, out = sorted(devices), []
-    start = prev = None
+    start: int | None = None
+    prev: int | None = None
     for d in devices + [None]:
-        if start is not None and d == prev + 1:
+        if start is not None and prev is not None and d == prev + 1:    # (prev is set whenever start is)
             prev = d
             continue
         if start is not None:

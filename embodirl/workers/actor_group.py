@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 import torch
 
@@ -112,7 +113,7 @@ class ActorGroup:
             self.close(kill=True)
             raise
 
-    def _rank_died(self, r: int, what: str):
+    def _rank_died(self, r: int, what: str) -> NoReturn:
         info = self.infos[r] if r < len(self.infos) else {}
         where = f" (pid {info['pid']}, node {str(info.get('node_id'))[:12]})" if info.get("pid") else ""
         self.close(kill=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from embodirl.workers import process_env
 from embodirl.workers.parking import HostParking
 from embodirl.workers.weight_sync import WeightPublisher
 from embodirl.workers.weight_transfer import WeightOutbox
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ class ActorWorker:
         self.outbox: WeightOutbox | None = None
         self.offloaded = False
         self._parking = HostParking()   # collocated placement: the actor's host buffers, reused every step
-        self._store = None              # rank 0: the process group's rendezvous store (rendezvous())
+        self._store: TCPStore | None = None   # rank 0: the process group's rendezvous store (rendezvous())
 
     # --- start --------------------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -99,8 +103,10 @@ class ActorWorker:
         """Join the process group (when given rank 0's rendezvous address), build the policy and the actor."""
         device = fsdp.default_device()
         if master_addr is not None:
-            store = self._store if self._store is not None else fsdp.tcp_store(
-                master_addr, int(master_port), self.world_size, is_master=False)
+            store = self._store
+            if store is None:
+                assert master_port is not None      # given with the address: rank 0's rendezvous()
+                store = fsdp.tcp_store(master_addr, int(master_port), self.world_size, is_master=False)
             fsdp.init_process_group(rank=self.rank, world_size=self.world_size, store=store, device=device)
         cfg = self.cfg
         policy = self._policy
@@ -114,8 +120,14 @@ class ActorWorker:
         return self.info()
 
     @property
+    def _ready_actor(self) -> Actor:
+        """The actor :meth:`setup` built (every call after it uses it)."""
+        assert self.actor is not None, "setup() first"
+        return self.actor
+
+    @property
     def policy(self):
-        return self.actor.policy
+        return self._ready_actor.policy
 
     def info(self) -> dict:
         info = process_env.describe()
@@ -134,14 +146,14 @@ class ActorWorker:
 
         shard = _unpacked(shard)
         self.onload()
-        return self.actor.compute_ref_logprob(shard).get(D.LOGPROB_REF).numpy()
+        return self._ready_actor.compute_ref_logprob(shard).get(D.LOGPROB_REF).numpy()
 
     def train(self, shard) -> dict[str, float]:
         """Replay buffer + update epochs on this rank's prepared rows; metrics are global over ranks."""
         shard = _unpacked(shard)
         was_offloaded = self.offloaded
         self.onload()
-        metrics = {k: float(v) for k, v in self.actor.train(shard).items()}
+        metrics = {k: float(v) for k, v in self._ready_actor.train(shard).items()}
         metrics["actor/onloaded"] = float(was_offloaded)   # collocated: the state came back for this update
         return metrics
 
@@ -154,9 +166,10 @@ class ActorWorker:
         if not gather:
             if not full:
                 raise TypeError("publish_weights(gather=False) posts the last publication in full: pass full=True")
+            assert self.outbox is not None and self.publisher is not None, "rank 0, after a first publication"
             return self.outbox.post(self.publisher.publish_weights(full=True), set(consumer_nodes), inline=inline,
                                     consumer_gpus=set(consumer_gpus))
-        version, tensors = self.actor.publish_weights(full=full)
+        version, tensors = self._ready_actor.publish_weights(full=full)
         if self.rank != 0:
             return None
         if self.publisher is None or full:
@@ -164,17 +177,18 @@ class ActorWorker:
             update = self.publisher.reset(tensors, version)
         else:
             update = self.publisher.publish_weights(tensors, version)
+        assert self.outbox is not None                # rank 0's, made by setup()
         return self.outbox.post(update, set(consumer_nodes), inline=inline, consumer_gpus=set(consumer_gpus))
 
     def set_lr_scale(self, scale: float) -> None:
         """The configured learning rates times ``scale`` from now on (every rank)."""
-        self.actor.set_lr_scale(scale)
+        self._ready_actor.set_lr_scale(scale)
 
     def swap_ema(self) -> bool:
         """Exchange the trainable weights with their moving average (``actor.ema_decay``; every rank): before an
         evaluation and after it. Returns whether the module now holds the average."""
         self.onload()
-        return self.actor.swap_ema()
+        return self._ready_actor.swap_ema()
 
     # --- checkpoints --------------------------------------------------------------------------------
     def save(self, actor_dir: str, policy_dir: str | None = None) -> None:
@@ -182,9 +196,9 @@ class ActorWorker:
         from embodirl.actor.sharded_state import save_actor
 
         self.onload()
-        save_actor(self.actor, actor_dir)
+        save_actor(self._ready_actor, actor_dir)
         if policy_dir is not None:
-            tensors = self.actor.gather_trainable(evaluated=True)     # collective; the weights evaluation acts with
+            tensors = self._ready_actor.gather_trainable(evaluated=True)     # collective; the weights evaluation acts with
             if self.rank == 0:
                 self.policy.save_trainable(Path(policy_dir), tensors)
 
@@ -196,12 +210,12 @@ class ActorWorker:
         source = Path(checkpoint_dir)
         actor_dir = layout.actor_state_dir(source)
         if is_sharded_state(actor_dir):
-            load_actor(self.actor, actor_dir)
+            load_actor(self._ready_actor, actor_dir)
         else:   # a checkpoint written before the actor state was sharded
             self.policy.load_trainable(source / layout.POLICY)
             state = layout.load_train_state(actor_dir)
-            self.actor.load_state_dict({**state, "trainable": self.policy.trainable_state_dict()})
-        return self.actor.version
+            self._ready_actor.load_state_dict({**state, "trainable": self.policy.trainable_state_dict()})
+        return self._ready_actor.version
 
     # --- supervised fine-tuning (embodirl sft) -------------------------------------------------------
     def set_statistics(self, statistics: Mapping) -> None:
@@ -211,17 +225,17 @@ class ActorWorker:
     def sft_train(self, shard: Mapping, options: Mapping) -> dict[str, float]:
         """One supervised optimizer step on this rank's samples (:meth:`Actor.sft_update`); global metrics."""
         self.onload()
-        return {k: float(v) for k, v in self.actor.sft_update(shard, **options).items()}
+        return {k: float(v) for k, v in self._ready_actor.sft_update(shard, **options).items()}
 
     def export(self, directory: str, step: int, marker: Mapping | None = None) -> None:
         """The trained policy in the public OpenVLA-OFT/peft layout (collective gather; rank 0 writes). Under
         FSDP2 rank 0 writes it from a seeded copy of the policy (the same frozen base) with the gathered
         trainable tensors."""
-        tensors = self.actor.gather_trainable()
+        tensors = self._ready_actor.gather_trainable()
         if self.rank != 0:
             return
         policy = self.policy
-        if self.actor.use_fsdp:
+        if self._ready_actor.use_fsdp:
             live = policy
             policy = build_policy(self.cfg.model, self.spec, self.cfg.runner.seed)
             policy.load_trainable_state_dict(tensors)
@@ -235,15 +249,15 @@ class ActorWorker:
         the CPU)."""
         if self.offloaded or self.actor is None:
             return
-        if self.actor.device.type != "cpu":
-            self._parking.offload(self.actor.policy, self.actor.optimizer)
+        if self._ready_actor.device.type != "cpu":
+            self._parking.offload(self._ready_actor.policy, self._ready_actor.optimizer)
         self.offloaded = True
 
     def onload(self) -> None:
         if not self.offloaded:
             return
-        if self.actor.device.type != "cpu":
-            self._parking.onload(self.actor.policy, self.actor.device, self.actor.optimizer)
+        if self._ready_actor.device.type != "cpu":
+            self._parking.onload(self._ready_actor.policy, self._ready_actor.device, self._ready_actor.optimizer)
         self.offloaded = False
 
     def memory(self) -> dict[str, float]:

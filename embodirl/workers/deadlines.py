@@ -33,7 +33,7 @@ class WorkerHung(RuntimeError):
     ``(host, pid)`` of the workers named, which are killed at once when on this host (a stopped process ignores
     everything but SIGKILL); ``label``: what they are (``inference worker``, ``actor rank``, ...)."""
 
-    def __init__(self, message: str, pids: Iterable[tuple[str, int]] = (), label: str = ""):
+    def __init__(self, message: str, pids: Iterable[tuple[str | None, int | None]] = (), label: str = ""):
         super().__init__(message)
         self.pids = list(pids)
         self.label = label

@@ -60,7 +60,7 @@ class EnvWorkerGroup:
         except BaseException:
             self.close()
             raise
-        self._connected_gen = [None] * layout.num_env_workers
+        self._connected_gen: list[int | None] = [None] * layout.num_env_workers
 
     @property
     def remote(self) -> bool:
@@ -77,6 +77,7 @@ class EnvWorkerGroup:
             self.connect(k)
 
     def connect(self, k: int) -> None:
+        assert self.inference is not None, "attach() first"
         r = self.layout.inference_worker_of(k)
         same_node = self.infos[k]["node_id"] == self.inference.infos[r]["node_id"]
         self.workers.call(k, EnvWorker.connect, self.inference.workers[r], same_node=same_node, mode=self.mode)

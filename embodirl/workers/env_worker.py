@@ -58,7 +58,9 @@ class EnvWorker:
         process_env.adopt(process_vars)
         self.deadline = deadline            # runner.worker_deadline: how long an inference worker's answer may take
         if env_builder is None:
-            from embodirl.envs.registry import make_env as env_builder  # after adopt(): runtime set up
+            from embodirl.envs.registry import make_env  # after adopt(): runtime set up
+
+            env_builder = make_env
         from embodirl.envs.registry import env_config
 
         self.env_cfg = env_config(env_cfg)     # the typed env split (a mapping of it is converted once)
@@ -72,7 +74,7 @@ class EnvWorker:
         self.keep_lost_episodes = bool(keep_lost_episodes)
         self.conversion = conversion
         self.envs = []
-        self.client = None
+        self.client: LocalClient | RayClient | StreamClient | None = None
         self.collector: RolloutCollector | None = None
         try:
             for s in range(self.S):
@@ -154,6 +156,7 @@ class EnvWorker:
         rollout only (default: the one connected with)."""
         if self.collector is None:
             raise RuntimeError("connect the env worker to an inference worker before collect()")
+        assert self.client is not None           # connected with the collector
         if mode is not None and mode != self.client.mode:
             connected, self.client.mode = self.client.mode, mode
             try:

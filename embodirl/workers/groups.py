@@ -45,6 +45,7 @@ import copy
 import logging
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from embodirl.algorithms.estimators import uses_critic
 from embodirl.channel import segments
@@ -60,6 +61,10 @@ from embodirl.workers.env_worker import EnvWorker
 from embodirl.workers.inference_group import InferenceGroup
 from embodirl.workers.inference_worker import EVAL, TRAIN, sampling_from_config
 from embodirl.workers.layout import SlotLayout, layout_from_config, plan_from_config
+
+if TYPE_CHECKING:
+    from embodirl.workers.actor_group import ActorGroup
+    from embodirl.workers.placement_groups import PlacementPlan
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +93,14 @@ class WorkerGroups:
         self.train = train
         self.env: EnvWorkerGroup | None = None        # None: built for evaluation only
         self.eval_env: EnvWorkerGroup | None = None
-        self.inference: InferenceGroup | None = None
-        self.actors = None                            # the actor ranks (an ActorGroup), from make_actors()
-        self.policy = None                            # the driver's policy object, if it holds one
+        self.inference: InferenceGroup | None = None  # None: closed (set by the build, see :attr:`serving`)
+        self.actors: ActorGroup | None = None         # the actor ranks, from make_actors()
+        self.policy: Any = None                       # the driver's policy object, if it holds one
         self.stats = RolloutStats()                   # the last training collection's timings
         self.rollout_offload = cfg.rollout.enable_offload
         self.env_offload = cfg.env_workers.enable_offload
-        self.placement = None
-        self.process_vars = None
+        self.placement: tuple[PlacementPlan, dict] | None = None    # the plan and its placement groups (Ray)
+        self.process_vars: dict[str, str] | None = None
         self._owns_ray = False
         self._transport_logged = False
 
@@ -141,7 +146,9 @@ class WorkerGroups:
             self.env = self._env_group("env.train", layout)
         else:
             self.eval_env = self._env_group("env.eval", eval_layout, placement_offset=layout.num_env_workers)
-        spec = (self.env or self.eval_env).spec
+        built = self.env or self.eval_env
+        assert built is not None                # one of them was just built
+        spec = built.spec
         check_policy_spec(cfg.model, spec)   # a mismatch is one sentence here, not a dead Ray worker's traceback
         if policy_for is not None:
             self.policy = policy = policy_for(spec)
@@ -161,6 +168,21 @@ class WorkerGroups:
             if group is not None:
                 group.attach(self.inference)
 
+    @property
+    def serving(self) -> InferenceGroup:
+        """The inference workers: built with the groups (:meth:`from_config`), gone only once they are closed."""
+        assert self.inference is not None, "the worker groups are closed"
+        return self.inference
+
+    def _train_group(self) -> EnvWorkerGroup:
+        """The training env workers (groups built for evaluation only have their evaluation ones from the start)."""
+        assert self.env is not None, "built for evaluation only (train=False)"
+        return self.env
+
+    def _ranks(self) -> ActorGroup:
+        assert self.actors is not None, "make_actors() first"
+        return self.actors
+
     def _env_group(self, env_key: str, layout: SlotLayout, placement_offset: int = 0) -> EnvWorkerGroup:
         return _env_group(self.cfg, env_key, layout, remote=self.remote, placement=self.placement,
                           process_vars=self.process_vars, placement_offset=placement_offset)
@@ -172,7 +194,7 @@ class WorkerGroups:
 
     @property
     def num_slots(self) -> int:
-        return self.env.layout.num_slots
+        return self._train_group().layout.num_slots
 
     # --- the actor ranks and their weights ---------------------------------------------------------
     def make_actors(self):
@@ -189,25 +211,25 @@ class WorkerGroups:
 
     def consumer_gpus(self) -> list:
         """The GPUs inference workers run on (a publication shares rank 0's GPU buffer with them)."""
-        return sorted({info["gpu_uuid"] for info in self.inference.infos if info.get("gpu_uuid")})
+        return sorted({info["gpu_uuid"] for info in self.serving.infos if info.get("gpu_uuid")})
 
     def _full_weights(self):
         """A restarted inference worker's weights: the ranks' full publication (None before there are ranks)."""
         if self.actors is None:
             return None
-        return self.actors.publish_weights(full=True, gather=False, consumer_nodes=self.inference.consumer_nodes(),
+        return self.actors.publish_weights(full=True, gather=False, consumer_nodes=self.serving.consumer_nodes(),
                                            consumer_gpus=self.consumer_gpus())
 
     def publish_weights(self, *, full: bool = False) -> dict[str, float]:
         """The ranks publish their changed trainable tensors (``full``: all of them) and every inference worker
         applies that publication - the one way weights travel; metrics say how (none when the inference worker shares
         the rank's module: only the version moves)."""
-        handle = self.actors.publish_weights(full=full, consumer_nodes=self.inference.consumer_nodes(),
+        handle = self._ranks().publish_weights(full=full, consumer_nodes=self.serving.consumer_nodes(),
                                              consumer_gpus=self.consumer_gpus())
-        self.inference.receive_weights(handle)
+        self.serving.receive_weights(handle)
         if isinstance(handle, int):
             return {}
-        paths = self.inference.sync_paths
+        paths = self.serving.sync_paths
         return {**{metric: float(paths.get(path, 0)) for path, metric in SYNC_PATHS.items()},
                 "sync/bytes": float(handle.nbytes)}
 
@@ -233,7 +255,7 @@ class WorkerGroups:
             try:
                 results = recovery.settle(group, pending, parts, kwargs)
             except WorkerHung as hung:
-                raise self.inference.explain(hung) from None
+                raise self.serving.explain(hung) from None
         batch = group.join(results, video_dir)
         if not evaluation:
             self._record_stats(group)
@@ -248,14 +270,14 @@ class WorkerGroups:
     def _loaded(self, group: EnvWorkerGroup):
         """Collocated placement: what a collection needs comes back first, and goes after."""
         if self.rollout_offload:
-            self.inference.onload()
+            self.serving.onload()
         if self.env_offload:
             group.onload()
         try:
             yield
         finally:
             if self.rollout_offload:
-                self.inference.offload()
+                self.serving.offload()
             if self.env_offload:
                 group.offload()
 
@@ -279,17 +301,17 @@ class WorkerGroups:
     def _eval_group(self) -> EnvWorkerGroup:
         if self.eval_env is None:
             self.eval_env = self._env_group("env.eval", layout_from_config(self.cfg, "env.eval"),
-                                            placement_offset=self.env.layout.num_env_workers)
-            self.eval_env.attach(self.inference)
+                                            placement_offset=self._train_group().layout.num_env_workers)
+            self.eval_env.attach(self.serving)
         return self.eval_env
 
     # --- state -------------------------------------------------------------------------------------------
     def rng_states(self) -> list[dict] | None:
         """The Ray inference workers' generator states (None: they sample with the driver's generators)."""
-        return self.inference.rng_states()
+        return self.serving.rng_states()
 
     def set_rng_states(self, states: list[dict] | None) -> None:
-        self.inference.set_rng_states(states)
+        self.serving.set_rng_states(states)
 
     @property
     def events(self) -> list[dict]:

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -99,7 +100,7 @@ class InferenceWorker:
 
             torch.manual_seed(seed)
             np.random.seed(seed % 2**32)
-        kwargs = {"device": device}
+        kwargs: dict[str, Any] = {"device": device}
         if merge_lora:
             kwargs["merge_lora"] = True
         if compile_blocks:

@@ -15,8 +15,13 @@ FSDP2 parameters are DTensors: their local shards are what moves, re-wrapped wit
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeGuard
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 CHUNK_BYTES = 1 << 30
 ALIGN = 256
@@ -26,7 +31,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if _is_dtensor(t) else t
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)

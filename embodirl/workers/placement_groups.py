@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from embodirl.placement import Placement
 
@@ -84,9 +85,9 @@ def plan_placement(placement: Placement, num_workers: dict[str, int], *, num_nod
         plan.bundles.setdefault(node, []).append(bundle)
         plan.bundle_devices.setdefault(node, []).append(device)
         index[device] = len(plan.bundles[node]) - 1
-    for component, devices in assignment.items():
+    for component, assigned in assignment.items():
         slots = []
-        for rank, device in enumerate(devices):
+        for rank, device in enumerate(assigned):
             node = device // per_node
             bundle = plan.bundles[node][index[device]]
             share = 1.0 / sharers[device]
@@ -156,7 +157,7 @@ def worker_options(plan: PlacementPlan, groups: dict | None, component: str, ran
 
     Without placement groups (``groups=None``) only the resource shares are set."""
     slot = plan.slot(component, rank)
-    options = {"num_cpus": slot.num_cpus, "num_gpus": slot.num_gpus}
+    options: dict[str, Any] = {"num_cpus": slot.num_cpus, "num_gpus": slot.num_gpus}
     if groups is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def init_ray(configured_address: str | None = None, *, num_cpus: int | None = No
     if ray.is_initialized():
         return ray.cluster_resources()
     address = ray_address(configured_address)
-    options = dict(include_dashboard=False, log_to_driver=True, configure_logging=False)
+    options: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, configure_logging=False)
     options.update(kwargs)
     if address:
         log.info("joining the Ray cluster at %s", address)

@@ -246,6 +246,7 @@ class StreamClient:
         from embodirl.workers.transport import DECISION
 
         while seq not in self._answers:
+            assert self.response is not None      # the stream's first request opened it
             try:
                 msg = self._reader.recv(self.response, timeout=0)
             except FileNotFoundError as exc:
@@ -302,6 +303,7 @@ class StreamClient:
         seconds have passed."""
         from embodirl.workers.transport import InferenceWorkerDied
 
+        assert self.response is not None          # the stream's first request opened it
         fds = [self._reader.ready_fd(self.response)]
         if self._server_pidfd is not None:
             fds.append(self._server_pidfd)

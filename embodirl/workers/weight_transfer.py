@@ -90,12 +90,12 @@ class WeightOutbox:
         layout, buffer = pack(update.tensors)
         handle = WeightHandle(update.version, update.base_version, update.full, layout, int(buffer.numel()),
                               node_id=self.node_id)
-        gpu = self.device is not None and self.device.type == "cuda"
-        if gpu and consumer_gpus and _gpu_uuid(self.device) in consumer_gpus:
+        device = self.device
+        if device is not None and device.type == "cuda" and consumer_gpus and _gpu_uuid(device) in consumer_gpus:
             from torch.multiprocessing.reductions import reduce_tensor
 
-            self._device_buffer = buffer.to(self.device)     # must outlive the consumers' reads
-            handle.cuda_ipc = (_gpu_uuid(self.device), reduce_tensor(self._device_buffer))
+            self._device_buffer = buffer.to(device)     # must outlive the consumers' reads
+            handle.cuda_ipc = (_gpu_uuid(device), reduce_tensor(self._device_buffer))
         host = buffer.cpu().numpy()
         if inline:
             handle.inline = host

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from embodirl.workers.deadlines import CallTimes, WorkerHung, is_stopped, where
 
@@ -85,7 +86,7 @@ class WorkerSet:
             import ray
 
             options = {"max_restarts": 0, **(self.options_for(rank) if self.options_for is not None else {})}
-            handle = ray.remote(self.cls).options(**options).remote(*args, **kwargs)
+            handle: Any = ray.remote(self.cls).options(**options).remote(*args, **kwargs)
         else:
             handle = self.cls(*args, **kwargs)
         if rank == len(self.handles):
@@ -97,7 +98,7 @@ class WorkerSet:
     # --- calls -------------------------------------------------------------------------------------
     def _name(self, method: Callable) -> str:
         name = getattr(method, "__name__", None)
-        if not callable(method) or getattr(self.cls, name or "", None) is not method:
+        if name is None or not callable(method) or getattr(self.cls, name, None) is not method:
             raise TypeError(f"{method!r} is not a method of {self.cls.__name__}; pass {self.cls.__name__}.<method>")
         return name
 
@@ -118,7 +119,9 @@ class WorkerSet:
         now = time.monotonic()
         for ref in refs:
             call = self._calls.get(ref)
-            limit = self.times.limit(call[0]) if call is not None else None
+            if call is None:
+                continue
+            limit = self.times.limit(call[0])
             if limit is not None:
                 left = max(0.0, call[2] + limit - now)
                 due = left if due is None else min(due, left)
@@ -159,7 +162,7 @@ class WorkerSet:
         workers = ", ".join(f"{self.label} {r}{where(infos[r], r in stopped)}" for r in named)
         limit = self.times.limit(name)
         return WorkerHung(f"{workers} did not finish {name} within {limit:.1f} s ({self.times.describe(name)})",
-                          [(infos[r].get("host"), infos[r].get("pid")) for r in named if infos[r]], self.label)
+                          [(info.get("host"), info.get("pid")) for info in (infos[r] for r in named) if info], self.label)
 
     def silent(self, probe: Callable, timeout_s: float) -> list[int]:
         """The ranks whose Ray worker does not answer ``probe`` (a cheap method) within ``timeout_s`` (stopped or
@@ -167,8 +170,8 @@ class WorkerSet:
         import ray
 
         probes = [getattr(h, self._name(probe)).remote() for h in self.handles]
-        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
-        ready = set(ready)
+        answered, _ = ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
+        ready = set(answered)
         return [r for r, ref in enumerate(probes) if ref not in ready]
 
     def get(self, pending, timeout: float | None = None):
