@@ -50,7 +50,7 @@ from embodirl.actor.optim import (
     trainable_named_parameters,
 )
 from embodirl.actor.replay_buffer import ReplayBuffer, row_versions
-from embodirl.actor.settings import ActorSettings
+from embodirl.actor.settings import ActorSettings, HasActorSections
 from embodirl.algorithms import behaviour_gap, losses
 from embodirl.dtypes import parse_dtype
 from embodirl.errors import ConfigError
@@ -112,7 +112,7 @@ class Actor:
     else the CPU. Call collectively on every rank when torch.distributed is initialised.
     """
 
-    def __init__(self, policy: Policy, cfg: Mapping, *, task_table: Sequence[str], temperature: float = 1.0,
+    def __init__(self, policy: Policy, cfg: Mapping | HasActorSections, *, task_table: Sequence[str], temperature: float = 1.0,
                  device: torch.device | str | None = None):
         self.cfg = ActorSettings.from_config(cfg)
         self.world_size, self.rank = fsdp.world_size(), fsdp.rank()

@@ -17,11 +17,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from embodirl.algorithms.section import AlgorithmSection
 from embodirl.errors import ConfigError
 from embodirl.schema import to_object
 from embodirl.schema.sections import ActorSection, actor_rules
+
+
+class HasActorSections(Protocol):
+    """Anything with the two sections as attributes: the typed run config, or :class:`ActorSettings` itself."""
+
+    @property
+    def algorithm(self) -> object: ...
+
+    @property
+    def actor(self) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -32,7 +43,7 @@ class ActorSettings:
     actor: ActorSection
 
     @classmethod
-    def from_config(cls, cfg: Mapping) -> ActorSettings:
+    def from_config(cls, cfg: Mapping | HasActorSections) -> ActorSettings:
         """``cfg`` holds ``algorithm`` and ``actor`` (typed objects, DictConfigs or plain dicts, as a Ray worker
         receives them); plain nodes are checked against the schema and converted once."""
         sections = {}
