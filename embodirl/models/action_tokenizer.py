@@ -35,6 +35,9 @@ class ActionTokenizer(nn.Module):
     built under ``torch.device(...)`` gets them there) and moved with the network's ``.to()``.
     """
 
+    edges: torch.Tensor
+    centers: torch.Tensor
+
     def __init__(self, num_bins: int = DEFAULT_NUM_BINS, base_vocab_size: int = LLAMA_BASE_VOCAB_SIZE, *,
                  device: torch.device | str | None = None):
         super().__init__()

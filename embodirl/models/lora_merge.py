@@ -7,8 +7,13 @@ Shared by every policy that holds a peft model (OpenVLA-OFT, π0)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
 
 
 class AdapterMerger:
@@ -23,11 +28,18 @@ class AdapterMerger:
             raise RuntimeError("this policy has no LoRA adapter to merge (model.lora.enabled is false)")
         if self._originals is None:
             pin = torch.cuda.is_available() and device.type == "cuda"
-            self._originals = [layer.get_base_layer().weight.detach().to("cpu", copy=True) for layer in layers]
+            self._originals = [_base_weight(layer).detach().to("cpu", copy=True) for layer in layers]
             if pin:
                 self._originals = [w.pin_memory() for w in self._originals]
         with torch.no_grad():
             for layer, original in zip(layers, self._originals, strict=True):
-                layer.get_base_layer().weight.copy_(original, non_blocking=True)
+                _base_weight(layer).copy_(original, non_blocking=True)
                 layer.merged_adapters = []
                 layer.merge()
+
+
+def _base_weight(layer: LoraLayer) -> torch.Tensor:
+    """The weight of a LoRA layer's base layer (a linear one: ``get_base_layer`` is typed as returning any Module)."""
+    weight = layer.get_base_layer().weight
+    assert isinstance(weight, torch.Tensor)
+    return weight

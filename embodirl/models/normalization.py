@@ -64,6 +64,10 @@ class BoundsNormalizer(torch.nn.Module):
     current default device) and moved by ``.to()``. Elementwise over ``(..., D)``.
     """
 
+    low: torch.Tensor
+    high: torch.Tensor
+    mask: torch.Tensor
+
     def __init__(self, low, high, mask=None, *, clip: bool = True, device: torch.device | str | None = None):
         super().__init__()
         self.clip = clip

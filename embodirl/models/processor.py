@@ -199,6 +199,9 @@ class ImageProcessor(nn.Module):
     per-tower means and stds, which are buffers created on ``device`` and moved with the policy's ``.to()``.
     """
 
+    means: torch.Tensor
+    stds: torch.Tensor
+
     def __init__(self, image_size: int, center_crop: bool = False,
                  means: Sequence[Sequence[float]] = (DINO_MEAN, SIGLIP_MEAN),
                  stds: Sequence[Sequence[float]] = (DINO_STD, SIGLIP_STD),

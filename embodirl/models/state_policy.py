@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -107,9 +108,10 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def _assign(param: torch.Tensor, value: torch.Tensor) -> None:
     """Write a full value into a parameter, also when FSDP2 holds it as a sharded DTensor."""
     if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-        value = distribute_tensor(value.to(_local(param).device), param.device_mesh, param.placements)
+        sharded = cast(DTensor, param)          # a device_mesh: FSDP2's DTensor
+        value = distribute_tensor(value.to(_local(param).device), sharded.device_mesh, sharded.placements)
     param.copy_(value.to(param.device) if not hasattr(param, "device_mesh") else value)
 
 
@@ -117,6 +119,8 @@ class StateMLPPolicy(Policy):
     """Gaussian actor + value critic; see module docstring."""
 
     action_field = D.ACTION_SAMPLE
+    action_low: torch.Tensor        # buffers (register_buffer)
+    action_high: torch.Tensor
 
     def __init__(self, state_dim: int, action_dim: int, action_chunk: int, *,
                  hidden_sizes=(256, 256), critic_hidden_sizes=(256, 256), activation: str = "tanh",
@@ -217,7 +221,9 @@ def build_state_policy(cfg, env_spec) -> StateMLPPolicy:
     if model.value_type not in VALUE_TYPES:
         raise ConfigError("model.value_type", f"'{model.value_type}' is not one of {', '.join(VALUE_TYPES)}")
     # model.device / model.dtype: where and in which dtype every tensor of the policy is created
-    with torch.device(model.device or "cpu"), default_dtype(parse_dtype(model.dtype)):
+    dtype = parse_dtype(model.dtype)
+    assert dtype is not None                # model.dtype is one of float32, float64
+    with torch.device(model.device or "cpu"), default_dtype(dtype):
         policy = StateMLPPolicy(
             env_spec.state_dim, env_spec.action_dim, model.action_chunk, hidden_sizes=tuple(model.hidden_sizes),
             critic_hidden_sizes=tuple(model.critic_hidden_sizes), activation=model.activation,

@@ -400,7 +400,7 @@ def test_the_value_is_rlinfs_critic_on_the_experts_output_at_the_scored_step(com
     """RLinf's π0 critic (value_after_vlm False): the value head on the expert's output averaged over all chunk
     positions, from the pass the log-probability scores (Flow-SDE: the drawn step, so act and score_actions agree); a ReLU
     MLP whose last layer starts N(0, 0.02) with a zero bias, the hidden layers Kaiming-normal (fan out)."""
-    from embodirl.models.pi0.policy import ValueHead
+    from embodirl.models.pi0.heads import ValueHead
 
     policy, _ = _policy(compose_cfg, "model.flow.method=flow_sde")
     _perturb_adapters(policy)

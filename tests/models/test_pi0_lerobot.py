@@ -28,7 +28,7 @@ from embodirl import data as D
 from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
 from embodirl.models.base import SamplingParams
-from embodirl.models.pi0.policy import check_checkpoint
+from embodirl.models.pi0.checkpoint import check_checkpoint
 from embodirl.models.registry import make_policy
 from tests import cli_runs
 from tests.models import test_pi0 as pi0_tests  # the π0 tests' policy, observation and noise helpers

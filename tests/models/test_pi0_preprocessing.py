@@ -26,8 +26,8 @@ from embodirl import data as D
 from embodirl.envs.base import EnvSpec
 from embodirl.errors import ConfigError
 from embodirl.models.base import SamplingParams
+from embodirl.models.pi0.checkpoint import check_checkpoint
 from embodirl.models.pi0.openpi import clean_prompt, resize_with_pad
-from embodirl.models.pi0.policy import check_checkpoint
 from embodirl.models.registry import make_policy, model_config
 from tests.models import test_pi0 as pi0_tests
 

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -19,6 +20,9 @@ from embodirl.models.openvla_oft.lora import ADAPTER_NAME
 from embodirl.models.openvla_oft.names import QKV_PARTS, linear_module_map
 from embodirl.models.openvla_oft.resolve import OFTConfig
 from embodirl.models.openvla_oft.weights import CheckpointError, CheckpointFileMissing
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
 
 ADAPTER_DIR = "lora_adapter"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -83,7 +87,7 @@ def adapter_as_deltas(adapter: AdapterFile) -> dict[str, list[torch.Tensor]]:
             for module, (A, B, scaling) in adapter.modules.items()}
 
 
-def lora_modules(core: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def lora_modules(core: torch.nn.Module) -> dict[str, LoraLayer]:
     """Our LoRA-adapted linear layers by (unwrapped) module name."""
     from peft.tuners.lora import LoraLayer
 
@@ -100,20 +104,21 @@ def public_adapter(core: torch.nn.Module, cfg: OFTConfig) -> tuple[dict[str, tor
     """
     mapping = linear_module_map(cfg)
     rank, alpha = cfg.model.lora.rank, cfg.model.lora.alpha
-    grouped: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.nn.Module]]] = {}
+    grouped: dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor, LoraLayer]]] = {}
     for name, mod in lora_modules(core).items():
         if name not in mapping:
             raise CheckpointError(f"LoRA layer '{name}' has no public counterpart")
         public, part = mapping[name]
-        A = mod.lora_A[ADAPTER_NAME].weight.detach().cpu()
-        B = mod.lora_B[ADAPTER_NAME].weight.detach().cpu()
+        own_A, own_B = _lora_weights(mod)
+        A = own_A.detach().cpu()
+        B = own_B.detach().cpu()
         grouped.setdefault(public, {})[part] = (A, B, mod)
     tensors, rank_pattern, alpha_pattern = {}, {}, {}
     for public, parts in grouped.items():
         if None in parts:
             A, B, _ = parts[None]
         else:
-            present = sorted(parts)
+            present = sorted(p for p in parts if p is not None)     # None (a whole layer) is not among them here
             out = parts[present[0]][1].shape[0]
             As = [parts[p][0] for p in present]
             if len(present) == QKV_PARTS and all(torch.equal(As[0], a) for a in As[1:]):
@@ -143,7 +148,7 @@ def load_live_adapter(core: torch.nn.Module, cfg: OFTConfig, adapter: AdapterFil
                               f"but model.lora asks for rank={lora.rank}, alpha={lora.alpha}")
     mapping = linear_module_map(cfg)
     ours = lora_modules(core)
-    by_public: dict[str, dict[int | None, torch.nn.Module]] = {}
+    by_public: dict[str, dict[int | None, LoraLayer]] = {}
     for name, mod in ours.items():
         public, part = mapping[name]
         by_public.setdefault(public, {})[part] = mod
@@ -161,7 +166,7 @@ def load_live_adapter(core: torch.nn.Module, cfg: OFTConfig, adapter: AdapterFil
             if None in parts:
                 _assign_lora(parts[None], A, B, weights_file, public)
                 continue
-            present = sorted(parts)
+            present = sorted(p for p in parts if p is not None)     # None (a whole layer) is not among them here
             out = B.shape[0] // QKV_PARTS
             absent = [p for p in range(QKV_PARTS) if p not in parts]
             for p in absent:
@@ -183,8 +188,14 @@ def load_live_adapter(core: torch.nn.Module, cfg: OFTConfig, adapter: AdapterFil
                                       f"{len(present) * r}")
 
 
-def _assign_lora(mod, A: torch.Tensor, B: torch.Tensor, source: Path, public: str) -> None:
-    own_A, own_B = mod.lora_A[ADAPTER_NAME].weight, mod.lora_B[ADAPTER_NAME].weight
+def _lora_weights(mod: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``A`` and ``B`` weights of ``mod``'s adapter (linear layers; ``nn.ModuleDict``'s index says only Module)."""
+    return (cast(torch.nn.Linear, mod.lora_A[ADAPTER_NAME]).weight,
+            cast(torch.nn.Linear, mod.lora_B[ADAPTER_NAME]).weight)
+
+
+def _assign_lora(mod: LoraLayer, A: torch.Tensor, B: torch.Tensor, source: Path, public: str) -> None:
+    own_A, own_B = _lora_weights(mod)
     if own_A.shape != A.shape or own_B.shape != B.shape:
         raise CheckpointError(f"adapter of '{public}' in {source.name} has shapes {tuple(A.shape)}/{tuple(B.shape)} but "
                               f"the model's are {tuple(own_A.shape)}/{tuple(own_B.shape)}")

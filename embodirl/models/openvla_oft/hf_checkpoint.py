@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,6 +58,7 @@ from embodirl.models.openvla_oft.adapters import (
     read_adapter,
 )
 from embodirl.models.openvla_oft.lora import LORA_INIT
+from embodirl.models.openvla_oft.modeling import OpenVLAOFT
 from embodirl.models.openvla_oft.resolve import OFTConfig
 from embodirl.models.openvla_oft.weights import (
     COMPONENT_PATTERN,
@@ -98,7 +100,7 @@ PASSTHROUGH_SUFFIXES = (".py",)
 PASSTHROUGH_FILES = ("generation_config.json", "processor_config.json", "added_tokens.json",
                      "special_tokens_map.json")
 #: config.json fields the Prismatic/OpenVLA config class expects (written for randomly initialised models)
-PRISMATIC_CONFIG = {
+PRISMATIC_CONFIG: dict[str, Any] = {
     "architectures": ["OpenVLAForActionPrediction"], "model_type": "openvla",
     "vision_backbone_id": "dinosiglip-vit-so-224px", "llm_backbone_id": "llama2-7b-pure",
     "arch_specifier": "no-align+fused-gelu-mlp", "use_fused_vision_backbone": True,
@@ -176,8 +178,9 @@ def _load_tokenizer(directories: Iterable[Path], marker: Mapping):
     raise CheckpointFileMissing(f"checkpoint {first} has no tokenizer (tokenizer.json / tokenizer.model)")
 
 
-def load_base(core: torch.nn.Module, cfg: OFTConfig, base_path_override: str | None = None) -> LoadedCheckpoint:
+def load_base(core: OpenVLAOFT, cfg: OFTConfig, base_path_override: str | None = None) -> LoadedCheckpoint:
     """Load ``cfg.model.path`` into ``core`` (not yet LoRA-wrapped): base weights, heads, statistics, tokenizer."""
+    assert cfg.model.path is not None           # called for a checkpoint only
     directory = resolve_checkpoint_dir(cfg.model.path)
     files = weight_files(directory)
     adapter_dir = directory / ADAPTER_DIR
@@ -242,8 +245,9 @@ def load_base(core: torch.nn.Module, cfg: OFTConfig, base_path_override: str | N
     return loaded
 
 
-def _load_heads(core: torch.nn.Module, cfg: OFTConfig, directory: Path, loaded: LoadedCheckpoint) -> None:
+def _load_heads(core: OpenVLAOFT, cfg: OFTConfig, directory: Path, loaded: LoadedCheckpoint) -> None:
     if cfg.use_proprio:
+        assert core.proprio_projector is not None   # cfg.use_proprio builds it
         trained = find_component(directory, PROPRIO)
         if trained is None:
             raise CheckpointFileMissing(f"checkpoint {directory} has no {PROPRIO}--<step>_checkpoint.pt; set "
@@ -253,6 +257,7 @@ def _load_heads(core: torch.nn.Module, cfg: OFTConfig, directory: Path, loaded: 
         if reference is not None:
             loaded.trained_proprio = load_component(trained)
     if cfg.use_l1_regression:
+        assert core.action_head is not None         # cfg.use_l1_regression builds it
         head = find_component(directory, ACTION_HEAD)
         if head is None:
             raise CheckpointFileMissing(f"checkpoint {directory} has no {ACTION_HEAD}--<step>_checkpoint.pt; set "
@@ -346,7 +351,9 @@ def _write_adapter(core, cfg: OFTConfig, out: Path, final: Path) -> None:
     tensors, rank_pattern, alpha_pattern, targets = public_adapter(core, cfg)
     out.mkdir()
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = peft.LoraConfig(r=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha, lora_dropout=cfg.model.lora.dropout,
-                             target_modules=targets, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-                             init_lora_weights=LORA_INIT, bias="none", base_model_name_or_path=str(final))
+    # peft annotates lora_alpha as int; it only scales (alpha / r), and model.lora.alpha may be a float
+    config = peft.LoraConfig(r=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha,  # type: ignore[arg-type]
+                             lora_dropout=cfg.model.lora.dropout, target_modules=targets,
+                             rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, init_lora_weights=LORA_INIT,
+                             bias="none", base_model_name_or_path=str(final))
     config.save_pretrained(str(out))

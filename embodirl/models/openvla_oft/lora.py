@@ -20,14 +20,19 @@ exactly like the loaded one.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Final
+
 from torch import nn
 
 from embodirl.errors import ConfigError
 from embodirl.models.openvla_oft.modeling import OpenVLAOFT
 from embodirl.models.openvla_oft.schema import Lora
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 #: OpenVLA-OFT's LoRA init (openvla-oft ``finetune.py``): A ~ N(0, 1/r), B = 0
-LORA_INIT = "gaussian"
+LORA_INIT: Final = "gaussian"
 #: heads that can be fully trainable "modules to save" but never carry a LoRA adapter
 HEAD_MODULES = ("value_head", "proprio_projector", "action_head")
 #: inside these the linear weights are read directly (nn.MultiheadAttention), so LoRA cannot apply
@@ -53,7 +58,8 @@ def lora_target_names(core: OpenVLAOFT, target_modules) -> list[str]:
                and not name.startswith(HEAD_MODULES) and not name.startswith(NON_ADAPTABLE)]
     if isinstance(target_modules, str):
         target_modules = (target_modules,)
-    chosen, unmatched = [], []
+    chosen: list[str] = []
+    unmatched: list[str] = []
     for target in target_modules:
         if target == ALL_LINEAR:
             prefixes = _forward_path_prefixes(core)
@@ -67,7 +73,7 @@ def lora_target_names(core: OpenVLAOFT, target_modules) -> list[str]:
     return sorted(set(chosen), key=linears.index)
 
 
-def apply_lora(core: OpenVLAOFT, settings: Lora):
+def apply_lora(core: OpenVLAOFT, settings: Lora) -> PeftModel:
     """Wrap ``core`` in a :class:`peft.PeftModel` (adapters at zero). ``core`` is modified in place and
     stays reachable as ``peft_model.get_base_model()``."""
     import peft
@@ -75,7 +81,9 @@ def apply_lora(core: OpenVLAOFT, settings: Lora):
     targets = lora_target_names(core, settings.target_modules)
     to_save = [name for name in settings.modules_to_save
                if name not in (VALUE_HEAD, ACTION_HEAD) and getattr(core, name, None) is not None]
-    config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+    # peft annotates lora_alpha as int; it only scales (alpha / r), and model.lora.alpha may be a float
+    config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha,  # type: ignore[arg-type]
+                             lora_dropout=settings.dropout,
                              target_modules=targets, modules_to_save=to_save or None,
                              init_lora_weights=LORA_INIT, bias="none")
     on_meta = core.projector.fc1.weight.is_meta  # structure only: create the adapters on meta too
@@ -92,7 +100,7 @@ def peft_parameter_names(module: nn.Module) -> set[str]:
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import ModulesToSaveWrapper
 
-    names = set()
+    names: set[str] = set()
     for prefix, mod in module.named_modules():
         if isinstance(mod, BaseTunerLayer):
             held = mod.adapter_layer_names

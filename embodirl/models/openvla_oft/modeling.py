@@ -236,7 +236,7 @@ def build_model(cfg: OFTConfig, device: torch.device | str = "cpu", *, init_weig
 
     ``init_weights=False`` skips the random initialisation of everything a checkpoint provides (the
     value head, which public checkpoints lack, is still initialised)."""
-    skip = contextlib.nullcontext()
+    skip: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if not init_weights:
         from transformers.initialization import no_init_weights
 

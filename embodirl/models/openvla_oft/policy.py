@@ -18,6 +18,7 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -47,6 +48,9 @@ from embodirl.models.processor import (
     PromptTokenizer,
 )
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 log = logging.getLogger(__name__)
 
 INSTRUCTION = "instruction"
@@ -70,7 +74,7 @@ class OpenVLAOFTPolicy(Policy):
         self.value_type = cfg.model.value_type
         self.model_cfg = model_cfg      # the typed model section as configured (written into config.json)
         self._loaded = loaded
-        self.vla = apply_lora(core, cfg.model.lora) if cfg.model.lora.enabled else core
+        self.vla: PeftModel | OpenVLAOFT = apply_lora(core, cfg.model.lora) if cfg.model.lora.enabled else core
         if loaded is not None:
             self._apply_deferred(loaded)
         self.action_tokenizer = core.action_tokenizer
@@ -122,7 +126,15 @@ class OpenVLAOFTPolicy(Policy):
     @property
     def core(self) -> OpenVLAOFT:
         """The OFT network (LoRA layers injected in place when adapters are on)."""
-        return self.vla.get_base_model() if hasattr(self.vla, "get_base_model") else self.vla
+        vla = self.vla
+        # peft types the model it wraps as any Module
+        return vla if isinstance(vla, OpenVLAOFT) else cast(OpenVLAOFT, vla.get_base_model())
+
+    @property
+    def _peft(self) -> PeftModel:
+        """The peft wrapper of the network (there is one with adapters only: model.lora.enabled)."""
+        assert not isinstance(self.vla, OpenVLAOFT), "no LoRA adapter (model.lora.enabled is false)"
+        return self.vla
 
     @property
     def device(self) -> torch.device:
@@ -205,6 +217,7 @@ class OpenVLAOFTPolicy(Policy):
         logprob, entropy = log_prob_and_entropy(out.action_logits, index, temperature, return_entropy)
         result = {LOGPROB: logprob}
         if return_entropy:
+            assert entropy is not None              # asked for (with_entropy)
             result[ENTROPY] = entropy
         if return_value:
             result[D.VALUE] = self.core.values(out.prompt_hidden)
@@ -278,7 +291,7 @@ class OpenVLAOFTPolicy(Policy):
         if not hasattr(self.vla, "disable_adapter"):
             raise NotImplementedError("this OpenVLA-OFT policy has no LoRA adapter (model.lora.enabled is false), "
                                       "so it has no separate reference policy")
-        with self.vla.disable_adapter():
+        with self._peft.disable_adapter():
             yield
 
     # --- checkpoints -------------------------------------------------------------------------------
@@ -291,7 +304,7 @@ class OpenVLAOFTPolicy(Policy):
         adapter = peft_parameter_names(self)
         if adapter:
             # peft filters the adapter's tensors out of a state dict named as the PeftModel's own
-            self.vla.save_pretrained(str(folder), save_embedding_layers=False, selected_adapters=[ADAPTER_NAME],
+            self._peft.save_pretrained(str(folder), save_embedding_layers=False, selected_adapters=[ADAPTER_NAME],
                                      state_dict={n[len(VLA):]: t for n, t in tensors.items() if n in adapter})
         super().save_trainable(folder, {n: t for n, t in tensors.items() if n not in adapter})
 
@@ -306,7 +319,7 @@ class OpenVLAOFTPolicy(Policy):
                 raise FileNotFoundError(f"{folder / CONFIG_NAME} does not exist: the policy has a LoRA adapter but "
                                         f"{folder} holds none (was it saved with model.lora.enabled=false?)")
             try:
-                result = self.vla.load_adapter(str(folder), adapter_name=ADAPTER_NAME, is_trainable=True)
+                result = self._peft.load_adapter(str(folder), adapter_name=ADAPTER_NAME, is_trainable=True)
             except RuntimeError as exc:  # torch's size-mismatch report: keep its first mismatch
                 detail = next((line.strip() for line in str(exc).splitlines() if "mismatch" in line), str(exc))
                 raise ValueError(f"the LoRA adapter in {folder} does not fit this model ({detail.rstrip('.')}); it "
@@ -353,7 +366,7 @@ def build_policy(model_cfg, env_spec=None, *, device: torch.device | str | None 
 CE_SLICE_BYTES = 16 * 2**20
 
 
-def vocabulary_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor,
+def vocabulary_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor,
                              labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed cross-entropy of ``head``'s whole-vocabulary logits at ``hidden`` (``(N, D)``) against
     ``labels`` (``(N,)``), and their argmax (``(N,)``, no gradient), computed over slices of rows whose float32

@@ -7,6 +7,9 @@ mlp_resnet_blocks.N.ffn.{0,1} / layer_norm2 / fc2``), so checkpoints load withou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -96,7 +99,7 @@ class ValueHead(nn.Module):
     """MLP critic on the prompt's last hidden state: ``(B, llm_dim)`` -> ``(B, out_dim)`` with
     ``out_dim`` 1 (chunk level) or H (action level). GELU hidden layers, bias-free output layer."""
 
-    def __init__(self, llm_dim: int, hidden_sizes: tuple[int, ...], out_dim: int):
+    def __init__(self, llm_dim: int, hidden_sizes: Sequence[int], out_dim: int):
         super().__init__()
         layers: list[nn.Module] = []
         width = llm_dim
@@ -116,4 +119,5 @@ class ValueHead(nn.Module):
         nn.init.normal_(linears[-1].weight, std=VALUE_HEAD_OUT_INIT_STD)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.mlp(hidden.to(self.mlp[0].weight.dtype))
+        first = cast(nn.Linear, self.mlp[0])     # nn.Sequential's index says only Module; the MLP starts linear
+        return self.mlp(hidden.to(first.weight.dtype))

@@ -236,7 +236,7 @@ def load_preset(name: str, config_dir: str | Path | None = None) -> dict:
     of this group merged first, ``_self_`` last). A recipe written in the global package (``openvla_oft``:
     ``# @package _global_``) contributes its ``model`` node; its choices of other groups (``override
     /algorithm: ...``) and its keys outside ``model`` are not part of the model and are left out."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     from embodirl.paths import config_dir as default_config_dir
 
@@ -245,9 +245,10 @@ def load_preset(name: str, config_dir: str | Path | None = None) -> dict:
     def load(preset: str):
         path = group / f"{preset}.yaml"
         node = OmegaConf.load(path)
+        assert isinstance(node, DictConfig)     # a preset file is a mapping (of keys and its defaults list)
         defaults = node.pop("defaults", None) or []
         own = node.get(PRESETS_GROUP, OmegaConf.create({})) if _global_package(path) else node
-        merged = OmegaConf.create({})
+        merged: DictConfig | ListConfig = OmegaConf.create({})
         self_seen = False
         for entry in defaults:
             if entry == "_self_":

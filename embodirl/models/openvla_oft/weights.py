@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from embodirl.models.openvla_oft.lora import ADAPTER_NAME
 from embodirl.models.openvla_oft.names import OURS_ONLY, parameter_rules, public_alias
 from embodirl.models.openvla_oft.resolve import OFTConfig
 from embodirl.paths import inside
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -185,7 +189,7 @@ class TensorSource:
         from safetensors import safe_open
 
         self.files = files
-        self._where: dict[str, tuple[object, Path]] = {}
+        self._where: dict[str, tuple[safe_open, Path]] = {}
         for path in files:
             handle = stack.enter_context(safe_open(str(path), framework="pt"))
             for key in handle.keys():

@@ -5,14 +5,20 @@ Flow-Noise log-probabilities of the denoising chain). Registered as policy ``pi0
 * ``flow.py``   - the denoising chain as Gaussian transitions: Flow-SDE and Flow-Noise;
 * ``openpi.py`` - openpi's inputs: resize-with-pad, prompt cleaning, the float32 parameters;
 * ``cache.py``  - the VLM's and the action expert's key/value caches, safe under gradient checkpointing;
-* ``policy.py`` - inputs, the chain, log-probs, value and noise heads, LoRA, the transformers checkpoint layout;
-* ``lerobot.py`` - LeRobot's π0 checkpoint layout (its config.json, weight names and normaliser files).
+* ``heads.py``  - the value head and Flow-Noise's noise head;
+* ``lora.py``   - what trains: the action expert in full or LoRA adapters, and the weights with adapters folded in;
+* ``policy.py`` - the :class:`Pi0Policy`: inputs, the chain, log-probs, values, the compiled and reference modes;
+* ``checkpoint.py`` - the transformers checkpoint layout (config, weights, statistics, heads, tokenizer), read and
+  written;
+* ``lerobot.py`` - LeRobot's π0 checkpoint layout (its config.json, weight names and normaliser files);
+* ``build.py``  - the policy from ``model``: a random network of its sizes or a checkpoint, the heads, what trains.
 """
 
 from __future__ import annotations
 
 from embodirl.envs.conventions import ANY_ARM, SIGNED_CLOSE_POSITIVE, ActionConvention
-from embodirl.models.pi0.policy import Pi0Policy, build_policy
+from embodirl.models.pi0.build import build_policy
+from embodirl.models.pi0.policy import Pi0Policy
 from embodirl.models.pi0.schema import Pi0ModelConfig
 from embodirl.models.registry import SFT_FLOW, register_policy
 
@@ -34,7 +40,9 @@ def _check_config(model_cfg) -> None:
     """Cheap checks before any worker starts: the typed keys, the sizes' consistency, the checkpoint folder."""
     from embodirl.config_fields import instance
     from embodirl.errors import ConfigError
-    from embodirl.models.pi0.policy import check_checkpoint, lora_on_expert, network_config
+    from embodirl.models.pi0.build import network_config
+    from embodirl.models.pi0.checkpoint import check_checkpoint
+    from embodirl.models.pi0.lora import lora_on_expert
 
     model = instance(Pi0ModelConfig, model_cfg, "model")
     if model.path:
@@ -53,7 +61,7 @@ def _check_config(model_cfg) -> None:
 
 
 def _describe_checkpoint(path) -> str:
-    from embodirl.models.pi0.policy import check_checkpoint
+    from embodirl.models.pi0.checkpoint import check_checkpoint
 
     return check_checkpoint(path)
 
@@ -61,7 +69,7 @@ def _describe_checkpoint(path) -> str:
 def _check_spec(model_cfg, env_spec) -> None:
     """The images π0 takes against the env's cameras."""
     from embodirl.config_fields import instance
-    from embodirl.models.pi0.policy import _image_count
+    from embodirl.models.pi0.build import _image_count
 
     _image_count(instance(Pi0ModelConfig, model_cfg, "model"), env_spec)
 

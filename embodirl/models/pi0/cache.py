@@ -15,6 +15,8 @@ unchanged (the same tensors in the same order as ``sample_actions``: the greedy 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -44,8 +46,10 @@ class ExpertLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return (torch.cat([self.prefix.keys, key_states], dim=-2),
-                torch.cat([self.prefix.values, value_states], dim=-2))
+        prefix_keys, prefix_values = self.prefix.keys, self.prefix.values
+        assert prefix_keys is not None and prefix_values is not None      # the VLM's pass wrote them
+        return (torch.cat([prefix_keys, key_states], dim=-2),
+                torch.cat([prefix_values, value_states], dim=-2))
 
     def get_seq_length(self) -> int:
         return self.prefix.get_seq_length()
@@ -56,4 +60,5 @@ class ExpertLayer(DynamicLayer):
 
 class ExpertCache(Cache):
     def __init__(self, prefix: PrefixCache):
-        super().__init__(layers=[ExpertLayer(layer) for layer in prefix.layers])
+        # a PrefixCache's layers are all PrefixLayers (its layer_class_to_replicate); Cache types them as any layer
+        super().__init__(layers=[ExpertLayer(cast(PrefixLayer, layer)) for layer in prefix.layers])

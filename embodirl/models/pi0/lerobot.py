@@ -40,6 +40,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from embodirl.errors import ConfigError
 from embodirl.models.pi0.schema import Gemma
@@ -240,6 +241,7 @@ def _mean_std(step: _Step, feature_type: str, fallback: str, width: int):
     mean, std = step.tensors.get(f"{key}.mean"), step.tensors.get(f"{key}.std")
     if mean is None or std is None:
         return None
+    assert step.state_file is not None          # the tensors were read from it
     mean, std = mean.reshape(-1).float(), std.reshape(-1).float()
     if mean.numel() != std.numel() or mean.numel() > width or not bool(torch.isfinite(mean).all() & torch.isfinite(
             std).all()):
@@ -261,6 +263,7 @@ def _statistics(folder: Path, config: Mapping) -> tuple[dict, dict]:
         found = _mean_std(step, feature_type, fallback, width)
         if found is not None:
             statistics[f"{name}_mean"], statistics[f"{name}_std"] = found
+            assert step.state_file is not None      # found: tensors, read from it
             sources[name] = step.state_file.name
     for name in ("state", "actions"):
         if name not in sources:
@@ -335,7 +338,7 @@ def network_config(checkpoint: LeRobotCheckpoint, model):
                              "vision_use_head": False},
            "projection_dim": text["hidden_size"], "image_token_id": text["vocab_size"]}
     _check_shapes(checkpoint, text, expert)
-    flow = {k: float(c[k]) for k in FLOW_KEYS if k in c}
+    flow: dict[str, Any] = {k: float(c[k]) for k in FLOW_KEYS if k in c}    # PI0Config's keyword arguments
     return PI0Config(vlm_config=vlm, dit_config={"model_type": "gemma", **expert}, chunk_size=int(c["chunk_size"]),
                      max_state_dim=int(c["max_state_dim"]), max_action_dim=int(c["max_action_dim"]),
                      num_inference_steps=int(c["num_inference_steps"]), **flow)

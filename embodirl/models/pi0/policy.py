@@ -40,8 +40,6 @@ chunk_size * max_action_dim`` values); Flow-Noise the whole chain ``x_0 .. x_K``
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,26 +48,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PI0ForConditionalGeneration
 
 from embodirl import data as D
 from embodirl.errors import ConfigError
 from embodirl.models.base import Policy, SamplingParams
 from embodirl.models.lora_merge import AdapterMerger
-from embodirl.models.pi0 import flow, lerobot
+from embodirl.models.pi0 import flow
 from embodirl.models.pi0.cache import ExpertCache, PrefixCache
-from embodirl.models.pi0.openpi import clean_prompt, fp32_on_load, keep_fp32_, resize_with_pad
+from embodirl.models.pi0.checkpoint import processor_statistics, save_checkpoint, statistics_tensors
+from embodirl.models.pi0.heads import NoiseHead, ValueHead
+from embodirl.models.pi0.lora import apply_lora, merged_state_dict
+from embodirl.models.pi0.openpi import clean_prompt, resize_with_pad
 from embodirl.models.pi0.schema import Pi0ModelConfig
 from embodirl.models.processor import HashWordTokenizer
 
-log = logging.getLogger(__name__)
-
 INSTRUCTION = "instruction"
 LOGPROB, ENTROPY = "logprob", "entropy"
-#: the statistics file an exported π0 checkpoint carries (transformers' PI0Processor keys)
-PROCESSOR_FILE = "processor_config.json"
-HEADS_FILE = "embodirl_heads.safetensors"
-STAT_KEYS = ("state_mean", "state_std", "actions_mean", "actions_std")
 #: PI0Processor's guard against a zero standard deviation
 STD_EPS = 1e-8
 #: mixed with a greedy decision's observation into the seed of its chain start (:meth:`Pi0Policy._greedy_start`)
@@ -78,8 +72,6 @@ EVAL_NOISE_SEED = 0
 GEMMA_BOS_ID, GEMMA_NEWLINE_ID = 2, 108
 #: ids the hashing tokenizer uses for a model without a tokenizer (above Gemma's special ids)
 HASH_ID_LOW = 256
-#: PaliGemma's vocabulary: a checkpoint with it reads prompts through PaliGemma's tokenizer, whose files it must carry
-PALIGEMMA_VOCAB = 257_152
 #: compiled variants dynamo may keep per transformer block (:meth:`Pi0Policy.compile_blocks_`): its layer, the cache
 #: kind (the VLM's prefix, the expert's read-through), a batch size, its dynamic-shape generalisation
 COMPILE_VARIANTS_PER_BLOCK = 4
@@ -89,68 +81,19 @@ COMPILE_VARIANTS_PER_BLOCK = 4
 #: frozen prefix pass's transient (~2.4 GiB for both methods), which a per-token constant follows only roughly: 200
 #: puts both within 10 %
 EXPERT_ACT_BYTES, EXPERT_RECOMPUTED_BYTES = 115, 200
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-#: the action expert's parameters (``model.train_expert``): its Gemma layers and final norm, the action/state/time
-#: projections and the velocity head. Not the expert's token embedding, which π0 never reads (it feeds the expert
-#: embeddings; openpi deletes it: ``gemma_expert.model.embed_tokens = None`` in gemma_pytorch.py)
-EXPERT_PREFIXES = ("model.dit.", "embed_action_time.", "action_out_proj.")
-EXPERT_UNUSED = "model.dit.embed_tokens."
-
-
-def _mlp(sizes: Sequence[int], activation: type[nn.Module]) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers.append(activation())
-    return nn.Sequential(*layers)
-
-
-class ValueHead(nn.Module):
-    """RLinf's critic MLP (rlinf/models/embodiment/modules/value_head.py @ 558aeb38, with the ReLU and the last layer's
-    bias openpi_action_model.py gives it): ReLU between the layers, hidden layers Kaiming-normal (fan out), the last
-    N(0, 0.02), zero biases; one value (``chunk_level``) or ``H`` (``action_level``) per feature vector."""
-
-    def __init__(self, width: int, hidden_sizes: Sequence[int], outputs: int):
-        super().__init__()
-        self.mlp = _mlp([width, *hidden_sizes, outputs], nn.ReLU)
-        linears = [m for m in self.mlp if isinstance(m, nn.Linear)]
-        for layer in linears[:-1]:
-            nn.init.kaiming_normal_(layer.weight, mode="fan_out", nonlinearity="relu")
-            nn.init.zeros_(layer.bias)
-        nn.init.normal_(linears[-1].weight, mean=0.0, std=0.02)
-        nn.init.zeros_(linears[-1].bias)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.mlp(features.to(self.mlp[0].weight.dtype)).float()
-
-
-class NoiseHead(nn.Module):
-    """Flow-Noise's standard deviation per action element from the expert's feature of each chunk position: a tanh
-    MLP whose output goes through tanh and is mapped linearly onto the log-variance between ``log(low^2)`` and
-    ``log(high^2)`` (:func:`.flow.log_variance_std`; RLinf's ``ExploreNoiseNet``,
-    rlinf/models/embodiment/modules/explore_noise_net.py @ 558aeb38)."""
-
-    def __init__(self, width: int, hidden_sizes: Sequence[int], outputs: int, low: float, high: float):
-        super().__init__()
-        self.mlp = _mlp([width, *hidden_sizes, outputs], nn.Tanh)
-        self.low, self.high = float(low), float(high)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        raw = self.mlp(features.to(self.mlp[0].weight.dtype)).float()
-        return flow.log_variance_std(raw, self.low, self.high)
-
-
-def expert_parameters(network) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` of the action expert (:data:`EXPERT_PREFIXES`, without its unused token embedding)."""
-    return [(name, p) for name, p in network.named_parameters()
-            if name.startswith(EXPERT_PREFIXES) and not name.startswith(EXPERT_UNUSED)]
 
 
 class Pi0Policy(Policy):
-    """See module docstring. Build with :func:`build_policy`."""
+    """See module docstring. Build with :func:`.build.build_policy`."""
 
     action_field = D.ACTION_CHAIN
+    # buffers (register_buffer): the standardisation statistics and the action bounds
+    state_mean: torch.Tensor
+    state_std: torch.Tensor
+    actions_mean: torch.Tensor
+    actions_std: torch.Tensor
+    action_low: torch.Tensor
+    action_high: torch.Tensor
 
     def __init__(self, model: Pi0ModelConfig, network, *, action_dim: int, num_images: int,
                  statistics: Mapping[str, Sequence[float]] | None = None, tokenizer=None,
@@ -191,14 +134,14 @@ class Pi0Policy(Policy):
             self.noise_head = (NoiseHead(cfg.dit_config.hidden_size, model.flow.noise_head_hidden_sizes,
                                          self.max_action_dim, low, high).to(dtype)
                                if self.method == flow.FLOW_NOISE else None)
-        self.statistics = dict(statistics) if statistics else None
-        stats = self._statistics_tensors(self.statistics, device)
+        self.statistics: Mapping[str, Sequence[float]] | None = dict(statistics) if statistics else None
+        stats = statistics_tensors(self.statistics, self.max_state_dim, self.max_action_dim, device)
         for name, tensor in stats.items():
             self.register_buffer(name, tensor, persistent=False)
-        low = torch.as_tensor(action_low, dtype=torch.float32, device=device).expand(self.action_dim)
-        high = torch.as_tensor(action_high, dtype=torch.float32, device=device).expand(self.action_dim)
-        self.register_buffer("action_low", low.clone(), persistent=False)
-        self.register_buffer("action_high", high.clone(), persistent=False)
+        bound_low = torch.as_tensor(action_low, dtype=torch.float32, device=device).expand(self.action_dim)
+        bound_high = torch.as_tensor(action_high, dtype=torch.float32, device=device).expand(self.action_dim)
+        self.register_buffer("action_low", bound_low.clone(), persistent=False)
+        self.register_buffer("action_high", bound_high.clone(), persistent=False)
         self.pi0 = apply_lora(network, model.lora, train_expert=self.train_expert) if model.lora.enabled else network
         self._merger = AdapterMerger()      # merge_adapters_ (rollout.merge_lora)
         self._check_prompts(self.task_descriptions)
@@ -223,39 +166,12 @@ class Pi0Policy(Policy):
     def compute_dtype(self) -> torch.dtype:
         return self.network.action_out_proj.weight.dtype
 
-    def _statistics_tensors(self, statistics, device) -> dict[str, torch.Tensor]:
-        """Standardisation statistics padded to the network's widths: state ``[max_state_dim]``, actions
-        ``[max_action_dim]`` (identity where the checkpoint says nothing)."""
-        out = {}
-        for key, width in (("state", self.max_state_dim), ("actions", self.max_action_dim)):
-            mean = torch.zeros(width, dtype=torch.float32, device=device)
-            std = torch.ones(width, dtype=torch.float32, device=device)
-            if statistics is not None and f"{key}_mean" in statistics:
-                m = torch.as_tensor(statistics[f"{key}_mean"], dtype=torch.float32).reshape(-1)
-                s = torch.as_tensor(statistics[f"{key}_std"], dtype=torch.float32).reshape(-1)
-                if m.numel() > width or s.numel() != m.numel():
-                    raise ConfigError("model.path", f"the checkpoint's {key}_mean/{key}_std have {m.numel()}/"
-                                                    f"{s.numel()} entries; the network takes at most {width}")
-                mean[: m.numel()] = m.to(device)
-                std[: s.numel()] = s.to(device)
-            out[f"{key}_mean"], out[f"{key}_std"] = mean, std
-        return out
-
     def set_statistics(self, statistics: Mapping) -> None:
-        """Standardise state and actions with ``statistics`` from now on, and write them with :meth:`save_pretrained`:
-        PI0Processor's keys (``state_mean``, ``state_std``, ``actions_mean``, ``actions_std``), or the
-        ``dataset_statistics.json`` layout ``embodirl sft`` computes (one entry with ``action`` and ``proprio``
-        blocks; their ``mean`` and ``std`` are used)."""
-        if not any(k in statistics for k in STAT_KEYS):
-            entries = [v for v in statistics.values() if isinstance(v, Mapping) and "action" in v]
-            if len(entries) != 1:
-                raise ValueError("π0 statistics need state/actions mean and std, or one dataset_statistics entry")
-            entry = entries[0]
-            statistics = {"actions_mean": entry["action"]["mean"], "actions_std": entry["action"]["std"]}
-            if "proprio" in entry:
-                statistics.update(state_mean=entry["proprio"]["mean"], state_std=entry["proprio"]["std"])
-        self.statistics = {k: list(map(float, statistics[k])) for k in STAT_KEYS if k in statistics}
-        for name, tensor in self._statistics_tensors(self.statistics, self.device).items():
+        """Standardise state and actions with ``statistics`` from now on (:func:`.checkpoint.processor_statistics`'s
+        layouts), and write them with :meth:`save_pretrained`."""
+        self.statistics = processor_statistics(statistics)
+        for name, tensor in statistics_tensors(self.statistics, self.max_state_dim, self.max_action_dim,
+                                               self.device).items():
             getattr(self, name).copy_(tensor)
 
     # --- inputs ----------------------------------------------------------------------------------
@@ -337,7 +253,7 @@ class Pi0Policy(Policy):
                 "pixel_values": pixel_values, "pixel_attention_mask": pixel_mask, "state": state.to(dtype)}
 
     # --- the network's two halves ------------------------------------------------------------------
-    def _prefix(self, inputs: Mapping) -> tuple[object, torch.Tensor]:
+    def _prefix(self, inputs: Mapping) -> tuple[PrefixCache, torch.Tensor]:
         """The VLM over images and prompt: its key/value cache and last hidden states, as ``sample_actions`` runs it."""
         net = self.network
         mask = inputs["attention_mask"]
@@ -361,6 +277,7 @@ class Pi0Policy(Policy):
 
     def _value(self, features: torch.Tensor) -> torch.Tensor:
         """The value head on ``features`` ``[B, W]`` (detached with ``model.value_head.detach``): ``[B]`` or ``[B, H]``."""
+        assert self.value_head is not None          # the callers ask for a value only when there is a head
         if self.detach_value:
             features = features.detach()
         values = self.value_head(features)                                    # (B, 1) or (B, H)
@@ -386,7 +303,8 @@ class Pi0Policy(Policy):
         steps = steps.to(self.device)
         return (1.0 + steps.to(torch.float64) * (-1.0 / self.num_steps)).to(torch.float32)
 
-    def _sde_step(self, x, velocity, steps: torch.Tensor, temperature: float):
+    def _sde_step(self, x: torch.Tensor, velocity: torch.Tensor, steps: torch.Tensor,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         times = self._times(steps)[:, None, None]
         sigma = flow.sde_sigma(times, self.num_steps, self.noise_level)
         mean, std = flow.sde_transition(x, velocity, times, 1.0 / self.num_steps, sigma)
@@ -445,12 +363,15 @@ class Pi0Policy(Policy):
                         value = v if value is None else torch.where(rows.reshape(B, *[1] * (v.dim() - 1)), v, value)
                 else:
                     x = ode
+            # every row's drawn step is one of the K >= 1 (model.flow.num_steps), so all three are set
+            assert x_before is not None and x_after is not None and logprob is not None
             chain = torch.cat([drawn.to(self.device, torch.float32)[:, None], x_before.reshape(B, -1),
                                x_after.reshape(B, -1)], dim=1)
         else:
             # every step stochastic; with joint_logprob the prior's log N(x_0; 0, I) is one more term of the mean
             states = [x]
             logprob = flow.standard_normal_logprob(x) if self.joint_logprob else torch.zeros_like(x)
+            assert self.noise_head is not None          # Flow-Noise builds it
             for k in range(K):
                 t = flow.step_time(k, K)
                 velocity, hidden = self._velocity(inputs, cache, x,
@@ -470,7 +391,8 @@ class Pi0Policy(Policy):
         out = {D.ACTION_CHUNK: self._unnormalize(x).float(), D.ACTION_CHAIN: chain.float(),
                D.LOGPROB_BEHAVIOR: self._executed(logprob).float()}
         if return_value and self.value_head is not None:
-            out[D.VALUE] = value if want_expert_value else self._prefix_value(prefix_hidden, inputs["attention_mask"])
+            # the expert's value is set at the steps above whenever it is wanted (K >= 1)
+            out[D.VALUE] = value if value is not None else self._prefix_value(prefix_hidden, inputs["attention_mask"])
         return out
 
     def _greedy_start(self, obs: dict, shape: tuple[int, ...]) -> torch.Tensor:
@@ -504,6 +426,8 @@ class Pi0Policy(Policy):
         shape = (B, self.chunk_size, self.max_action_dim)
         want_expert_value = return_value and self._expert_values
         value = None
+        logprob: torch.Tensor | float
+        entropy: torch.Tensor | float
         if self.method == flow.FLOW_SDE:
             steps = chain[:, 0].round().long()
             x_before, x_after = chain[:, 1: 1 + width].reshape(shape), chain[:, 1 + width:].reshape(shape)
@@ -520,6 +444,7 @@ class Pi0Policy(Policy):
                 entropy = flow.gaussian_entropy(torch.ones_like(states[:, 0]))
             else:
                 logprob = entropy = 0.0
+            assert self.noise_head is not None          # Flow-Noise builds it
             for k in range(K):
                 t = flow.step_time(k, K)
                 velocity, hidden = self._velocity(inputs, cache, states[:, k],
@@ -532,13 +457,15 @@ class Pi0Policy(Policy):
                     v = self._expert_value(hidden)
                     value = v if value is None else value + v
             terms = K + 1 if self.joint_logprob else K
+            assert isinstance(logprob, torch.Tensor) and isinstance(entropy, torch.Tensor)   # K >= 1 terms added
             logprob, entropy = logprob / terms, entropy / terms
             value = value / K if value is not None else None
         result = {LOGPROB: self._executed(logprob)}
         if return_entropy:
             result[ENTROPY] = self._executed(entropy)
         if return_value and self.value_head is not None:
-            result[D.VALUE] = value if want_expert_value else self._prefix_value(prefix_hidden, inputs["attention_mask"])
+            # the expert's value is set above whenever it is wanted (K >= 1)
+            result[D.VALUE] = value if value is not None else self._prefix_value(prefix_hidden, inputs["attention_mask"])
         return result
 
     def supervised(self, obs: dict, actions: torch.Tensor, *, stop_token: bool = False,
@@ -645,322 +572,13 @@ class Pi0Policy(Policy):
     def merged_network_state(self) -> dict[str, torch.Tensor]:
         """The network's weights under their ``PI0ForConditionalGeneration`` names, LoRA folded in (nothing changes
         in the live model)."""
-        from peft.tuners.lora import LoraLayer
-
-        net = self.network
-        state = {}
-        lora_layers = {name: m for name, m in net.named_modules() if isinstance(m, LoraLayer)}
-        for name, tensor in net.state_dict().items():
-            if ".lora_" in name:
-                continue
-            layer_name, _, leaf = name.rpartition(".base_layer.")
-            if layer_name in lora_layers and leaf == "weight":
-                layer = lora_layers[layer_name]
-                with torch.no_grad():
-                    tensor = tensor + layer.get_delta_weight(layer.active_adapters[0]).to(tensor.dtype)
-            state[name.replace(".base_layer.", ".")] = tensor.detach()
-        return state
+        return merged_state_dict(self.network)
 
     def save_pretrained(self, directory, *, step: int = 0, marker: Mapping | None = None) -> Path:
         """A transformers ``PI0ForConditionalGeneration`` folder (``from_pretrained`` reads it back, adapters folded
-        in), the statistics in ``processor_config.json``, and the value and noise heads in ``embodirl_heads.safetensors``."""
-        from safetensors.torch import save_file
-        from transformers import PI0ForConditionalGeneration
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        plain = PI0ForConditionalGeneration._from_config(self.network.config)
-        plain.load_state_dict(self.merged_network_state(), strict=True, assign=True)
-        plain.config.embodirl = {"step": int(step), **dict(marker or {})}
-        plain.save_pretrained(str(directory))
-        stats = dict(self.statistics or {})
-        stats.update(max_state_dim=self.max_state_dim, chunk_size=self.chunk_size)
-        (directory / PROCESSOR_FILE).write_text(json.dumps(stats, indent=2))
-        heads = {f"{name}.{k}": v.detach().cpu().contiguous() for name in ("value_head", "noise_head")
-                 if getattr(self, name) is not None for k, v in getattr(self, name).state_dict().items()}
-        if heads:
-            save_file(heads, str(directory / HEADS_FILE), metadata={"format": "pt"})
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(directory))
-        return directory
-
-
-# --- building ---------------------------------------------------------------------------------------------------
-def network_config(model: Pi0ModelConfig):
-    """The ``PI0Config`` of a randomly initialised network of ``model``'s sizes."""
-    from transformers import PI0Config
-
-    lang, exp, vis = model.language, model.expert, model.vision
-    if lang.num_hidden_layers != exp.num_hidden_layers:
-        raise ConfigError("model.expert.num_hidden_layers", f"is {exp.num_hidden_layers}; the action expert reads the "
-                                                            f"VLM's cache layer by layer, so it needs the VLM's "
-                                                            f"{lang.num_hidden_layers}")
-    for key in ("num_key_value_heads", "head_dim"):
-        if getattr(lang, key) != getattr(exp, key):
-            raise ConfigError(f"model.expert.{key}", f"is {getattr(exp, key)}; the expert reads the VLM's key/value "
-                                                     f"cache, so it needs model.language.{key} = {getattr(lang, key)}")
-    if model.image_size % vis.patch_size:
-        raise ConfigError("model.image_size", f"{model.image_size} is not a multiple of the patch size {vis.patch_size}")
-    text = {"model_type": "gemma", "hidden_size": lang.hidden_size, "num_hidden_layers": lang.num_hidden_layers,
-            "intermediate_size": lang.intermediate_size, "num_attention_heads": lang.num_attention_heads,
-            "num_key_value_heads": lang.num_key_value_heads, "head_dim": lang.head_dim, "vocab_size": lang.vocab_size}
-    vision = {"model_type": "siglip_vision_model", "hidden_size": vis.hidden_size,
-              "intermediate_size": vis.intermediate_size, "num_hidden_layers": vis.num_hidden_layers,
-              "num_attention_heads": vis.num_attention_heads, "patch_size": vis.patch_size,
-              "image_size": model.image_size, "vision_use_head": False}
-    expert = {"model_type": "gemma", "hidden_size": exp.hidden_size, "num_hidden_layers": exp.num_hidden_layers,
-              "intermediate_size": exp.intermediate_size, "num_attention_heads": exp.num_attention_heads,
-              "num_key_value_heads": exp.num_key_value_heads, "head_dim": exp.head_dim}
-    return PI0Config(vlm_config={"model_type": "paligemma", "text_config": text, "vision_config": vision,
-                                 "projection_dim": lang.hidden_size, "image_token_id": lang.vocab_size},
-                     dit_config=expert, chunk_size=model.chunk_size, max_state_dim=model.max_state_dim,
-                     max_action_dim=model.max_action_dim, num_inference_steps=model.flow.num_steps)
-
-
-def lora_on_expert(targets) -> ConfigError:
-    """The refusal of adapters on an expert that ``model.train_expert`` trains in full."""
-    return ConfigError("model.lora.target_modules", f"{targets} puts adapters on the action expert, which "
-                                                    "model.train_expert trains in full; use vlm, or set "
-                                                    "model.train_expert=false")
-
-
-def apply_lora(network, settings, *, train_expert: bool = False):
-    """Wrap the network in a :class:`peft.PeftModel` with adapters (at zero) on its linear layers: ``all-linear``
-    (the vision tower, the VLM, the expert and the action projections), ``expert`` (the action expert and the action
-    projections), ``vlm`` (the vision tower and the VLM), or a list of module-name suffixes. With ``train_expert`` the
-    expert trains in full, so adapters there are refused."""
-    import peft
-
-    linears = [name for name, m in network.named_modules() if isinstance(m, nn.Linear)]
-    expert = [n for n in linears if n.startswith(("model.dit.", "embed_action_time.", "action_out_proj"))]
-    vlm = [n for n in linears if n.startswith("model.vlm.")]
-    groups = {"all-linear": expert + vlm, "expert": expert, "vlm": vlm}
-    targets = settings.target_modules
-    if isinstance(targets, str):
-        targets = [targets]
-    chosen: list[str] = []
-    for target in targets:
-        hits = groups.get(target) or [n for n in linears if n == target or n.endswith("." + target)]
-        if not hits:
-            raise ConfigError("model.lora.target_modules", f"'{target}' matches no linear layer of π0 (use all-linear, "
-                                                           "expert, vlm or a name such as q_proj)")
-        chosen.extend(hits)
-    if train_expert and set(chosen) & set(expert):
-        raise lora_on_expert(settings.target_modules)
-    config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                             target_modules=sorted(set(chosen)), bias="none")
-    on_meta = network.action_out_proj.weight.is_meta
-    return peft.get_peft_model(network, config, low_cpu_mem_usage=on_meta)
-
-
-def _image_count(model: Pi0ModelConfig, env_spec) -> int:
-    cameras = len(env_spec.camera_names) if env_spec is not None else 0
-    if model.num_images_in_input is not None:
-        if env_spec is not None and model.num_images_in_input > cameras:
-            raise ConfigError("model.num_images_in_input", f"is {model.num_images_in_input} but env "
-                                                           f"'{env_spec.name}' has {cameras} camera(s)")
-        return int(model.num_images_in_input)
-    if cameras == 0:
-        raise ConfigError("model.name", f"π0 needs camera images but env '{getattr(env_spec, 'name', '?')}' has none; "
-                                        "use a pixel env (e.g. maniskill_pushcube_rgb, libero_*, toy_reach)")
-    return cameras
-
-
-def _read_config(path: str | Path) -> tuple[Path, dict]:
-    """``(folder, config.json parsed)``: one :class:`ConfigError` sentence naming the file when it is absent or not a
-    JSON object."""
-    folder = Path(path).expanduser()
-    config = folder / "config.json"
-    if not config.is_file():
-        raise ConfigError("model.path", f"{folder} has no config.json; give a transformers- or LeRobot-layout π0 "
-                                        "checkpoint folder")
-    try:
-        data = json.loads(config.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError("model.path", f"{config} is not JSON ({str(exc).splitlines()[0]}); write it again") from None
-    if not isinstance(data, dict):
-        raise ConfigError("model.path", f"{config} is not a JSON object; write it again")
-    return folder, data
-
-
-def _check_tokenizer(folder: Path, vocab_size: int, name: str | None = None) -> None:
-    """A checkpoint with PaliGemma's vocabulary reads its prompts in PaliGemma's token ids, which only PaliGemma's
-    tokenizer gives: one :class:`ConfigError` sentence when its files are not in the folder (the hashing tokenizer
-    would hand the trained network arbitrary ids). Smaller vocabularies (``pi0_tiny``'s) hash their words."""
-    if vocab_size < PALIGEMMA_VOCAB or any((folder / f).is_file() for f in TOKENIZER_FILES):
-        return
-    source = name or "google/paligemma-3b-pt-224"
-    raise ConfigError("model.path", f"{folder} holds a π0 with PaliGemma's {vocab_size}-token vocabulary but no "
-                                    f"tokenizer: copy the tokenizer files of {source} (tokenizer.json or "
-                                    "tokenizer.model, with tokenizer_config.json and special_tokens_map.json) into it")
-
-
-def check_checkpoint(path: str | Path) -> str:
-    """A π0 folder, read without building anything: transformers' layout (``config.json`` says ``model_type`` pi0,
-    every weight file's header reads, the statistics file parses) or LeRobot's (:mod:`.lerobot`). One
-    :class:`ConfigError` sentence naming the file otherwise; else a one-line description (``embodirl doctor``)."""
-    from safetensors import safe_open
-
-    folder, data = _read_config(path)
-    config = folder / "config.json"
-    if lerobot.is_lerobot_config(data):
-        checkpoint = lerobot.read(folder, data)
-        if checkpoint.variants[0] in lerobot.GEMMA_VARIANTS:       # a VLM of LeRobot's: PaliGemma's vocabulary
-            _check_tokenizer(folder, lerobot.LEROBOT_VOCAB, checkpoint.tokenizer_name)
-        return checkpoint.describe()
-    if data.get("model_type") != "pi0":
-        raise ConfigError("model.path", f"{config} describes a '{data.get('model_type')}' model; π0 checkpoints say "
-                                        "model_type pi0 (use the model option of that checkpoint)")
-    weights = sorted(p for p in folder.glob("*.safetensors") if p.name != HEADS_FILE)
-    if not weights:
-        raise ConfigError("model.path", f"{folder} holds no *.safetensors weights; export the checkpoint again")
-    for file in [*weights, *([folder / HEADS_FILE] if (folder / HEADS_FILE).is_file() else [])]:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                f.keys()
-        except Exception as exc:   # safetensors raises its own error types for a bad header
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError("model.path", f"{file} is not a safetensors file ({reason}); write it again") from None
-    text_config = (data.get("vlm_config") or {}).get("text_config") or {}
-    _check_tokenizer(folder, int(text_config.get("vocab_size", PALIGEMMA_VOCAB)))
-    statistics = "no statistics (identity)"
-    if (folder / PROCESSOR_FILE).is_file():
-        try:
-            found = [k for k in STAT_KEYS if k in json.loads((folder / PROCESSOR_FILE).read_text())]
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError("model.path", f"{folder / PROCESSOR_FILE} is not JSON ({str(exc).splitlines()[0]}); "
-                                            "write it again") from None
-        statistics = f"statistics ({', '.join(found) or 'none'})"
-    heads = "value/noise heads" if (folder / HEADS_FILE).is_file() else "no trained heads"
-    return (f"{folder.name}: π0, {len(weights)} weight file(s), chunk {data.get('chunk_size')} x "
-            f"{data.get('max_action_dim')}, {statistics}, {heads}")
-
-
-def _from_pretrained(folder: Path, dtype: torch.dtype, device, *,
-                     fix: str = "use the checkpoint's own files", **kwargs):
-    """``PI0ForConditionalGeneration.from_pretrained`` (:data:`.openpi.FP32_PARAMETERS` loaded in float32,
-    :func:`.openpi.fp32_on_load`) that lets no weight go missing, stay unused or change shape (transformers would
-    initialise it at random and go on): one :class:`ConfigError` sentence ending in ``fix`` instead."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()          # one bar per load in every worker's log otherwise
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()           # its load report is many lines; the sentence below says what matters
-    try:
-        with fp32_on_load():
-            network, info = PI0ForConditionalGeneration.from_pretrained(
-                str(folder), dtype=dtype, device_map=str(device), output_loading_info=True,
-                ignore_mismatched_sizes=True, **kwargs)
-    except (OSError, ValueError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError("model.path", f"{folder} is not a loadable π0 checkpoint ({first})") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    problems = [(what, sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(key) or ()))
-                for what, key in (("missing", "missing_keys"), ("unused", "unexpected_keys"),
-                                  ("of another shape", "mismatched_keys"))]
-    problems = [(what, keys) for what, keys in problems if keys]
-    if problems:
-        told = ", ".join(f"{len(keys)} {what} (e.g. {keys[0]})" for what, keys in problems)
-        raise ConfigError("model.path", f"{folder}'s weights do not fit the network its config describes: {told}; "
-                                        f"{fix}")
-    return network
-
-
-def load_checkpoint(path: str | Path, dtype: torch.dtype, device, model: Pi0ModelConfig):
-    """``(network, statistics, tokenizer or None, heads)`` from a transformers- or LeRobot-layout π0 folder (a LeRobot
-    network of variants LeRobot does not define takes ``model``'s sizes, see :func:`.lerobot.network_config`)."""
-    folder, data = _read_config(path)
-    if lerobot.is_lerobot_config(data):
-        checkpoint = lerobot.read(folder, data)
-        config = lerobot.network_config(checkpoint, model)
-        network = _from_pretrained(folder, dtype, device, fix=lerobot.size_fix(checkpoint), config=config,
-                                   attn_implementation=model.attn_implementation)
-        statistics = checkpoint.statistics or None
-        if config.num_inference_steps != model.flow.num_steps:
-            log.info("%s was sampled with %d denoising steps; model.flow.num_steps = %d runs here", folder,
-                     config.num_inference_steps, model.flow.num_steps)
-        tokenizer_name = checkpoint.tokenizer_name
-    else:
-        network = _from_pretrained(folder, dtype, device)
-        statistics = None
-        if (folder / PROCESSOR_FILE).is_file():
-            statistics = {k: v for k, v in json.loads((folder / PROCESSOR_FILE).read_text()).items() if k in STAT_KEYS}
-        tokenizer_name = None
-    _check_tokenizer(folder, int(network.config.vlm_config.text_config.vocab_size), tokenizer_name)
-    tokenizer = None
-    if any((folder / f).is_file() for f in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    heads = None
-    if (folder / HEADS_FILE).is_file():
-        from safetensors.torch import load_file
-
-        heads = load_file(str(folder / HEADS_FILE))
-    return network, statistics, tokenizer, heads
-
-
-def build_policy(model_cfg, env_spec=None, *, device: torch.device | str | None = None) -> Pi0Policy:
-    """The policy ``model`` describes: random init (``path: null``, the sizes below) or a checkpoint (its own sizes).
-    Trainable: the heads, the action expert with ``model.train_expert``, the adapters with ``model.lora``."""
-    from embodirl.config_fields import instance
-    from embodirl.dtypes import parse_dtype
-    from embodirl.models.base import default_dtype
-
-    model = instance(Pi0ModelConfig, model_cfg, "model")
-    device = torch.device(device or model.device or "cpu")
-    dtype = parse_dtype(model.dtype)
-    action_dim = int(env_spec.action_dim) if env_spec is not None else model.max_action_dim
-    heads = statistics = tokenizer = None
-    if model.path:
-        if device.type == "meta":
-            raise ConfigError("model.device", "a checkpoint cannot be loaded onto the meta device")
-        network, statistics, tokenizer, heads = load_checkpoint(model.path, dtype, device, model)
-    else:
-        config = network_config(model)
-        config._attn_implementation = model.attn_implementation
-        with torch.device(device), default_dtype(dtype):
-            network = PI0ForConditionalGeneration(config)
-        # every tensor on the build device, non-persistent buffers included: in one clean-clone suite run the time
-        # embedding's sinusoid_freq buffer came out on the CPU in a model built on meta (not reproduced alone)
-        network.to(device)
-    keep_fp32_(network)
-    network.requires_grad_(False)
-    if action_dim > network.config.max_action_dim:
-        raise ConfigError("model.max_action_dim", f"is {network.config.max_action_dim} but env has {action_dim}-D actions")
-    if model.action_chunk > network.config.chunk_size:
-        raise ConfigError("model.action_chunk", f"is {model.action_chunk} but the network predicts "
-                                                f"{network.config.chunk_size} actions per decision (model.chunk_size)")
-    if env_spec is not None and env_spec.state_dim > network.config.max_state_dim:
-        raise ConfigError("model.max_state_dim", f"is {network.config.max_state_dim} but env '{env_spec.name}' has a "
-                                                 f"{env_spec.state_dim}-D state")
-    with default_dtype(dtype):
-        policy = Pi0Policy(model, network, action_dim=action_dim, num_images=_image_count(model, env_spec),
-                           statistics=statistics, tokenizer=tokenizer,
-                           task_descriptions=env_spec.task_descriptions if env_spec is not None else None,
-                           action_low=env_spec.action_low if env_spec is not None else -1.0,
-                           action_high=env_spec.action_high if env_spec is not None else 1.0)
-    if heads:
-        for name in ("value_head", "noise_head"):
-            head = getattr(policy, name)
-            part = {k[len(name) + 1:]: v for k, v in heads.items() if k.startswith(name + ".")}
-            if head is None or not part:
-                continue
-            own = head.state_dict()
-            if {k: tuple(v.shape) for k, v in part.items()} != {k: tuple(v.shape) for k, v in own.items()}:
-                # a head of other settings (e.g. written before the value head read the expert): it starts fresh
-                log.warning("%s: the checkpoint's %s has other shapes than model.%s makes; it starts fresh",
-                            model.path, name, "value_head" if name == "value_head" else "flow")
-                continue
-            head.load_state_dict(part)
-    for head in (policy.value_head, policy.noise_head):
-        if head is not None:
-            head.requires_grad_(True)
-    if model.train_expert:
-        for _, param in expert_parameters(policy.network):
-            param.requires_grad_(True)
-    return policy
-
+        in), the statistics in ``processor_config.json``, and the value and noise heads in ``embodirl_heads.safetensors``
+        (:func:`.checkpoint.save_checkpoint`)."""
+        processor = {**(self.statistics or {}), "max_state_dim": self.max_state_dim, "chunk_size": self.chunk_size}
+        return save_checkpoint(directory, self.network, processor,
+                               {"value_head": self.value_head, "noise_head": self.noise_head}, self.tokenizer,
+                               step=step, marker=marker)
