@@ -189,6 +189,7 @@ def gae(inp: AdvantageInputs, algorithm: AlgorithmSection) -> tuple[torch.Tensor
     if per_action and inp.reward.dim() != 3:
         raise ValueError("action-level values [N, T, H] need action-level rewards [N, T, H]")
     steps = _steps(inp, per_action)
+    assert steps.value is not None  # inp.value was checked above
     value = steps.value.float()  # (N, S)
     N, S = value.shape
     next_value = _successor_value(value, steps)  # (N, S)

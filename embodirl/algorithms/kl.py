@@ -115,6 +115,7 @@ class KLController:
         """Adapt after a rollout whose measured per-token KL is ``current_kl`` over ``n_steps``
         trajectories; returns the new value."""
         if self.kind == "adaptive":
+            assert self.target_kl is not None and self.horizon is not None  # __init__ checks them for adaptive
             error = min(max(float(current_kl) / self.target_kl - 1.0, -ADAPTIVE_ERROR_CLIP), ADAPTIVE_ERROR_CLIP)
             self.value *= 1.0 + error * n_steps / self.horizon
         return self.value

@@ -108,7 +108,7 @@ class Segment:
                 if hasattr(os, "posix_fallocate"):
                     os.posix_fallocate(fd, 0, size)
             self.size = os.fstat(fd).st_size
-            self._mmap = mmap.mmap(fd, self.size)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size)     # None once closed
         except BaseException:
             if create:
                 _unlink(name)

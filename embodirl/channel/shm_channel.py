@@ -124,7 +124,8 @@ class ShmChannel:
         self._ready = os.open(ready_path, os.O_RDWR | os.O_NONBLOCK)
         self.info = ChannelInfo(self._shm.name, free_path.name, ready_path.name, num_slots, slot_bytes,
                                 header_bytes, fields)
-        self._seq_header = np.ndarray((num_slots,), np.int64, buffer=self._shm.buf)  # (num_slots,)
+        # (num_slots,); None once closed (the view must go before the segment can be unmapped)
+        self._seq_header: np.ndarray | None = np.ndarray((num_slots,), np.int64, buffer=self._shm.buf)
         self._views = [_slot_views(self._shm.buf, self.info, k) for k in range(num_slots)]
         self._next_seq = 1
         self._closed = False
@@ -155,6 +156,7 @@ class ShmChannel:
             np.copyto(dst, batch[name], casting="no")
         seq = self._next_seq
         self._next_seq += 1
+        assert self._seq_header is not None, "the channel is closed"
         self._seq_header[slot] = seq
         return ShmRef(self.info, slot, seq)
 
@@ -167,6 +169,7 @@ class ShmChannel:
 
     def free_slots(self) -> int:
         """Slots not holding an unreleased batch (a snapshot)."""
+        assert self._seq_header is not None, "the channel is closed"
         return int(np.count_nonzero(self._seq_header <= 0))
 
     def reclaim(self) -> None:
@@ -174,6 +177,7 @@ class ShmChannel:
         it died mid-batch)."""
         _drain(self._fifo)
         _drain(self._ready)
+        assert self._seq_header is not None, "the channel is closed"
         self._seq_header[:] = 0
         os.write(self._fifo, b"".join(_SLOT_ID.pack(k) for k in range(self.num_slots)))
 
@@ -251,7 +255,8 @@ class _Mapped:
         self.fifo = os.open(segments.SHM_DIR / info.fifo, os.O_RDWR | os.O_NONBLOCK)
         self.ready = os.open(segments.SHM_DIR / info.ready, os.O_RDWR | os.O_NONBLOCK)
         self.views = [_slot_views(self.shm.buf, info, k, readonly=True) for k in range(info.num_slots)]
-        self.seq_header = np.ndarray((info.num_slots,), np.int64, buffer=self.shm.buf)  # (num_slots,)
+        # (num_slots,); None once closed (a closed mapping has left ShmReader._maps)
+        self.seq_header: np.ndarray | None = np.ndarray((info.num_slots,), np.int64, buffer=self.shm.buf)
 
     def close(self) -> None:
         # drop our own views first, or the segment cannot be unmapped
@@ -270,12 +275,13 @@ class _Mapped:
 class ShmReader:
     """Consumer side: maps rings by name on first use and returns zero-copy views."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._maps: dict[str, _Mapped] = {}
 
     def read(self, ref: ShmRef) -> dict[str, np.ndarray]:
         """Views into the slot (valid until :meth:`release`; do not write to them)."""
         mapped = self._map(ref.info)
+        assert mapped.seq_header is not None, "mapped rings are open"
         held = int(mapped.seq_header[ref.slot])
         if held != ref.seq:
             raise ChannelError(f"slot {ref.slot} of {ref.info.segment} holds batch {held}, not {ref.seq}: "
@@ -285,6 +291,7 @@ class ShmReader:
     def release(self, ref: ShmRef) -> None:
         """Hand the slot back to the producer (a second release of the same reference is ignored)."""
         mapped = self._map(ref.info)
+        assert mapped.seq_header is not None, "mapped rings are open"
         if mapped.seq_header[ref.slot] != ref.seq:
             return
         mapped.seq_header[ref.slot] = -ref.seq

@@ -20,6 +20,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -103,7 +104,8 @@ def compose(args: Sequence[str]) -> tuple[DictConfig, CompareSection]:
 
     positional, own, rest = split_args(args)
     cfg = compose_main(rest)
-    defaults = OmegaConf.load(config_dir() / COMPARE_FILE)
+    # OmegaConf.load is typed for a list too; config/compare.yaml is a mapping
+    defaults = cast(DictConfig, OmegaConf.load(config_dir() / COMPARE_FILE))
     section = OmegaConf.create({SECTION: defaults[SECTION]})
     OmegaConf.set_struct(section, True)
     apply_section_overrides(section, own, COMPARE_FILE)
@@ -193,7 +195,7 @@ def check_output_dir(out_dir: Path, sides: Sequence[tuple[str, Path, Path | None
 
 def side_node(cfg: DictConfig, label: str, path: Path, kind: str, source: Path | None, out_dir: Path) -> DictConfig:
     """Side ``label``'s evaluation config: ``cfg`` as ``embodirl eval`` of that checkpoint, into ``out_dir/label``."""
-    node = OmegaConf.create(OmegaConf.to_container(cfg))
+    node = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg)))    # a mapping's copy is a DictConfig
     OmegaConf.set_struct(node, True)
     node.runner.only_eval = True
     node.runner.output_dir = str(out_dir / label)

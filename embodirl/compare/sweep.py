@@ -73,6 +73,7 @@ def run(job: CompareJob) -> dict:
             results[side.label] += episodes
             reruns[side.label] += rerun
             seconds[side.label] += time.perf_counter() - t_side
+        assert parts is not None        # planned by the first side
         look_of.update({j: look + 1 for j in parts[look]})
         look += 1
         if test is not None:
@@ -86,7 +87,7 @@ def run(job: CompareJob) -> dict:
             if result.stop:
                 break
     for side in job.sides:
-        info = build_eval_info(sorted(results[side.label], key=lambda e: e.episode_ix), eval_s=seconds[side.label],
+        info = build_eval_info(sorted(results[side.label], key=_episode_ix), eval_s=seconds[side.label],
                                rerun_after_crash=reruns[side.label])
         write_eval_info(info, side.out_dir)
         plot_success(info, side.out_dir / "eval_success.png")
@@ -99,11 +100,18 @@ def run(job: CompareJob) -> dict:
     return info
 
 
+def _episode_ix(episode: EpisodeResult) -> int:
+    """The episode's index in the evaluation sweep (:func:`~embodirl.runner.evaluation.sweep_episodes` numbers every
+    episode it returns)."""
+    assert episode.episode_ix is not None
+    return episode.episode_ix
+
+
 def paired_episodes(a: list[EpisodeResult], b: list[EpisodeResult], look_of: dict[int, int]) -> list[dict]:
     """One record per episode both sides have run, in ``episode_ix`` order."""
     by_ix = {e.episode_ix: e for e in b}
     pairs = []
-    for ea in sorted(a, key=lambda e: e.episode_ix):
+    for ea in sorted(a, key=_episode_ix):
         eb = by_ix.get(ea.episode_ix)
         if eb is None:
             continue
@@ -111,7 +119,7 @@ def paired_episodes(a: list[EpisodeResult], b: list[EpisodeResult], look_of: dic
             raise RuntimeError(f"episode {ea.episode_ix} is (task {ea.task_id}, init state {ea.init_state_id}) for A "
                                f"but (task {eb.task_id}, init state {eb.init_state_id}) for B")
         pairs.append({"episode_ix": ea.episode_ix, "suite": ea.suite, "task_id": ea.task_id, "task": ea.task,
-                      "init_state_id": ea.init_state_id, "seed": ea.seed, "look": look_of.get(ea.episode_ix),
+                      "init_state_id": ea.init_state_id, "seed": ea.seed, "look": look_of.get(_episode_ix(ea)),
                       "a_success": bool(ea.success), "b_success": bool(eb.success), "a_length": ea.length,
                       "b_length": eb.length, "a_crashed": bool(ea.crashed), "b_crashed": bool(eb.crashed)})
     return pairs
@@ -123,7 +131,7 @@ def compare_info(job: CompareJob, episodes: list[dict], test: GroupSequentialMcN
     (``p_value`` stays the nominal exact McNemar p of the pairs run)."""
     settings = job.settings
     stats = compare_stats(episodes, settings.alpha)
-    sequential = {"enabled": settings.sequential}
+    sequential: dict[str, object] = {"enabled": settings.sequential}
     if test is not None:
         stopped = test.stopped
         overall = stats["overall"]

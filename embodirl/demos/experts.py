@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def _p(actor) -> np.ndarray:
 
 @dataclass
 class Waypoint:
-    target: Callable[[object], np.ndarray]   # BaseEnv -> TCP position (world, m)
+    target: Callable[[Any], np.ndarray]      # BaseEnv (untyped, task-specific actors) -> TCP position (world, m)
     gripper: float
     tol: float = 0.01                        # reached when the TCP is this close (m)
     hold: int = 0                            # then stay this many more steps (grasp / release)

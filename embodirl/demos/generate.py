@@ -17,16 +17,19 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from embodirl.config_fields import num, one_of, required
 from embodirl.demos.lerobot.layout import VIDEO_CODECS
 from embodirl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 CONFIG_NAME = "demos"
@@ -79,7 +82,7 @@ def compose(overrides: Sequence[str] = ()):
     return cfg
 
 
-def validate(cfg: Mapping) -> DemosConfig:
+def validate(cfg: DictConfig) -> DemosConfig:
     """The composed demos config as the typed :class:`DemosConfig`, its keys checked in one sentence each and its env
     group checked by the ManiSkill adapter (converted once to the adapter's config class)."""
     from omegaconf import OmegaConf
@@ -142,12 +145,17 @@ def generate(demos: DemosConfig) -> dict:
     env = ManiSkillSimEnv(env_cfg, seed=seed0)
     spec, base = env.spec, env.unwrapped
     rgb = env.settings.obs_mode == "rgb"
-    cameras = {c: spec.image_size for c in spec.camera_names} if rgb else {}
+    cameras: dict[str, tuple[int, int]] = {}
+    if rgb:
+        size = spec.image_size
+        assert size is not None         # an rgb env's spec has its cameras' image size
+        cameras = {c: size for c in spec.camera_names}
     writer = LeRobotWriter(out, fps=int(base.control_freq), cameras=cameras, action_dim=spec.action_dim,
                            state_dim=spec.state_dim, robot_type=str(base.robot_uids), video_codec=demos.video_codec,
                            overwrite=demos.overwrite)
     instruction = spec.task_descriptions[0]
-    attempts, lengths = 0, []
+    attempts = 0
+    lengths: list[int] = []
     bar = tqdm(total=n_target, desc=f"demos {spec.name}", unit="demo", disable=not demos.progress_bar)
     try:
         while len(lengths) < n_target and attempts < max_attempts:
@@ -169,7 +177,7 @@ def generate(demos: DemosConfig) -> dict:
                 continue
             images = {}
             if rgb:
-                stacked = np.stack(frames)                                   # (T, V, 3, h, w)
+                stacked = np.stack(cast(list[np.ndarray], frames))           # (T, V, 3, h, w): rgb obs have images
                 images = {c: np.ascontiguousarray(stacked[:, v].transpose(0, 2, 3, 1)) for v, c in enumerate(cameras)}
             writer.add_episode(images=images, actions=np.stack(actions), states=np.stack(states), task=instruction,
                                extra={"init_state_id": init_state})
@@ -188,7 +196,7 @@ def generate(demos: DemosConfig) -> dict:
                "expert_success_rate": len(lengths) / max(attempts, 1), "frames": int(sum(lengths)),
                "mean_episode_length": float(np.mean(lengths)) if lengths else 0.0, "minutes": minutes,
                "demos_per_minute": len(lengths) / minutes if minutes > 0 else 0.0,
-               "cameras": list(cameras), "image_size": list(spec.image_size) if rgb else None,
+               "cameras": list(cameras), "image_size": list(spec.image_size) if rgb and spec.image_size else None,
                "control_mode": env.settings.control_mode, "video_codec": demos.video_codec,
                "dataset_bytes": _folder_bytes(out), "seed": seed0}
     (out / "meta" / "generation.json").write_text(json.dumps(summary, indent=2))

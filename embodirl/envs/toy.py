@@ -118,7 +118,8 @@ class ToySimEnv(SimEnv):
         env = ToyAdapter.check_config(cfg)
         self.num_tasks = env.num_tasks
         self.task_ids = list(env.task_ids or range(self.num_tasks))
-        self.image_size = tuple(env.image_size)
+        h, w = env.image_size
+        self.image_size = (h, w)
         self.cameras = list(env.cameras)
         self.use_state = env.state_obs
         self.step_size = env.step_size

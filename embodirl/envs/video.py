@@ -21,12 +21,16 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import imageio.v2 as imageio
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from embodirl.envs.base import VideoConfig
+
+if TYPE_CHECKING:
+    from imageio.core.format import Format
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +106,7 @@ class VideoWriter:
         self.tmp_path = self.directory / f".partial_{uuid.uuid4().hex}.mp4"
         self.fps = fps
         self.num_frames = 0
-        self._writer = None
+        self._writer: Format.Writer | None = None
 
     def append(self, frame: np.ndarray) -> None:
         if self._writer is None:
@@ -172,7 +176,7 @@ class VideoRecorder:
     step: int | None = 0                 # None: files straight in out_dir (no step_<n> folder)
     written: list[Path] = field(default_factory=list)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
         self.env_ids = [int(i) for i in self.env_ids]
         self._episodes: dict[int, _Episode] = {}
@@ -247,7 +251,7 @@ class VideoRecorder:
     def _begin(self, i: int, task_id: int, frame: np.ndarray) -> None:
         if i in self._episodes and not self._episodes[i].finished:
             self._discard(self._episodes[i])          # a reset in the middle of an episode
-        writer = VideoWriter(self.out_dir / step_folder(self.step), self.fps)
+        writer = VideoWriter(Path(self.out_dir) / step_folder(self.step), self.fps)
         episode = _Episode(writer, task_id)
         self._episodes[i] = episode
         self._add(episode, frame, None)
@@ -264,7 +268,7 @@ class VideoRecorder:
         name = episode_video_name(self.step, self.env_name, episode.task_id, self._episode_index[i], episode.success,
                                   env_id=self.env_offset + i)
         self._episode_index[i] += 1
-        path = episode.writer.finish(self.out_dir / name)
+        path = episode.writer.finish(Path(self.out_dir) / name)
         if path is None:
             return []
         self.written.append(path)

@@ -98,11 +98,12 @@ class RolloutStats:
 class _Stage:
     env: ChunkVectorEnv
     starts: EpisodeStarts
-    recorder: DecisionRecorder = None
-    obs: dict = None
-    alive: np.ndarray = None           # (B,) episode still running (without auto-reset)
-    broken: np.ndarray = None          # (B,) episode lost to a simulator restart
-    init_state_id: np.ndarray = None   # (B,) as reported at reset
+    # set by RolloutCollector._reset before the stage's first decision
+    recorder: DecisionRecorder = field(init=False)
+    obs: dict[str, np.ndarray] = field(init=False)
+    alive: np.ndarray = field(init=False)           # (B,) episode still running (without auto-reset)
+    broken: np.ndarray = field(init=False)          # (B,) episode lost to a simulator restart
+    init_state_id: np.ndarray = field(init=False)   # (B,) as reported at reset
     observer: EpisodeObserver | None = None
     pending: Pending | None = None
     bootstrap: Pending | None = None   # value request for the observation after the last decision
@@ -227,6 +228,7 @@ class RolloutCollector:
     def _decide(self, t: int, stage: _Stage) -> None:
         self._take_final_values(stage)      # asked for before this decision (counts its own wait)
         t0 = time.perf_counter()
+        assert stage.pending is not None    # requested at the reset or after the previous decision
         out = stage.pending.result()
         t1 = time.perf_counter()
         stage.pending = None
@@ -292,13 +294,13 @@ class RolloutCollector:
         while stage.broken.any():
             attempt += 1
             if attempt > self.max_recollect:
-                rows = np.flatnonzero(stage.broken).tolist()
+                lost = np.flatnonzero(stage.broken).tolist()
                 if self.keep_lost_episodes:
                     log.warning("rollout: the episodes of rows %s of stage %d crashed their simulators %d times in a "
-                                "row; they count as failures", rows, s, attempt)
-                    self.stats.crashed_slots += [self.slot_offset + s * self.B + r for r in rows]
+                                "row; they count as failures", lost, s, attempt)
+                    self.stats.crashed_slots += [self.slot_offset + s * self.B + r for r in lost]
                     return
-                raise RecollectFailed(f"stage {s}: rows {rows} lost their episodes "
+                raise RecollectFailed(f"stage {s}: rows {lost} lost their episodes "
                                       f"{self.max_recollect} times in a row; the simulators keep crashing")
             rows = np.flatnonzero(stage.broken)
             log.warning("rollout: collecting %d lost episode(s) of stage %d again (attempt %d)", len(rows), s, attempt)
@@ -306,12 +308,15 @@ class RolloutCollector:
             # start where they started the first time: the task seen at the first decision and the init
             # state the env reported.
             starts = EpisodeStarts(stage.starts.task_ids.copy(), stage.starts.init_state_ids.copy())
-            starts.task_ids[rows] = stage.recorder.field(D.TASK_ID)[rows, 0]
+            seen_tasks = stage.recorder.field(D.TASK_ID)
+            assert seen_tasks is not None       # every observation holds task_id (the policy reads it)
+            starts.task_ids[rows] = seen_tasks[rows, 0]
             starts.init_state_ids[rows] = stage.init_state_id[rows]
             again = _Stage(stage.env, starts)
             self._run([(s, again)], seed)
             stage.recorder.replace_rows(rows, again.recorder, rows)
-            if self.return_value:
+            if self.return_value:       # _run computed both
+                assert stage.bootstrap_value is not None and again.bootstrap_value is not None
                 stage.bootstrap_value[rows] = again.bootstrap_value[rows]
             stage.broken = np.zeros(self.B, bool)
             stage.broken[rows] = again.broken[rows]

@@ -20,7 +20,7 @@ import dataclasses
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -130,7 +130,7 @@ def typed(schema: type, node: Any, prefix: str = "", *, closed: bool = True) -> 
         names = {f.name for f in dataclasses.fields(schema)}
         node = {k: node[k] for k in node if k in names}
     try:
-        merged = OmegaConf.merge(template(schema), node)
+        merged = cast(DictConfig, OmegaConf.merge(template(schema), node))    # merged onto a DictConfig
     except OmegaConfBaseException as exc:
         raise error(exc, schema, prefix) from None
     missing = sorted(OmegaConf.missing_keys(merged))

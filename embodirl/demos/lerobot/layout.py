@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -111,7 +112,8 @@ def encode_video(path: Path, frames: np.ndarray, fps: int, codec: str = "libx264
     t, h, w, _ = frames.shape
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w", format="mp4") as container:
-        stream = container.add_stream(codec, rate=int(fps), options=dict(options))
+        # PyAV types a codec named by a plain str as any stream kind; VIDEO_CODECS are video codecs
+        stream = cast("av.VideoStream", container.add_stream(codec, rate=int(fps), options=dict(options)))
         stream.width, stream.height, stream.pix_fmt = w, h, pix_fmt
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
@@ -158,8 +160,8 @@ def _decode_image(cell, where: str) -> np.ndarray:
     from PIL import Image
 
     data = cell.get("bytes") if isinstance(cell, Mapping) else cell
-    try:
-        return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), np.uint8)
+    try:        # a cell without bytes (None) is an empty buffer: not an image
+        return np.asarray(Image.open(io.BytesIO(b"" if data is None else data)).convert("RGB"), np.uint8)
     except Exception as exc:
         raise DatasetError(f"{where} holds an image that could not be decoded ({exc})") from None
 

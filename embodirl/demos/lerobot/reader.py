@@ -147,11 +147,12 @@ class LeRobotDataset:
         self._video_cache_bytes = int(video_cache_bytes)
         self.stats = {self.action_key: FeatureStats.of(self._actions)}
         if self.state_key is not None:
+            assert self._states is not None     # read with the state key (there is at least one episode)
             self.stats[self.state_key] = FeatureStats.of(self._states)
 
     # -- loading -----------------------------------------------------------------------------------
     def _path(self, template_key: str, ep: int, video_key: str | None = None) -> Path:
-        fields = dict(episode_chunk=ep // self.chunks_size, episode_index=ep)
+        fields: dict[str, int | str] = dict(episode_chunk=ep // self.chunks_size, episode_index=ep)
         if video_key is not None:
             fields["video_key"] = video_key
         name = self.info[template_key].format(**fields)

@@ -22,8 +22,9 @@ adapter and compares bit for bit). The protocol itself lives in :mod:`embodirl.e
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -60,12 +61,12 @@ class CameraGate:
         self.names = [f"{cam}_image" for cam in camera_names]
         self.open = True
         self.keep_snapshot = False
-        self._real = {}
-        self._blank = {}
-        self._snapshot = None
-        self._backup = None
-        self._snapshot_time = None
-        self._snapshot_rgba = None
+        self._real: dict[str, Callable[[dict], np.ndarray]] = {}     # observable -> robosuite's own sensor
+        self._blank: dict[str, np.ndarray] = {}
+        self._snapshot: Any = None                  # mujoco.MjData
+        self._backup: Any = None                    # mujoco.MjData
+        self._snapshot_time: float | None = None
+        self._snapshot_rgba: np.ndarray | None = None
         self.install()
 
     def install(self) -> None:
@@ -84,7 +85,9 @@ class CameraGate:
                     self._take_snapshot()
                 return self._blank[_name]
 
-            gated.__modality__ = real.__modality__
+            # robosuite's Observable reads the sensor function's __modality__ (vars(): mypy does not model
+            # attributes set on a function)
+            vars(gated)["__modality__"] = real.__modality__
             # set directly: Observable.set_sensor would call (and so render) the sensor once
             observable._sensor = gated
 
@@ -162,7 +165,7 @@ class ControllerSim:
 class Scene:
     """One task's built simulator and the adapter's hooks into it."""
 
-    env: object                        # libero OffScreenRenderEnv
+    env: Any                           # libero OffScreenRenderEnv (untyped)
     gate: CameraGate | None           # None without cameras
     controller_sim: ControllerSim
 

@@ -56,7 +56,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -104,6 +104,8 @@ SCENE_SEED = 20_231_031         # numpy's global RNG is seeded from (SCENE_SEED,
 #: once per task, then the trials' resets in init-state order)
 SCENE_SEEDINGS = ("per_start", "oft")
 OFT_TASK_SEED = 0
+#: numpy's legacy global RNG state (np.random.get_state / set_state)
+_NumpyRandomState = dict[str, Any] | tuple[str, np.ndarray, int, int, float]
 
 
 class SimulationUnstable(RuntimeError):
@@ -172,7 +174,7 @@ class LiberoSimEnv(SimEnv):
         self.fixed_starts = env.use_fixed_reset_state_ids
         self.scene_seeding = env.scene_seeding
         #: scene_seeding oft: task -> (trials whose resets have drawn, numpy RNG state after them)
-        self._oft_rng: dict[int, tuple[int, tuple]] = {}
+        self._oft_rng: dict[int, tuple[int, _NumpyRandomState]] = {}
         self._init_pool = env.init_state_ids
         self.starts = libero_states.StartStates(env, self.suite)    # what an init state id names
         self.spec = EnvSpec(
@@ -318,6 +320,7 @@ class LiberoSimEnv(SimEnv):
         if gate is not None and not gate.open and gate.has_snapshot:
             # cut short by success: render what the cameras would have sampled in that step
             images = self._images_from(gate.render_snapshot())
+        assert raw is not None, "an empty action chunk"    # at least one step ran
         self._obs = self._observation(raw, images)
         terminated = success_any
         truncated = self.elapsed >= self.max_episode_steps and not terminated

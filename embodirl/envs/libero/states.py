@@ -65,6 +65,7 @@ import os
 import sys
 import time
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -240,7 +241,7 @@ def save_state_file(path: str | Path, suite: str, sets: dict[int, StateSet]) -> 
         arrays[f"positions_{task}"] = np.asarray(states.positions, np.int64)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
+        np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub matches **kwds to savez's allow_pickle: bool
     tmp.replace(path)
     return path
 
@@ -392,12 +393,13 @@ def training_states(train_env, eval_env) -> TrainingStates:
         except ConfigError as exc:
             raise ConfigError(f"env.train.{exc.key}", str(exc).split(": ", 1)[-1]) from None
     if is_file_source(train_env.train_init_states):
+        assert info is not None                     # a file source is not held out
         held = read_state_file(train_env.train_init_states)[1]
         missing = [t for t in task_pool(train_env) if t not in held or not len(held[t].states)]
         if missing:
             raise ConfigError("env.train.train_init_states", f"{train_env.train_init_states} holds no states of "
                                                              f"{info.name} task {missing[0]}, which env.train trains on")
-    pools = {t: (list(train_env.init_state_ids) if train_env.init_state_ids is not None
+    pools: dict[int, Sequence[int]] = {t: (list(train_env.init_state_ids) if train_env.init_state_ids is not None
                  else training_ids(train_env, info, t)) for t in task_pool(train_env)}
     same_tasks = eval_env.suite == train_env.suite
     schedule = eval_schedule(eval_env) if same_tasks else []
@@ -410,6 +412,7 @@ def training_states(train_env, eval_env) -> TrainingStates:
         key = "env.train.train_init_states"
     if not shared and is_file_source(train_env.train_init_states) and train_env.init_state_ids is None:
         evaluated = set(schedule)                   # a file's states may copy official ones under their own ids
+        assert info is not None                     # a file source is not held out
         shared = [(t, k) for t in pools for k in near_official(train_env, info, t) if (t, k) in evaluated]
     return TrainingStates(pools=pools, shared=shared, key=key, on_purpose=train_env.train_init_states == OFFICIAL,
                           same_tasks=same_tasks)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from embodirl.envs.base import ChunkVectorEnv
 from embodirl.envs.maniskill.simulator import (
     CPU_BACKEND,
     TASK_ID,
+    ManiSkillEnvConfig,
     ObsConverter,
     action_bounds,
     draw_init_state,
@@ -115,7 +117,7 @@ class ManiSkillGPUEnv(ChunkVectorEnv):
     sub-processes to replace). Env ``i`` draws random init states with ``seed + i``.
     """
 
-    def __init__(self, cfg: Mapping, *, num_envs: int, seed: int = 0, env_offset: int = 0,
+    def __init__(self, cfg: ManiSkillEnvConfig | Mapping, *, num_envs: int, seed: int = 0, env_offset: int = 0,
                  sim_backend: str | None = None):
         self.settings = settings_of(cfg)
         backend = sim_backend or resolve_sim_backend(self.settings.sim_backend)
@@ -232,7 +234,7 @@ class ManiSkillGPUEnv(ChunkVectorEnv):
                                                        self.use_rel_reward)  # (B, H)
         self._return += rewards.sum(axis=1)
         terminated, truncated = self._terminated.copy(), self._truncated.copy()
-        info_out = dict(success=self._success.copy(), restarted=np.zeros(B, bool), steps=steps,
+        info_out: dict[str, Any] = dict(success=self._success.copy(), restarted=np.zeros(B, bool), steps=steps,
                         episode_return=self._return.copy(), episode_length=self._elapsed.copy(),
                         frames=frames, reset_frames=[None] * B, num_restarts=0)
         if self.auto_reset:

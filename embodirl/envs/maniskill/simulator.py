@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -144,7 +145,7 @@ def make_maniskill_env(settings: ManiSkillEnvConfig, *, num_envs: int, sim_backe
 
     h, w = settings.image_size
     reward_mode = "none" if sparse_from_info(settings) else settings.reward_mode
-    kwargs = dict(num_envs=num_envs, obs_mode=settings.obs_mode, reward_mode=reward_mode,
+    kwargs: dict[str, Any] = dict(num_envs=num_envs, obs_mode=settings.obs_mode, reward_mode=reward_mode,
                   control_mode=settings.control_mode, sim_backend=sim_backend, render_backend=_renderer(),
                   max_episode_steps=settings.max_episode_steps,
                   human_render_camera_configs=dict(width=w, height=h))
@@ -173,7 +174,7 @@ def _probe(task: str) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
     with asset_prompt_guard(task):
         env = gym.make(task, num_envs=1, obs_mode="state", sim_backend=CPU_BACKEND, render_backend="none")
     try:
-        base = env.unwrapped
+        base: Any = env.unwrapped           # ManiSkill's BaseEnv (gymnasium types it as a plain Env)
         agent = base.agent
         modes = None
         if isinstance(agent, BaseAgent) and not isinstance(agent, MultiAgent):
@@ -187,7 +188,7 @@ def _probe(task: str) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
         env.close()
 
 
-def check_config(cfg: Mapping, *, probe: bool = True) -> ManiSkillEnvConfig:
+def check_config(cfg: ManiSkillEnvConfig | Mapping, *, probe: bool = True) -> ManiSkillEnvConfig:
     """Everything that can be checked before a simulator starts (see :class:`ManiSkillAdapter`)."""
     settings = settings_of(cfg)
     backend = resolve_sim_backend(settings.sim_backend)
@@ -264,7 +265,7 @@ def eval_schedule(settings: ManiSkillEnvConfig) -> list[tuple[int, int]]:
 
 def training_states(train: ManiSkillEnvConfig, evaluation: ManiSkillEnvConfig) -> TrainingStates:
     """Where ``train``'s episodes start beside ``evaluation``'s sweep: the sweep's seeds that training draws too."""
-    pools = {TASK_ID: training_init_states(train)}
+    pools: dict[int, Sequence[int]] = {TASK_ID: training_init_states(train)}
     same_tasks = train.task == evaluation.task
     shared = shared_starts(eval_schedule(evaluation), pools) if same_tasks else []
     if train.init_state_ids:
@@ -374,9 +375,10 @@ def action_convention(settings: ManiSkillEnvConfig) -> ActionConvention:
 
 def make_spec(settings: ManiSkillEnvConfig, base, converter: ObsConverter, state_dim: int) -> EnvSpec:
     low, high = action_bounds(base)
+    h, w = settings.image_size          # [h, w] (settings_of checks)
     return EnvSpec(action_dim=int(low.shape[0]), max_episode_steps=settings.max_episode_steps,
                    task_descriptions=[instruction(settings.task)], camera_names=list(converter.cameras),
-                   image_size=tuple(settings.image_size) if settings.obs_mode == "rgb" else None,
+                   image_size=(h, w) if settings.obs_mode == "rgb" else None,
                    state_dim=state_dim,
                    num_init_states=[settings.num_init_states] if settings.num_init_states is not None else [],
                    first_init_state=first_training_seed(settings),
@@ -394,7 +396,7 @@ class ManiSkillSimEnv(SimEnv):
     render a camera frame per step while the episode runner ignores the end anyway.
     """
 
-    def __init__(self, cfg: Mapping, seed: int = 0):
+    def __init__(self, cfg: ManiSkillEnvConfig | Mapping, seed: int = 0):
         self.settings = settings_of(cfg)
         self.stop_at_termination = not self.settings.ignore_terminations
         self._env = make_maniskill_env(self.settings, num_envs=1, sim_backend=CPU_BACKEND)
@@ -482,9 +484,11 @@ class ManiSkillSimEnv(SimEnv):
     def _images_or_render(self, obs: dict[str, np.ndarray]) -> np.ndarray:
         if "images" in obs:
             return obs["images"]                                            # (V, 3, h, w)
-        return self.render_frame().transpose(2, 0, 1)[None]                 # (1, 3, h, w)
+        frame = self.render_frame()
+        assert frame is not None            # state mode renders ManiSkill's human render camera
+        return frame.transpose(2, 0, 1)[None]                               # (1, 3, h, w)
 
 
-def make_sim_env(cfg: Mapping, seed: int) -> ManiSkillSimEnv:
+def make_sim_env(cfg: ManiSkillEnvConfig | Mapping, seed: int) -> ManiSkillSimEnv:
     """Factory for one sub-process (module-level so that it pickles by reference)."""
     return ManiSkillSimEnv(cfg, seed=seed)

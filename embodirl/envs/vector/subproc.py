@@ -20,7 +20,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_connections
+from multiprocessing.process import BaseProcess
 
 import cloudpickle
 import psutil
@@ -145,6 +147,7 @@ class LocalSubEnv:
         self._pending = (command, kwargs)
 
     def recv(self, timeout: float | None = None):
+        assert self._pending is not None, "recv() without a command sent"
         command, kwargs = self._pending
         self._pending = None
         try:
@@ -174,8 +177,8 @@ class ProcessSubEnv:
         self._factory_bytes = factory_bytes
         self._runner_kwargs = runner_kwargs
         self._name = name
-        self.process = None
-        self.conn = None
+        self.process: BaseProcess | None = None        # both set by start(), None again after kill()
+        self.conn: Connection | None = None
         self._close_requested = False
         self._pending_failure: SubEnvFailure | None = None
 
@@ -195,20 +198,26 @@ class ProcessSubEnv:
     def name(self) -> str:
         return self._name
 
+    def _started(self) -> tuple[BaseProcess, Connection]:
+        assert self.process is not None and self.conn is not None, f"{self._name} is not started"
+        return self.process, self.conn
+
     @property
     def waitables(self) -> list:
         """What :func:`multiprocessing.connection.wait` watches for this sub-env's answer or death."""
         if self._pending_failure is not None:
             return []
-        return [self.conn, self.process.sentinel]
+        process, conn = self._started()
+        return [conn, process.sentinel]
 
     @property
     def failed_to_send(self) -> bool:
         return self._pending_failure is not None
 
     def send(self, command: str, kwargs: dict) -> None:
+        _, conn = self._started()
         try:
-            self.conn.send((command, kwargs))
+            conn.send((command, kwargs))
         except (BrokenPipeError, OSError) as exc:
             self._pending_failure = SubEnvFailure(ChildProcessError(f"{self._name} is gone ({exc})"))
         else:
@@ -218,15 +227,16 @@ class ProcessSubEnv:
         if self._pending_failure is not None:
             failure, self._pending_failure = self._pending_failure, None
             raise failure
-        ready = wait_connections([self.conn, self.process.sentinel], timeout)
+        process, conn = self._started()
+        ready = wait_connections([conn, process.sentinel], timeout)
         if not ready:
             raise SubEnvFailure(TimeoutError(f"{self._name} did not answer within {timeout:g} s"))
         try:
-            status, payload = self.conn.recv()
+            status, payload = conn.recv()
         except (EOFError, OSError) as exc:
-            self.process.join(1.0)
+            process.join(1.0)
             raise SubEnvFailure(ChildProcessError(
-                f"{self._name} died (exit code {self.process.exitcode})")) from exc
+                f"{self._name} died (exit code {process.exitcode})")) from exc
         if status == "error":
             cause = _unpack_exception(payload)
             raise SubEnvFailure(cause) from cause
@@ -237,8 +247,9 @@ class ProcessSubEnv:
         if self.process is None or self._close_requested:
             return
         self._close_requested = True
+        _, conn = self._started()
         try:
-            self.conn.send(("close", {}))
+            conn.send(("close", {}))
         except (BrokenPipeError, OSError, ValueError):
             pass
 
@@ -255,9 +266,10 @@ class ProcessSubEnv:
         if self.process.is_alive():
             self.process.kill()     # SIGKILL: a stopped (SIGSTOP) or hung process cannot ignore it
             self.process.join(CLOSE_TIMEOUT_S)
+        process, conn = self._started()
         try:
-            self.conn.close()
-            self.process.close()
+            conn.close()
+            process.close()
         except (OSError, ValueError):
             pass
         self.process = None

@@ -78,12 +78,13 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as wait_connections
+from typing import Any, Literal, overload
 
 import cloudpickle
 import numpy as np
 
 from embodirl.envs.base import REWARD_TYPES, ChunkVectorEnv, CommonEnvConfig, EnvSpec, SimEnv
-from embodirl.envs.vector.episodes import NO_INIT_STATE, ResetOut
+from embodirl.envs.vector.episodes import NO_INIT_STATE, ResetOut, StepOut
 from embodirl.envs.vector.recovery import DEFAULT_MAX_RESTARTS, HangLimits, Recovery, SubEnvSlot
 from embodirl.envs.vector.subproc import START_METHODS, LocalSubEnv, ProcessSubEnv, SubEnvFailure
 
@@ -232,14 +233,22 @@ class ProcessVectorEnv(ChunkVectorEnv):
         return self._recovery.restart(i, self._slots[i], failure, new_handle=self._new_handle, render=render,
                                       start_timeout=self.start_timeout, step_timeout=self.step_timeout)
 
-    def _gather(self, env_ids: Sequence[int], command: str, kwargs: Sequence[dict]) -> dict[int, object]:
+    @overload
+    def _gather(self, env_ids: Sequence[int], command: Literal["reset"], kwargs: Sequence[dict]
+                ) -> dict[int, ResetOut | SubEnvFailure]: ...
+
+    @overload
+    def _gather(self, env_ids: Sequence[int], command: Literal["step"], kwargs: Sequence[dict]
+                ) -> dict[int, StepOut | SubEnvFailure]: ...
+
+    def _gather(self, env_ids: Sequence[int], command: str, kwargs: Sequence[dict]) -> dict[int, Any]:
         """Send ``command`` to every env first, then collect: sub-processes work in parallel, and their answers
         (or deaths) are awaited together, each up to its own hang limit, so several hung sub-envs are found at
         once. A failure is returned as the env's :class:`SubEnvFailure`."""
         for i, kw in zip(env_ids, kwargs):
             self._slots[i].handle.send(command, kw)
         sent = time.monotonic()
-        results: dict[int, object] = {}
+        results: dict[int, Any] = {}        # the sub-envs' answers to command (ResetOut, StepOut), or failures
         pending: dict[int, ProcessSubEnv] = {}
         for i in env_ids:
             handle = self._slots[i].handle
@@ -252,20 +261,21 @@ class ProcessVectorEnv(ChunkVectorEnv):
                 results[i] = failure
         limits = {i: self._hangs.limit(i, command, self.step_timeout) for i in pending}
         while pending:
-            waits = [sent + limits[i] - time.monotonic() for i in pending if limits[i] is not None]
+            waits = [sent + limit - time.monotonic() for i in pending if (limit := limits[i]) is not None]
             ready = set(wait_connections([w for h in pending.values() for w in h.waitables],
                                          max(0.0, min(waits)) if waits else None))
             now = time.monotonic()
             for i, handle in list(pending.items()):
+                limit = limits[i]
                 if ready.intersection(handle.waitables):
                     try:
                         results[i] = handle.recv(0)
                         self._hangs.record(i, command, now - sent)
                     except SubEnvFailure as failure:
                         results[i] = failure
-                elif limits[i] is not None and now - sent >= limits[i]:
+                elif limit is not None and now - sent >= limit:
                     results[i] = SubEnvFailure(TimeoutError(
-                        f"{handle.name} did not answer '{command}' within {limits[i]:.1f} s ({self._hangs.describe(i)})"))
+                        f"{handle.name} did not answer '{command}' within {limit:.1f} s ({self._hangs.describe(i)})"))
                 else:
                     continue
                 del pending[i]
@@ -404,7 +414,11 @@ class ProcessVectorEnv(ChunkVectorEnv):
         return np.array([NO_INIT_STATE if v is None else v for v in values], np.int64)
 
     def _batch_obs(self) -> dict[str, np.ndarray]:
-        return _stack([slot.obs for slot in self._slots])
+        rows = []
+        for slot in self._slots:
+            assert slot.obs is not None, "a sub-env that was never reset"
+            rows.append(slot.obs)
+        return _stack(rows)
 
 
 def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
