@@ -8,15 +8,26 @@ matching), divided by the label counts of all ranks, so the summed rank gradient
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from embodirl import data as D
 from embodirl.actor import fsdp
 
-if TYPE_CHECKING:
-    from embodirl.actor.actor import Actor
+
+class _SupervisedActor(Protocol):
+    """What the step uses of :class:`~embodirl.actor.actor.Actor` (named here, so that this module does not import
+    the actor that imports it)."""
+
+    policy: Any
+    device: torch.device
+    host: torch.device
+    version: int
+
+    def _start_update(self) -> None: ...
+
+    def _optimizer_step(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
 
 def _take(value: Any, rows: torch.Tensor) -> Any:
@@ -26,7 +37,7 @@ def _take(value: Any, rows: torch.Tensor) -> Any:
     return torch.as_tensor(value)[rows]
 
 
-def sft_update(actor: Actor, batch: Mapping, *, micro_batch_size: int, token_loss: bool = True,
+def sft_update(actor: _SupervisedActor, batch: Mapping, *, micro_batch_size: int, token_loss: bool = True,
                stop_token: bool = True, l1_head: bool = False) -> dict[str, torch.Tensor]:
     """One supervised optimizer step of ``actor`` on this rank's samples. ``batch``: ``images``, ``state``
     (optional), ``instruction`` (list of strings) and ``actions`` (normalised chunks ``[B, H, A]``); the losses are
