@@ -2,7 +2,8 @@
 
 The primary config is ``config/demos.yaml`` (its ``env`` group is the tree ``embodirl train`` uses). Each attempt
 ``k`` resets the adapter's own simulator (:class:`~embodirl.envs.maniskill.simulator.ManiSkillSimEnv`) to init state
-``seed + k`` (ManiSkill episode seed), lets the task's expert (:mod:`embodirl.demos.experts`) act one control
+``seed + k`` (ManiSkill episode seed; by default ``seed`` is the env's first training state, held out from the
+evaluation's seeds), lets the task's expert (:mod:`embodirl.demos.experts`) act one control
 step at a time, and records the adapter's observation before each step (camera images, the flattened
 state as proprio) with the action taken and the env's instruction. Successful episodes are written with
 :class:`~embodirl.demos.lerobot.writer.LeRobotWriter` (``meta/episodes.jsonl`` keeps each episode's
@@ -42,7 +43,7 @@ class DemosConfig:
     adapter's typed config (:func:`validate` fills it in)."""
 
     num_episodes: int = num(1)
-    seed: int = num(0)
+    seed: int | None = num(0, null=True)   # None: the env's first training state (validate)
     max_attempts: int | None = num(1, null=True)       # and at least num_episodes (validate)
     stop_at_success: bool = required()
     output_dir: str = required()
@@ -88,7 +89,7 @@ def validate(cfg: DictConfig) -> DemosConfig:
     from omegaconf import OmegaConf
 
     from embodirl.demos.experts import CONTROL_MODES, EXPERTS
-    from embodirl.envs.maniskill.simulator import check_config
+    from embodirl.envs.maniskill.simulator import check_config, first_training_seed
     from embodirl.envs.registry import env_config
     from embodirl.schema import to_object
 
@@ -109,6 +110,9 @@ def validate(cfg: DictConfig) -> DemosConfig:
         raise ConfigError("env.control_mode", f"the experts act in {', '.join(CONTROL_MODES)}, not "
                           f"'{env.control_mode}'; use env.control_mode={CONTROL_MODES[0]}")
     demos.env = check_config(env)
+    if demos.seed is None:
+        # the training states' seeds: held out from the evaluation's (2**30 on), or its own with official
+        demos.seed = first_training_seed(demos.env)
     out = Path(demos.output_dir)
     if out.exists() and any(out.iterdir()):
         from embodirl.demos.lerobot.layout import INFO_PATH
@@ -136,6 +140,7 @@ def generate(demos: DemosConfig) -> dict:
     from embodirl.demos.lerobot.writer import LeRobotWriter
     from embodirl.envs.maniskill.simulator import ManiSkillSimEnv
 
+    assert demos.seed is not None       # validate resolves the default
     n_target, seed0 = demos.num_episodes, demos.seed
     max_attempts = demos.max_attempts if demos.max_attempts is not None else 2 * n_target + 10
     # attempts name their init state themselves

@@ -32,7 +32,7 @@ def _cli_error(capsys, *args) -> str:
 @pytest.mark.parametrize("args, fragment", [
     (["num_episodes=0"], "num_episodes: must be a positive integer, got 0"),
     (["num_episodes=1.5"], "num_episodes: must be an integer, got '1.5'"),
-    (["seed=-1"], "seed: must be a non-negative integer, got -1"),
+    (["seed=-1"], "seed: must be a non-negative integer or null, got -1"),
     (["overwrite=maybe"], "overwrite: must be true or false, got 'maybe'"),
     (["max_attempts=1", "num_episodes=3"], "max_attempts: must be null or an integer >= num_episodes (3)"),
     (["video_codec=vp9"], "video_codec: 'vp9' is not one of libx264rgb, h264, libsvtav1"),
@@ -111,6 +111,11 @@ def test_seed_stop_at_success_overwrite_and_max_attempts(capsys, tmp_path):
                   "env.train.max_episode_steps=20") == 0
     ds = LeRobotDataset(out)                                                 # replaced, runs to the time limit
     assert ds.num_episodes == 1 and ds.episode_lengths.tolist() == [20]
+    # no seed: the first held-out training state, none of the evaluation's; with official, the evaluation's first
+    assert [r["init_state_id"] for r in ds.episodes_meta] == [2**30]
+    assert _demos(capsys, f"output_dir={out}", "num_episodes=1", "overwrite=true",
+                  "env.train.train_init_states=official") == 0
+    assert [r["init_state_id"] for r in LeRobotDataset(out).episodes_meta] == [0]
     # an expert that cannot finish in 3 steps: max_attempts bounds the attempts, exit status 1
     with pytest.raises(SystemExit) as exit_:
         main(["demos", "env=maniskill_pushcube", f"output_dir={tmp_path / 'e'}", "num_episodes=1", "max_attempts=2",

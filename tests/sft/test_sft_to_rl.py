@@ -17,7 +17,9 @@ fall of more than 15 points of success, mean return at least 0.7 of its start). 
 this project's 2-core AMD EPYC machine (2026-12-03), ``runner.seed`` 1/2/3 of the SFT: token accuracy
 0.525/0.545/0.556, mean return 16.97/9.91/13.38, success 0.42/0.14/0.20 before RL and
 0.42/0.18/0.24 after; with lr 1e-3 instead, seeds 1/2 gave returns 15.28/6.25. 300 SFT steps gave token
-accuracy 0.58-0.62 and returns 5.9 and 13.7.
+accuracy 0.58-0.62 and returns 5.9 and 13.7. Those demonstrations started from seeds 0-99, the evaluated states
+among them; since 2026-12-06 they start from held-out training states (``embodirl demos``' default), and seed 1
+gave success 0.24 and mean return 9.83 before RL, 0.26 and 11.50 after (the same machine, beside an RL run).
 
 The checkpoint's greedy *success* is printed, not asserted: it is a draw of the closed loop, not of the fit.
 Until 2026-12-03 it had to reach 4 of 50 (0.38 in the results page's run, 0.26-0.30 on this project's machine, 0.18 on
