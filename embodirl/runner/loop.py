@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -196,7 +197,10 @@ class Runner:
         if groups.env is not None:
             where["env"] = [{"rank": i, "pid": info.get("pid"), "node_id": info.get("node_id"),
                              "slot": slot("env", i)} for i, info in enumerate(groups.env.infos)]
-        (self.out / "placement.json").write_text(json.dumps(where, indent=1))
+        # renamed into place: a reader polling it during a restart never sees a half-written file
+        tmp = self.out / f".placement.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(where, indent=1))
+        os.replace(tmp, self.out / "placement.json")
 
     def run_train(self) -> None:
         """Train in the run's folder, held for the whole run; the folder rules
