@@ -1,13 +1,14 @@
 """The default job learns: `embodirl train` with the default config (ManiSkill PushCube, state policy
-with the state normaliser, joint-delta control, chunk-level PPO), cut to its first 50 training steps (80k
+with the state normaliser, joint-delta control, chunk-level PPO), cut to its first 40 training steps (64k
 simulator steps) with the learning rate decaying as in the whole 100-step job, through the real CLI.
 
-The test asserts the greedy evaluation success (50 episodes) before training is low and at step 50 clears a
+The test asserts the greedy evaluation success (50 episodes) before training is low and at step 40 clears a
 bar the untrained policy never does. The bar is set from the seed sweep of docs/results/default-job.md (seeds 1-10 of the whole
-job on this project's machine): at step 50 they scored 0.46 to 0.96 (median 0.76), the untrained policy 0.00.
+job on this project's machine): at step 40 they scored 0.30 to 0.92 (median 0.68), the untrained policy 0.00.
 RL on another CPU follows another trajectory from the same seed, so one seed here stands for a draw from that
-distribution: the bar (0.3) sits below its worst seed, and a learner that does not learn stays near 0. Step 50,
-not the job's 100: the suite's slowest tests are made cheaper rather than dropped (60 steps until 2026-11-28)."""
+distribution: the bar (0.2) sits below its worst seed, and a learner that does not learn stays near 0. Step 40,
+not the job's 100: the suite's slowest tests are made cheaper rather than dropped (60 steps until 2026-11-28, 50
+until 2026-12-07, when the suite took 40 minutes on CI's 2-core machine)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from embodirl.runner.metrics_logger import read_metrics
 from tests import cli_runs
 
-STEPS = 50
+STEPS = 40
 
 
 @pytest.mark.slow
@@ -35,7 +36,7 @@ def test_default_job_learns_pushcube(tmp_path):
     print("eval success by step:", evals)
     assert sorted(evals) == [0, STEPS]
     assert evals[0] <= 0.15                                   # the untrained policy rarely pushes the cube home
-    assert evals[STEPS] >= 0.3, evals
+    assert evals[STEPS] >= 0.2, evals
     # the recipe's model.init_log_std=-1.0 is the policy the run starts from: a Gaussian's entropy per action
     # dimension is 0.5 * ln(2 pi e) + log std (0.42 here, 0.92 at the model's default -0.5); one update barely moves it
     first = next(r for r in records if "actor/entropy" in r)
