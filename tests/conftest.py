@@ -33,11 +33,11 @@ runtime.configure()
 # --- LIBERO's held-out training states: the suite's sets ship with it ----------------------------------------------------
 # A LIBERO training run reads its held-out start states from embodirl's cache and samples a missing set first (37-53 s
 # wall for 50 states on the 2-core machine CI runs on; embodirl/envs/libero/states.py). The suite's runs use six sets,
-# which a clean clone sampled on every CI run (250-300 CPU-s, 2026-12-07). tests/envs/fixtures/libero_states holds
-# them under their cache names, and the session copies any the cache lacks before the first test. A name carries the
-# identity of what its states depend on (sampler, libero/robosuite/mujoco versions, assets, BDDL, official states), so
-# a copy that no longer matches is never read: the run samples, as before. tests/envs/test_libero_states.py samples
-# on its own (its cache is a temporary folder) and checks that every shipped set still has its current name.
+# which a clean clone sampled on every CI run; shipping them saved 200-250 CPU-s in two clean-clone runs (2026-12-07).
+# tests/envs/fixtures/libero_states holds them under their cache names, and the session copies any the cache lacks
+# before the first test. A name carries the identity of what its states depend on (sampler, libero/robosuite/mujoco
+# versions, assets, BDDL, official states), so a copy that no longer matches is never read: the run samples, as before.
+# tests/envs/test_libero_states.py samples on its own and checks that every shipped set still has its current name.
 HELDOUT_STATES = ROOT / "tests" / "envs" / "fixtures" / "libero_states"
 
 
