@@ -61,8 +61,9 @@ def _simulator_processes(root: int) -> list:
 @pytest.mark.slow
 def test_frozen_simulators_are_replaced_within_seconds(tmp_path):
     """The default job (ManiSkill PushCube, state) on 4 simulator processes; after step 2 two of them are frozen
-    with SIGSTOP (14 steps remain, several seconds even on a fast machine, so the freeze lands in a collection
-    however long this test takes to find the processes on a busy one). Each is found hung from its own recent
+    with SIGSTOP (6 steps remain, 1.1-2.5 s each on the 2-core machine, 2026-12-07: several seconds even on a fast
+    machine, so the freeze lands in a collection however long this test takes to find the processes on a busy one;
+    it was found within step 3). Each is found hung from its own recent
     step latency (10 s floor; env.step_timeout_s stays 300 s), both in the same wait, killed with SIGKILL and
     replaced, and their episodes collected again: that step takes well under 30 s longer than the others, and no
     frozen process is left behind."""
@@ -73,7 +74,7 @@ def test_frozen_simulators_are_replaced_within_seconds(tmp_path):
     import psutil
 
     out = tmp_path / "run"
-    proc = cli_runs.start(["train", "env.train.num_envs=4", "actor.global_batch_size=8", "runner.max_steps=16",
+    proc = cli_runs.start(["train", "env.train.num_envs=4", "actor.global_batch_size=8", "runner.max_steps=8",
                            "runner.val_check_interval=0", "runner.save_interval=0", "runner.progress_bar=false",
                            "runner.logger.tensorboard=false", f"runner.output_dir={out}"], tmp_path)
     frozen = []

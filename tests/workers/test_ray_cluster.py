@@ -10,6 +10,8 @@ import textwrap
 
 from embodirl.workers.ray_cluster import ray_address
 
+DOCTOR_TOY = ["env=toy_reach", "env.train.state_obs=true", "env.eval.state_obs=true"]
+
 
 def test_address_precedence(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -74,7 +76,14 @@ def test_joining_a_head_with_token_authentication(tmp_path):
     """Since Ray 2.59 a local Ray writes ~/.ray/auth_token and `ray start` then turns token authentication on; a
     driver joining with only RAY_ADDRESS was refused with a traceback (Ray 2.60: ``InvalidAuthToken``). Now that is
     one sentence naming the key and the fix (RAY_AUTH_MODE=token), and the fix joins. The head (a process of its
-    own: Ray reads the mode once per process) has its own token file, not the user's."""
+    own: Ray reads the mode once per process) has its own token file, not the user's.
+
+    A refused join is Ray's GCS connect loop giving up: one try a second, 20 by default, so each refused process
+    waited ~20 s (the test took ~70 s wall on the 2-core machine, 2026-12-07). The drivers here get two tries
+    (``RAY_gcs_server_port_wait_time_s=2``, Ray's own knob for that loop): the head is up before they start, and a
+    refusal raises the same error after the last try as after the 20th. ``doctor`` checks the toy env's config, which
+    leaves out the ManiSkill rows (a Vulkan probe in a child process: ~4 CPU-s a run) and keeps the ray row. The test
+    then took ~22 s wall; the file 36 CPU-s instead of 43 (one run each)."""
     token = tmp_path / "auth_token"
     token.write_text("embodirl-test-" + os.urandom(16).hex())
     base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
@@ -108,13 +117,14 @@ def test_joining_a_head_with_token_authentication(tmp_path):
         address = head.stdout.readline().strip()
         answers, doctor = [], []
         for extra in ({}, {"RAY_AUTH_MODE": "token"}):
-            env = {**base, "RAY_ADDRESS": address, "RAY_AUTH_TOKEN_PATH": str(token), **extra}
+            env = {**base, "RAY_ADDRESS": address, "RAY_AUTH_TOKEN_PATH": str(token),
+                   "RAY_gcs_server_port_wait_time_s": "2", **extra}
             out = subprocess.run([sys.executable, "-c", driver_code], env=env, capture_output=True, text=True,
                                  timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
             answers.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            out = subprocess.run([sys.executable, "-m", "embodirl.cli", "doctor", "cluster.use_ray=true"], env=env,
-                                 cwd=tmp_path, capture_output=True, text=True, timeout=300)
+            out = subprocess.run([sys.executable, "-m", "embodirl.cli", "doctor", "cluster.use_ray=true", *DOCTOR_TOY],
+                                 env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
             doctor.append([line for line in out.stdout.splitlines() if line.startswith("ray ")]
                           + [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("fix: ")][-1:])
     finally:
