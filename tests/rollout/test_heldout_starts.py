@@ -6,7 +6,10 @@ first observations)."""
 
 from __future__ import annotations
 
+from multiprocessing import forkserver
+
 import numpy as np
+import pytest
 import torch
 
 from embodirl import data as D
@@ -24,6 +27,18 @@ LIBERO = ["env=libero_spatial", "model=openvla_oft_tiny", "algorithm=grpo", "alg
           "env.train.num_envs=2", "env.train.task_ids=[0]", "env.train.use_fixed_reset_state_ids=true",
           f"env.train.num_init_states={N_HELD_OUT}", "env.train.max_episode_steps=8", "env.train.image_size=[64,64]",
           "cluster.use_ray=false"]
+
+
+@pytest.fixture(autouse=True)
+def _own_forkserver():
+    """Each test starts as a run does: its first vector env starts the simulators' forkserver with its adapter's
+    preload (ManiSkill: SAPIEN and ManiSkill imported once, then forked). The forkserver is one per process and keeps
+    the preload it started with, so one left by an earlier test (or file, on the same xdist worker) without ManiSkill's
+    made every ManiSkill simulator import ManiSkill itself. Stopped here, none is inherited: this file took 64 CPU-s
+    (67 s wall), against 122 CPU-s (180 s) when the LIBERO test's forkserver served the ManiSkill tests (2026-12-07,
+    2-core machine)."""
+    forkserver._forkserver._stop()      # CPython's own tests stop it this way; a no-op when none is running
+    yield
 
 
 def _collect(groups, starts=None, seed=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
