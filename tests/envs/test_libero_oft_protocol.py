@@ -115,8 +115,9 @@ def trial_chunks(key: TrialsKey) -> dict[int, np.ndarray]:
 
 
 @functools.cache
-def stock_reference(suite: str, task: int, key: TrialsKey, size: int, every_frame: bool = True) -> dict[int, list]:
-    """:func:`stock_oft_episodes` of ``task`` for the trials ``key`` names, computed once per process."""
+def stock_reference(suite: str, task: int, key: TrialsKey, size: int, every_frame: bool) -> dict[int, list]:
+    """:func:`stock_oft_episodes` of ``task`` for the trials ``key`` names, computed once per process (the cache keys
+    on the arguments as passed: every caller passes all five, positionally)."""
     info = suite_info(LiberoAdapter.check_config(libero_cfg(suite)))
     return stock_oft_episodes(info.bddl_files[task], info.init_states(task), trial_chunks(key), size,
                               every_frame=every_frame)
@@ -186,7 +187,7 @@ def test_per_start_seeding_differs_from_ofts_order():
         ours = adapter_episodes(env, 0, {1: small_chunks(1, 0)})
     finally:
         env.close()
-    reference = stock_reference("libero_goal", 0, GOAL_TRIALS, SIZE)
+    reference = stock_reference("libero_goal", 0, GOAL_TRIALS, SIZE, True)
     assert not np.array_equal(ours[1][0][0], reference[1][0][0])
 
 
