@@ -61,6 +61,19 @@ def _seed_heldout_states() -> None:
 
 
 @pytest.fixture
+def own_forkserver():
+    """Stop the simulators' forkserver this process inherited, so the test's first vector env starts one with its
+    adapter's preload, as a run's does. A process has one forkserver and it keeps the preload it started with: in a
+    pytest worker the first vector env (toy, LIBERO) started it without ManiSkill's, and every ManiSkill simulator
+    forked from it imported ManiSkill itself (~4 CPU-s each; tests/rollout/test_heldout_starts.py took 122 CPU-s with
+    it, 64 without, 2026-12-07 on the 2-core machine). ``_stop`` is how CPython's own tests stop it; a no-op when none
+    runs. A run is not affected: its simulators are of one adapter."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
+
+
+@pytest.fixture
 def compose_cfg():
     """``compose_cfg(*overrides)`` -> the composed (hydra-free) config."""
     from embodirl.config import compose

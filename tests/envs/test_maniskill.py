@@ -8,7 +8,6 @@ import functools
 import os
 import subprocess
 import sys
-from multiprocessing import forkserver
 from types import SimpleNamespace
 
 import numpy as np
@@ -322,11 +321,7 @@ def test_render_skipping_matches_stepping_every_step():
 # --------------------------------------------------------------------------------------------------
 # the batch: adapter make (sub-processes) and the GPU backend's bookkeeping run on CPU
 # --------------------------------------------------------------------------------------------------
-def test_make_env_runs_one_process_per_scene_with_shared_init_states():
-    # as in a run, this vector env starts the forkserver, with ManiSkill's preload: one an earlier file started on the
-    # same xdist worker (toy, LIBERO) has none, and each simulator forked from it would import ManiSkill itself
-    # (tests/envs/test_vector.py's ManiSkill fault test: 17 s wall with such a server, 8 s without; 2026-12-07)
-    forkserver._forkserver._stop()      # CPython's own tests stop it this way; a no-op when none is running
+def test_make_env_runs_one_process_per_scene_with_shared_init_states(own_forkserver):
     venv = make_env(ms_cfg("maniskill_pickcube", num_envs=2), seed=0)
     try:
         assert isinstance(venv, ProcessVectorEnv) and all(pid is not None for pid in venv.pids)

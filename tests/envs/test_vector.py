@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from multiprocessing import forkserver
 
 import numpy as np
 import psutil
@@ -381,15 +380,11 @@ REAL_SIMULATORS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("simulator", sorted(REAL_SIMULATORS))
-def test_real_simulator_survives_sigkill_and_raising_steps(compose_cfg, simulator):
+def test_real_simulator_survives_sigkill_and_raising_steps(compose_cfg, simulator, own_forkserver):
     from omegaconf import OmegaConf
 
     from embodirl.envs.registry import make_env
 
-    # as in a run, this vector env starts the forkserver, with its adapter's preload (ManiSkill's: imported once,
-    # then forked); the one the toy tests above started has none, and each ManiSkill simulator forked from it
-    # imported ManiSkill itself (this file: 80 CPU-s with it, 67 CPU-s without; 2026-12-07, 2-core machine)
-    forkserver._forkserver._stop()      # CPython's own tests stop it this way; a no-op when none is running
     cfg = OmegaConf.to_container(compose_cfg(*REAL_SIMULATORS[simulator]).env.train, resolve=True)
     cfg.update(auto_reset=False, reward_type="action_level")
     with make_env(cfg, num_envs=2, seed=0) as venv:

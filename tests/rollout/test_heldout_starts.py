@@ -6,8 +6,6 @@ first observations)."""
 
 from __future__ import annotations
 
-from multiprocessing import forkserver
-
 import numpy as np
 import pytest
 import torch
@@ -29,16 +27,7 @@ LIBERO = ["env=libero_spatial", "model=openvla_oft_tiny", "algorithm=grpo", "alg
           "cluster.use_ray=false"]
 
 
-@pytest.fixture(autouse=True)
-def _own_forkserver():
-    """Each test starts as a run does: its first vector env starts the simulators' forkserver with its adapter's
-    preload (ManiSkill: SAPIEN and ManiSkill imported once, then forked). The forkserver is one per process and keeps
-    the preload it started with, so one left by an earlier test (or file, on the same xdist worker) without ManiSkill's
-    made every ManiSkill simulator import ManiSkill itself. Stopped here, none is inherited: this file took 64 CPU-s
-    (67 s wall), against 122 CPU-s (180 s) when the LIBERO test's forkserver served the ManiSkill tests (2026-12-07,
-    2-core machine)."""
-    forkserver._forkserver._stop()      # CPython's own tests stop it this way; a no-op when none is running
-    yield
+pytestmark = pytest.mark.usefixtures("own_forkserver")   # each test's simulators fork as a run's do
 
 
 def _collect(groups, starts=None, seed=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
