@@ -392,6 +392,35 @@ def test_cached_scenes_each_render_with_their_own_gl_context(object_env, monkeyp
             env._scenes.pop(task).env.close()
 
 
+def test_building_a_scene_renders_only_its_first_observation(object_env, monkeypatch):
+    """robosuite renders every camera once when it creates the camera's observable, only to learn the image's shape,
+    and throws the image away; the adapter gives it the shape (``patches.camera_shapes_without_rendering``). Building
+    a scene and resetting it into its first observation then renders each camera once; the shape given is the one a
+    render returns."""
+    import robosuite.utils.binding_utils as binding
+
+    env, task = object_env, SOUP_TASK + 1
+    monkeypatch.setattr(env, "max_cached_tasks", 2)
+    renders: list[int] = []
+    real = binding.MjRenderContext.render
+
+    def counted(context, *args, **kwargs):
+        renders.append(1)
+        return real(context, *args, **kwargs)
+
+    monkeypatch.setattr(binding.MjRenderContext, "render", counted)
+    try:
+        obs = env.reset(task, 0)                                 # builds the scene, then its first observation
+        assert len(renders) == len(env.camera_names) == 2, renders
+        scene = env._scenes[task]
+        for cam, image in zip(env._rs_cameras, obs["images"]):
+            rendered = np.asarray(scene.gate._real[f"{cam}_image"]({}))          # robosuite's own sensor
+            assert tuple(scene.env.env._observables[f"{cam}_image"]._data_shape) == (*image.shape[1:], 3) == rendered.shape
+    finally:
+        for other in [t for t in env._scenes if t != SOUP_TASK]:
+            env._scenes.pop(other).env.close()
+
+
 # --------------------------------------------------------------------------------------------------
 # every task (slow)
 # --------------------------------------------------------------------------------------------------

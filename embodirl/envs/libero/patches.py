@@ -14,6 +14,10 @@ adapter and compares bit for bit). The protocol itself lives in :mod:`embodirl.e
   (``sim.reset()`` and the usual re-initialisation) plus zeroing the gripper's accumulated command
   (``gripper.current_action``, which a hard reset re-creates and a soft one would keep), then
   ``set_init_state`` - the resulting episode equals a hard reset's step for step.
+* **No throwaway renders at build.** robosuite calls every observable's sensor once when it creates it, to learn
+  the shape of its data; for a camera that is a full render whose image is discarded (one per camera per scene
+  built, 0.1-0.15 CPU-s each on the software renderer). The camera sensors' shape is known, ``(h, w, 3)``: it is set without
+  the render (:func:`camera_shapes_without_rendering`); the other sensors are checked as robosuite does.
 * **No repeated forward pass.** Within ``env.step`` robosuite runs MuJoCo's forward pass before the
   controller, and the OSC controller runs it again on the same state; the controllers get a ``sim``
   whose ``forward`` is skipped during steps (about a third less physics time per step).
@@ -189,16 +193,42 @@ class Scene:
             robot.gripper.current_action = np.zeros(robot.gripper.dof)
 
 
+@contextlib.contextmanager
+def camera_shapes_without_rendering(rs_cameras: Sequence[str], image_size: tuple[int, int]):
+    """While robosuite builds an env: its camera observables ``<camera>_image`` of ``rs_cameras`` take their data
+    shape ``(h, w, 3)`` (what robosuite's camera sensor returns without depth) instead of rendering once to learn it;
+    every other observable is checked by robosuite's own ``_check_sensor_validity``."""
+    from robosuite.utils.observables import Observable
+
+    names = {f"{cam}_image" for cam in rs_cameras}
+    shape = (*image_size, 3)
+    check = Observable._check_sensor_validity
+
+    def shape_of_cameras(observable) -> None:
+        if observable.name not in names:
+            check(observable)
+            return
+        _ = observable.modality                  # what robosuite asserts of a sensor besides its output
+        observable._data_shape, observable._is_number = shape, False
+
+    Observable._check_sensor_validity = shape_of_cameras
+    try:
+        yield
+    finally:
+        Observable._check_sensor_validity = check
+
+
 def build_scene(bddl_file: str, rs_cameras: Sequence[str], image_size: tuple[int, int]) -> Scene:
     """One task's ``OffScreenRenderEnv`` built for cheap resets (``hard_reset=False``), with the object-pose
     sensors switched off, gated cameras and the controllers' forward-skipping sim."""
     from libero.libero.envs import OffScreenRenderEnv
 
     h, w = image_size
-    env = OffScreenRenderEnv(
-        bddl_file_name=bddl_file, camera_names=list(rs_cameras), use_camera_obs=bool(rs_cameras),
-        camera_heights=h, camera_widths=w,
-        hard_reset=False, ignore_done=True)   # episode limits are ours; robosuite's horizon would raise
+    with camera_shapes_without_rendering(rs_cameras, (h, w)):
+        env = OffScreenRenderEnv(
+            bddl_file_name=bddl_file, camera_names=list(rs_cameras), use_camera_obs=bool(rs_cameras),
+            camera_heights=h, camera_widths=w,
+            hard_reset=False, ignore_done=True)   # episode limits are ours; robosuite's horizon would raise
     inner = env.env
     for name, observable in inner._observables.items():
         if name not in PROPRIO_OBSERVABLES and not name.endswith("_image"):
