@@ -208,6 +208,20 @@ def push_env():
     env.close()
 
 
+def test_the_simulator_computes_without_autograd(push_env):
+    """ManiSkillSimEnv runs ManiSkill under ``torch.inference_mode`` (a CPU step without autograd's bookkeeping): the
+    scene's state tensors are inference tensors, which an in-place update outside inference mode is refused on, and
+    the caller's mode is its own again after each call. That the numbers are those of ManiSkill with autograd on is
+    test_batched_backend_matches_process_vector_env's comparison (ManiSkillGPUEnv steps ManiSkill without it)."""
+    push_env.reset(init_state_id=1)
+    push_env.step_chunk(np.zeros((2, 4), np.float32))
+    elapsed = push_env.unwrapped._elapsed_steps             # ManiSkill's step counter, updated in place each step
+    assert elapsed.is_inference() and int(elapsed[0]) == 2
+    assert not torch.is_inference_mode_enabled()
+    with pytest.raises(RuntimeError, match="[Ii]nference tensor"):
+        elapsed += 1
+
+
 def test_scripted_push_is_success_and_noop_is_not(push_env):
     for init_state_id in (0, 1, 2):
         push_env.reset(init_state_id=init_state_id)
@@ -301,9 +315,10 @@ def test_render_skipping_matches_stepping_every_step():
         # ManiSkill's own step (observation computed and rendered at every step) from the same state
         env.reset(init_state_id=4)
         rewards = []
-        for action in actions:
-            raw, reward, *_ = env._env.step(torch.from_numpy(action[None]))
-            rewards.append(float(reward[0]))
+        with torch.inference_mode():           # the env's tensors are inference tensors (it computes without autograd)
+            for action in actions:
+                raw, reward, *_ = env._env.step(torch.from_numpy(action[None]))
+                rewards.append(float(reward[0]))
         stepped = env._unbatch(env._convert(raw))
         for key in stepped:
             np.testing.assert_array_equal(skipped.obs[key], stepped[key])

@@ -20,6 +20,9 @@ this project's 2-core AMD EPYC machine (2026-12-03), ``runner.seed`` 1/2/3 of th
 accuracy 0.58-0.62 and returns 5.9 and 13.7. Those demonstrations started from seeds 0-99, the evaluated states
 among them; since 2026-12-06 they start from held-out training states (``embodirl demos``' default), and seed 1
 gave success 0.24 and mean return 9.83 before RL, 0.26 and 11.50 after (the same machine, beside an RL run).
+100 SFT steps instead (2026-12-07, the same machine, ``runner.seed`` 1-4, two at a time) fit as well (token accuracy
+0.451/0.476/0.476/0.459) but act worse: mean return 9.19/10.74/5.30/3.24 before RL, seed 4 below the 3.5 bar, so the
+SFT keeps its 150 steps.
 
 The checkpoint's greedy *success* is printed, not asserted: it is a draw of the closed loop, not of the fit.
 Until 2026-12-03 it had to reach 4 of 50 (0.38 in the results page's run, 0.26-0.30 on this project's machine, 0.18 on

@@ -388,14 +388,35 @@ def make_spec(settings: ManiSkillEnvConfig, base, converter: ObsConverter, state
 # --------------------------------------------------------------------------------------------------
 # one CPU simulator
 # --------------------------------------------------------------------------------------------------
+def _without_autograd(method):
+    """Run a :class:`ManiSkillSimEnv` method under ``torch.inference_mode``. ManiSkill keeps its state in torch
+    tensors and spends most of a CPU step on small torch operations; nothing a simulator computes is ever
+    differentiated, and without autograd's bookkeeping (version counters, views) a PushCube control step costs
+    1.55 CPU-ms instead of 1.80 (2026-12-07, the project's 2-core machine), with the same numbers. The env is built
+    under it too, so its tensors are inference tensors: code outside these methods may read them (an expert reading
+    the scene through :attr:`ManiSkillSimEnv.unwrapped`) but must not update them in place, which torch refuses
+    outside inference mode."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        import torch
+
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+
+    return run
+
+
 class ManiSkillSimEnv(SimEnv):
     """One single-scene ManiSkill env on PhysX-CPU (see the module docstring for the conventions).
 
     ``ignore_terminations`` (config key) makes :meth:`step_chunk` run through success/failure instead
     of stopping there: a task's success is usually a held state, and stopping at each such step would
-    render a camera frame per step while the episode runner ignores the end anyway.
+    render a camera frame per step while the episode runner ignores the end anyway. Its methods compute without
+    autograd (:func:`_without_autograd`).
     """
 
+    @_without_autograd
     def __init__(self, cfg: ManiSkillEnvConfig | Mapping, seed: int = 0):
         self.settings = settings_of(cfg)
         self.stop_at_termination = not self.settings.ignore_terminations
@@ -411,6 +432,7 @@ class ManiSkillSimEnv(SimEnv):
         self._elapsed = 0
 
     # -- SimEnv ------------------------------------------------------------------------------------
+    @_without_autograd
     def reset(self, task_id: int | None = None, init_state_id: int | None = None,
               seed: int | None = None) -> dict[str, np.ndarray]:
         if task_id not in (None, TASK_ID):
@@ -425,6 +447,7 @@ class ManiSkillSimEnv(SimEnv):
         self._obs = self._unbatch(self._convert(raw))
         return self._obs
 
+    @_without_autograd
     def step_chunk(self, actions: np.ndarray, render_all: bool = False) -> ChunkResult:
         """Run ``actions`` ``[H, A]`` (clipped to the action space); rewards per executed step."""
         actions = np.asarray(actions, dtype=np.float32)
@@ -458,6 +481,7 @@ class ManiSkillSimEnv(SimEnv):
                            frames=np.stack(frames) if render_all else None,
                            info=dict(fail=fail, elapsed_steps=self._elapsed, init_state_id=self.init_state_id))
 
+    @_without_autograd
     def render_frame(self) -> np.ndarray | None:
         """rgb mode: the first camera's current image; state mode: ManiSkill's human render camera
         (``image_size``). ``[h, w, 3]`` uint8."""
