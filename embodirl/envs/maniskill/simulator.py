@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -388,7 +388,11 @@ def make_spec(settings: ManiSkillEnvConfig, base, converter: ObsConverter, state
 # --------------------------------------------------------------------------------------------------
 # one CPU simulator
 # --------------------------------------------------------------------------------------------------
-def _without_autograd(method):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _without_autograd(method: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run a :class:`ManiSkillSimEnv` method under ``torch.inference_mode``. ManiSkill keeps its state in torch
     tensors and spends most of a CPU step on small torch operations; nothing a simulator computes is ever
     differentiated, and without autograd's bookkeeping (version counters, views) a PushCube control step costs
@@ -398,7 +402,7 @@ def _without_autograd(method):
     outside inference mode."""
 
     @functools.wraps(method)
-    def run(*args, **kwargs):
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         import torch
 
         with torch.inference_mode():
