@@ -189,7 +189,8 @@ def test_two_ranks_train_as_one_and_checkpoints_move_between_rank_counts(tmp_pat
 
 # docs/cluster.md, "Starting a cluster": the CPU-size example, exactly
 README_CLUSTER_EXAMPLE = ["train", "cluster.num_nodes=2", 'cluster.component_placement="env: 0,2; rollout: 0; actor: 2-3"',
-                          "env_workers.num_workers=2", "actor.cpu_world_size=2", "runner.max_steps=2"]
+                          "env_workers.num_workers=2", "env.train.num_envs=8", "actor.cpu_world_size=2",
+                          "runner.max_steps=2"]
 
 
 @pytest.mark.slow
