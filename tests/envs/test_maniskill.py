@@ -224,27 +224,34 @@ def test_the_simulator_computes_without_autograd(push_env):
 
 def test_a_chunk_computes_the_state_observation_once_and_a_reward_reading_it_gets_it(push_env, monkeypatch):
     """ManiSkill passes the state observation to every reward function; none of its tasks reads it, so a chunk
-    computes it once, for the observation after its last step, not at every step for the reward. That the rewards are
-    ManiSkill's own is test_render_skipping_matches_stepping_every_step's comparison with its ``env.step``."""
-    from embodirl.envs.maniskill.simulator import StateObsOnDemand
-
+    computes it once, for the observation after its last step, not at every step for the reward. A task whose reward
+    does read it gets, at each step, what ManiSkill would have passed. That the rewards are ManiSkill's own is
+    test_render_skipping_matches_stepping_every_step's comparison with its ``env.step``."""
     base = push_env.unwrapped
     calls = []
     compute = base._get_obs_state_dict
     monkeypatch.setattr(base, "_get_obs_state_dict", lambda info: calls.append(1) or compute(info))
     push_env.reset(init_state_id=1)
     calls.clear()
-    result = push_env.step_chunk(np.zeros((4, 4), np.float32))
+    actions = np.random.default_rng(3).uniform(-1, 1, (4, 4)).astype(np.float32)
+    result = push_env.step_chunk(actions)
     assert result.steps == 4 and len(calls) == 1
-    # a reward that does read it gets what ManiSkill would have passed, computed then, once
-    with torch.inference_mode():
-        info = base.get_info()
-        lazy, eager = StateObsOnDemand(base, info), compute(info)
-        assert not lazy.computed
-        assert list(lazy) == list(eager) and lazy["agent"].keys() == eager["agent"].keys()
-        for key, value in eager["extra"].items():
-            torch.testing.assert_close(lazy["extra"][key], value, rtol=0, atol=0)
-        assert lazy.computed and len(calls) == 2
+
+    # the same chunk with a reward that reads the observation: each step's reading is the eager one's
+    reward = base.compute_normalized_dense_reward
+    seen = []
+
+    def reading_reward(obs, action, info):
+        eager = compute(info)["extra"]
+        seen.append(all(torch.equal(obs["extra"][key], value) for key, value in eager.items()) and len(eager) > 0)
+        return reward(obs=obs, action=action, info=info)
+
+    monkeypatch.setattr(base, "compute_normalized_dense_reward", reading_reward)
+    push_env.reset(init_state_id=1)
+    calls.clear()
+    again = push_env.step_chunk(actions)
+    assert seen == [True] * 4 and len(calls) == 4 + 1
+    np.testing.assert_array_equal(again.rewards, result.rewards)
 
 
 def test_scripted_push_is_success_and_noop_is_not(push_env):

@@ -302,10 +302,6 @@ class StateObsOnDemand(Mapping):
         self._base, self._info = base, info
         self._obs: dict | None = None
 
-    @property
-    def computed(self) -> bool:
-        return self._obs is not None
-
     def _state(self) -> dict:
         if self._obs is None:
             self._obs = self._base._get_obs_state_dict(self._info)
