@@ -264,10 +264,32 @@ def _release_all() -> None:
         release(name)
 
 
+#: seconds after which a SIGTERM that arrived inside a finalizer is delivered again (see :func:`_on_sigterm`)
+REDELIVER_S = 0.05
+
+
+def _in_finalizer(frame) -> bool:
+    """Whether ``frame`` runs inside an object's ``__del__`` or a ``weakref.finalize`` callback, where Python swallows
+    any exception (printing "Exception ignored in ..." with its traceback)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or (code.co_name == "__call__" and code.co_filename.endswith("weakref.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _on_sigterm(signum, frame):  # pragma: no cover - exercised through a subprocess in tests
     _release_all()
     previous = _previous_sigterm
     if callable(previous):
+        # A handler that stops the process by raising (Ray's workers raise SystemExit) would have its exception
+        # swallowed inside a finalizer: the process would print a traceback and go on running. In a Ray worker that
+        # is likely, since its main thread waits in Ray's C++ task loop and the first Python code it runs after the
+        # signal is often an object's __del__. There the signal is delivered again a moment later instead.
+        if _in_finalizer(frame):
+            threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum)).start()
+            return
         previous(signum, frame)
     elif previous == signal.SIG_IGN:
         return

@@ -101,6 +101,47 @@ def test_owner_killed_by_signal_leaves_nothing(run_id, sig):
     assert _wait_gone(names) == []
 
 
+# A Ray worker's SIGTERM handler stops it by raising SystemExit (ray/_private/worker.py, main_loop). Its main thread
+# waits in Ray's C++ task loop, so the first Python code it runs after the signal is often an object's __del__, where
+# an exception is swallowed: the worker printed "Exception ignored in ... Traceback ... SystemExit" into the run's
+# output and went on until Ray killed it.
+_RAY_WORKER_IN_A_FINALIZER = textwrap.dedent("""
+    import os, signal, time
+    import numpy as np
+    from ray._raylet import raise_sys_exit_with_custom_error_message
+    from embodirl.channel import segments
+    from embodirl.channel.shm_channel import ShmChannel
+
+    def ray_workers_handler(signum, frame):   # the handler Ray's worker main loop installs
+        raise_sys_exit_with_custom_error_message("The process receives a SIGTERM.", exit_code=1)
+
+    signal.signal(signal.SIGTERM, ray_workers_handler)
+    channel = ShmChannel({"images": np.zeros((4, 3, 32, 32), np.uint8)}, num_slots=2, tag="test")
+    print(" ".join(segments.owned()), flush=True)
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):   # Python code after the signal: its handlers run here
+                pass
+
+    Finalized()
+    time.sleep(20)
+    print("still running", flush=True)
+""")
+
+
+def test_a_sigterm_inside_a_finalizer_still_stops_a_ray_worker_quietly(run_id):
+    proc = subprocess.Popen([sys.executable, "-c", _RAY_WORKER_IN_A_FINALIZER], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, EMBODIRL_SHM_RUN=run_id), text=True)
+    out, err = proc.communicate(timeout=60)
+    names = (out.splitlines() or [""])[0].split()
+    assert len(names) == 3, (out, err)
+    assert proc.returncode == 1 and "still running" not in out, (out, err)   # Ray's exit code, at once
+    assert "Exception ignored" not in err and "Traceback" not in err, err
+    assert _wait_gone(names) == []
+
+
 def test_sigkill_of_a_whole_process_group_leaves_nothing(run_id):
     # the run owner and everything in its process group die at once (what a terminal's kill -9 -PGID or
     # a container stop does); the janitors live in their own sessions and still clean up
